@@ -1,0 +1,84 @@
+"""Running ONNX models in onnxruntime with numpy arrays of every dtype sgdfuse handles, BFLOAT16 included.
+
+onnxruntime's Python API cannot feed or fetch BFLOAT16 as numpy arrays (shared/LOWERING-FACTS.md,
+"onnxruntime facts"): BFLOAT16 inputs are bound as ``OrtValue``s made from ``uint16`` views through IO
+binding, and BFLOAT16 outputs are copied out of the ``OrtValue``'s CPU buffer and viewed as
+``ml_dtypes.bfloat16``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Mapping, Sequence
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+__all__ = ["make_session", "run", "onnx_to_numpy_dtype", "numpy_to_onnx_dtype"]
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_ONNX_BF16 = onnx.TensorProto.BFLOAT16
+
+
+def onnx_to_numpy_dtype(dtype: int) -> np.dtype:
+    """numpy dtype of an ONNX ``TensorProto.DataType`` code (BFLOAT16 → ``ml_dtypes.bfloat16``)."""
+    if dtype == _ONNX_BF16:
+        return _BF16
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(dtype))
+
+
+def numpy_to_onnx_dtype(dtype: np.dtype) -> int:
+    """ONNX ``TensorProto.DataType`` code of a numpy dtype (``ml_dtypes.bfloat16`` → BFLOAT16)."""
+    if np.dtype(dtype) == _BF16:
+        return _ONNX_BF16
+    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+def make_session(model: onnx.ModelProto | bytes) -> ort.InferenceSession:
+    """A CPU ``InferenceSession`` for ``model``, with graph optimisations off so that what runs is the
+    graph as written (no constant folding or fusion that could change rounding)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    data = model if isinstance(model, bytes) else model.SerializeToString()
+    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+
+
+def run(
+    session: ort.InferenceSession,
+    feeds: Mapping[str, np.ndarray],
+    output_names: Sequence[str] | None = None,
+) -> dict[str, np.ndarray]:
+    """Run ``session`` on ``feeds`` and return ``{output name: array}``.
+
+    Arrays of any dtype onnxruntime supports are accepted, plus ``ml_dtypes.bfloat16``; BFLOAT16 outputs
+    come back as ``ml_dtypes.bfloat16`` arrays.
+    """
+    names = list(output_names) if output_names is not None else [o.name for o in session.get_outputs()]
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        array = np.ascontiguousarray(value)
+        if array.dtype == _BF16:
+            ort_value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), _ONNX_BF16)
+        else:
+            ort_value = ort.OrtValue.ortvalue_from_numpy(array)
+        binding.bind_ortvalue_input(name, ort_value)
+    for name in names:
+        binding.bind_output(name, "cpu")
+    session.run_with_iobinding(binding)
+    return {name: _to_numpy(value) for name, value in zip(names, binding.get_outputs())}
+
+
+def _to_numpy(value: ort.OrtValue) -> np.ndarray:
+    if value.data_type() != "tensor(bfloat16)":
+        return value.numpy()
+    # No numpy type for BFLOAT16 in onnxruntime: copy the two-byte elements out of the CPU buffer.
+    shape = tuple(value.shape())
+    count = math.prod(shape)
+    if count == 0:
+        return np.zeros(shape, dtype=_BF16)
+    raw = (ctypes.c_uint16 * count).from_address(value.data_ptr())
+    return np.frombuffer(raw, dtype=np.uint16, count=count).copy().view(_BF16).reshape(shape)
