@@ -12,7 +12,9 @@ from rich.table import Table
 
 import sgdfuse
 from sgdfuse import contract
-from sgdfuse.errors import SgdfuseError
+from sgdfuse import api
+from sgdfuse.errors import OutputWriteError, SgdfuseError
+from sgdfuse.report import Report
 
 __all__ = ["app", "main"]
 
@@ -76,6 +78,135 @@ def contract_command() -> None:
             "yes" if line.dynamic_shape else "no",
         )
     _out.print(lines)
+
+
+def _default_output(source: Path) -> Path:
+    name = source.name[: -len(".onnx")] if source.name.endswith(".onnx") else source.name
+    return source.with_name(name + ".sgdfused.onnx")
+
+
+def _print_report(report: Report) -> None:
+    if report.fused:
+        table = Table(title=f"Fused updates ({len(report.fused)})")
+        for column in ("parameters", "gradient", "momentum buffer", "lr", "momentum", "dampening", "weight decay", "form"):
+            table.add_column(column)
+        for f in report.fused:
+            form = ", ".join(x for x in ("nesterov" if f.nesterov else "", "maximize" if f.maximize else "") if x) or "plain"
+            table.add_row(
+                f.parameters, f.gradient, f.accum, str(f.learning_rate), str(f.momentum), f"{f.dampening:g}",
+                f"{f.weight_decay:g}", form,
+            )
+        _out.print(table)
+    if report.refused:
+        table = Table(title=f"Refused candidates ({len(report.refused)})")
+        for column in ("candidate", "reason", "why"):
+            table.add_column(column)
+        for r in report.refused:
+            why = r.detail
+            if r.equation:
+                why += f"\nfound:   {r.equation}"
+            if r.nearest:
+                why += f"\nnearest: {r.nearest}"
+            if r.differing:
+                why += f"\ndiffers: {r.differing}"
+            table.add_row(r.candidate, r.reason, why)
+        _out.print(table)
+    if report.verification.enabled:
+        checked = len(report.verification.updates)
+        failed = sum(1 for u in report.verification.updates if not u["passed"])
+        worst = max((u["max_bound_ratio"] for u in report.verification.updates), default=0.0)
+        _out.print(
+            f"Verification: {checked} update(s) run in onnxruntime for {report.verification.steps} chained steps; "
+            f"{checked - failed} agree within the derived bound (worst {worst:.2g} of the bound)"
+            + (f", {failed} failed and were left unfused" if failed else "")
+        )
+    else:
+        _out.print("Verification: off")
+    if not report.fused and not report.refused:
+        _out.print("No momentum-SGD update candidates found.")
+
+
+@app.command("optimize")
+def optimize_command(
+    model: Path = typer.Argument(..., help="ONNX training graph to optimise."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the fused model (default: MODEL.sgdfused.onnx)."),
+    report_path: Optional[Path] = typer.Option(None, "--report", help="Also write the report as JSON here."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Check every rewrite in onnxruntime before writing it."),
+    steps: int = typer.Option(3, "--steps", min=1, help="Chained steps of the check."),
+) -> None:
+    """Fuse every momentum-SGD update of MODEL into one ai.sgdfuse::SGD node each, verify, and write the result."""
+    result = api.optimize(model, verify=verify, steps=steps)
+    destination = output or _default_output(model)
+    if report_path is not None:
+        _check_writable(report_path)
+    result.save(destination)
+    if report_path is not None:
+        _write_text(report_path, result.report.to_json())
+    _print_report(result.report)
+    _out.print(f"Wrote {destination} ({result.report.nodes_before} → {result.report.nodes_after} nodes)")
+
+
+@app.command("inspect")
+def inspect_command(
+    model: Path = typer.Argument(..., help="ONNX training graph to analyse."),
+    report_path: Optional[Path] = typer.Option(None, "--report", help="Write the report as JSON here."),
+    verify: bool = typer.Option(False, "--verify/--no-verify", help="Also run the differential check."),
+) -> None:
+    """Report which updates of MODEL would fuse and why the other candidates would not; write nothing else."""
+    report = api.inspect(model, verify=verify)
+    if report_path is not None:
+        _write_text(report_path, report.to_json())
+    _print_report(report)
+
+
+@app.command("check")
+def check_command(
+    original: Path = typer.Argument(..., help="The original ONNX model."),
+    fused: Path = typer.Argument(..., help="Its fused form (from sgdfuse optimize)."),
+    steps: int = typer.Option(3, "--steps", min=1, help="Chained steps to run."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random inputs."),
+) -> None:
+    """Run ORIGINAL and FUSED in onnxruntime on the same seeded inputs for STEPS chained steps; exit 0 only if every output agrees."""
+    from sgdfuse.verify import check_models
+
+    try:
+        result = check_models(api.load_model(original), api.load_model(fused), steps=steps, seed=seed)
+    except ValueError as error:
+        raise SgdfuseError(f"{fused}: {error}") from error
+    table = Table(title=f"{original.name} vs {fused.name}: {steps} chained steps")
+    for column in ("output", "compared as", "max |difference|", "of bound", "agrees"):
+        table.add_column(column)
+    for entry in result.outputs:
+        table.add_row(
+            entry["name"], entry["kind"], f"{entry['max_abs_error']:.3g}",
+            f"{entry['max_bound_ratio']:.2g}" if entry["kind"] != "exact" else "-",
+            "yes" if entry["passed"] else "NO: " + entry["message"],
+        )
+    _out.print(table)
+    if not result.passed:
+        _err.print("error: the models disagree", markup=False)
+        raise typer.Exit(1)
+    _out.print("All outputs agree.")
+
+
+def _check_writable(path: Path) -> None:
+    directory = path.resolve().parent
+    if not directory.is_dir():
+        raise OutputWriteError(str(path), f"directory {directory} does not exist")
+
+
+def _write_text(path: Path, text: str) -> None:
+    import os
+    import tempfile
+
+    _check_writable(path)
+    try:
+        descriptor, temporary = tempfile.mkstemp(prefix=".sgdfuse-", dir=path.resolve().parent)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(text + "\n")
+        os.replace(temporary, path)
+    except OSError as error:
+        raise OutputWriteError(str(path), f"write failed: {error.strerror or error}") from error
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -90,10 +90,12 @@ def sgd(
         else:
             parameters_out = p - accum_t * lr
 
-    if m != 0:
-        accum_out = accum_t.astype(dtype)
-        stat_out = np.zeros_like(np.asarray(stat))
-    else:
-        accum_out = np.array(accum, dtype=dtype, copy=True)
-        stat_out = np.array(stat, dtype=dtype, copy=True)
-    return parameters_out.astype(dtype), accum_out, stat_out
+        # Rounding back may overflow to Inf (FLOAT16 max is 65504): that is the contract's result, not an error.
+        parameters_out = parameters_out.astype(dtype)
+        if m != 0:
+            accum_out = accum_t.astype(dtype)
+            stat_out = np.zeros_like(np.asarray(stat))
+        else:
+            accum_out = np.array(accum, dtype=dtype, copy=True)
+            stat_out = np.array(stat, dtype=dtype, copy=True)
+    return parameters_out, accum_out, stat_out

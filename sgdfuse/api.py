@@ -1,0 +1,226 @@
+"""The library API: :func:`optimize` and :func:`inspect` on ONNX models, and model file I/O.
+
+Flow (shared/DESIGN.md): load → index → find candidates → match → check → plan → verify → rewrite → save.
+A pass is a function from a model to a new model plus a report; the input model is never mutated, and an
+output file is written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from sgdfuse.errors import ModelLoadError, OutputWriteError
+from sgdfuse.fused_op import MIN_OPSET, default_opset
+from sgdfuse.passes.index import build_index
+from sgdfuse.passes.linear import Normaliser
+from sgdfuse.passes.rewrite import Planner, apply_plans, describe_scalar
+from sgdfuse.passes.sgd_match import Match, Miss, find_updates
+from sgdfuse.report import FusedUpdate, Refusal, Report, Verification
+from sgdfuse.contract import dtype_name
+from sgdfuse import verify as verification
+
+__all__ = ["OptimizeResult", "optimize", "inspect", "load_model", "save_model"]
+
+logger = logging.getLogger(__name__)
+
+
+def load_model(path: str | os.PathLike) -> onnx.ModelProto:
+    """Read an ONNX model file (external data loaded from beside it).
+
+    Raises:
+        ModelLoadError: the file is missing, unreadable, empty, truncated or not an ONNX ``ModelProto``.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ModelLoadError(path, "no such file")
+    if os.path.isdir(path):
+        raise ModelLoadError(path, "is a directory, not an ONNX model file")
+    try:
+        model = onnx.load(path)
+    except (DecodeError, RuntimeWarning) as error:
+        raise ModelLoadError(path, f"not an ONNX model, or truncated (protobuf parse failed: {error})") from error
+    except OSError as error:
+        raise ModelLoadError(path, f"cannot read: {error.strerror or error}") from error
+    except Exception as error:  # onnx raises ValueError/RuntimeError for bad external data references
+        raise ModelLoadError(path, f"cannot load: {error}") from error
+    if not model.HasField("graph") or model.ir_version == 0:
+        raise ModelLoadError(path, "not an ONNX model (no graph or no IR version); is this the right file?")
+    return model
+
+
+def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """Write ``model`` to ``path`` atomically: a temporary file in the same directory, then a rename.
+
+    Raises:
+        OutputWriteError: the directory does not exist or is not writable, or the write failed; nothing is
+            left at ``path`` (an existing file there is untouched).
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise OutputWriteError(path, f"directory {directory} does not exist")
+    data = model.SerializeToString()
+    try:
+        descriptor, temporary = tempfile.mkstemp(prefix=".sgdfuse-", suffix=".tmp", dir=directory)
+    except OSError as error:
+        raise OutputWriteError(path, f"cannot write in {directory}: {error.strerror or error}") from error
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except OSError as error:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise OutputWriteError(path, f"write failed: {error.strerror or error}") from error
+
+
+@dataclasses.dataclass
+class OptimizeResult:
+    """The outcome of :func:`optimize`.
+
+    Attributes:
+        model: the new ``ModelProto`` (the input model is untouched).
+        report: what was fused, refused and verified.
+    """
+
+    model: onnx.ModelProto
+    report: Report
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write :attr:`model` atomically to ``path`` (see :func:`save_model`)."""
+        save_model(self.model, path)
+
+
+def _as_model(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
+    if isinstance(model, onnx.ModelProto):
+        return model, "<ModelProto>"
+    return load_model(model), os.fspath(model)
+
+
+def optimize(model: str | os.PathLike | onnx.ModelProto, *, verify: bool = True, steps: int = 3, seed: int = 0) -> OptimizeResult:
+    """Fuse every momentum-SGD update of an ONNX model into ``ai.sgdfuse::SGD`` nodes.
+
+    Args:
+        model: a path to an ``.onnx`` file or a ``ModelProto`` (never mutated).
+        verify: run each rewrite's slice before and after in onnxruntime for ``steps`` chained steps and
+            drop (and report) any update whose numbers differ beyond the derived bound
+            (:mod:`sgdfuse.verify`).
+        steps: chained steps of the check (at least 1).
+        seed: seed of the check's random inputs.
+
+    Returns:
+        :class:`OptimizeResult` with the new model and the report.
+
+    Raises:
+        ModelLoadError: ``model`` is a path that cannot be loaded as ONNX.
+    """
+    source_model, source = _as_model(model)
+    report, plans, index = _analyse(source_model, source, verify=verify, steps=steps, seed=seed)
+    new_model = apply_plans(source_model, index, plans)
+    report.nodes_after = len(new_model.graph.node)
+    return OptimizeResult(new_model, report)
+
+
+def inspect(model: str | os.PathLike | onnx.ModelProto, *, verify: bool = False, steps: int = 3, seed: int = 0) -> Report:
+    """The analysis of :func:`optimize` with nothing rewritten (a dry run): which updates would fuse,
+    which candidates are refused and why. ``verify`` runs the differential check as well."""
+    source_model, source = _as_model(model)
+    report, plans, _ = _analyse(source_model, source, verify=verify, steps=steps, seed=seed)
+    report.written = False
+    report.nodes_after = report.nodes_before
+    return report
+
+
+def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, seed: int):
+    index = build_index(model)
+    normaliser = Normaliser(index)
+    matches, misses = find_updates(index, normaliser)
+    report = Report(source=source, nodes_before=len(model.graph.node))
+
+    opset = default_opset(model)
+    if matches and opset < MIN_OPSET:
+        for match in matches:
+            misses.append(
+                Miss(
+                    match.parameters_out,
+                    "opset",
+                    f"the model imports default-domain opset {opset}; the fused op's function needs >= {MIN_OPSET} "
+                    "(CastLike). Re-export with a newer opset.",
+                )
+            )
+        matches = []
+
+    planner = Planner(index)
+    plans = [planner.plan(match) for match in matches]
+    report.verification = Verification(enabled=verify, steps=steps if verify else 0, tolerance=_tolerance_text())
+    if verify and plans:
+        checks = verification.verify_plans(model, index, plans, steps=steps, seed=seed)
+        kept = []
+        for plan, check in zip(plans, checks):
+            report.verification.updates.append(dataclasses.asdict(check))
+            if check.passed:
+                kept.append(plan)
+            else:
+                misses.append(Miss(plan.match.parameters_out, "verification-failed", check.message))
+        plans = kept
+
+    for plan in plans:
+        report.fused.append(_fused_entry(plan))
+        if plan.match.maximize:
+            report.added_state.append(
+                {"name": plan.gradient_input, "what": f"Neg({plan.match.gradient}): maximize feeds the negated gradient", "initial": "-"}
+            )
+    report.refused = [Refusal(m.candidate, m.reason, m.detail, m.equation, m.nearest, m.differing) for m in misses]
+    return report, plans, index
+
+
+def _fused_entry(plan) -> FusedUpdate:
+    match: Match = plan.match
+    return FusedUpdate(
+        node=plan.sgd_node.name,
+        parameters=match.parameters,
+        gradient=match.gradient,
+        accum=match.accum,
+        parameters_out=match.parameters_out,
+        accum_out=match.accum_out,
+        learning_rate=describe_scalar(match.learning_rate),
+        momentum=describe_scalar(match.momentum),
+        learning_rate_input=plan.learning_rate_input,
+        momentum_input=plan.momentum_input,
+        dampening=_short(match.dampening),
+        weight_decay=_short(match.weight_decay),
+        nesterov=bool(match.nesterov),
+        maximize=bool(match.maximize),
+        stat=plan.stat,
+        dtype=dtype_name(match.dtype),
+        shape=[d for d in match.shape] if match.shape is not None else [],
+        parameter_equation=match.parameter_equation,
+        accum_equation=match.accum_equation,
+        matched_nodes=len(match.nodes),
+    )
+
+
+def _short(value: float) -> float:
+    # Attributes are stored as FLOAT: report the shortest decimal that round-trips there.
+    import numpy as np
+
+    return float(str(np.float32(value)))
+
+
+def _tolerance_text() -> str:
+    return (
+        f"per element and step: |fused - original| <= 2*{verification.OPERATIONS}*u*S + 4 subnormal spacings, "
+        "u the unit roundoff of the parameters' dtype, S the sum of the magnitudes of the update's terms "
+        "(see sgdfuse.verify)"
+    )

@@ -1,0 +1,246 @@
+"""A light index of an ONNX graph, built in one sweep over the ``GraphProto``.
+
+The pass works on the ``ModelProto`` itself, never on an object IR (shared/DESIGN.md, "Performance
+decision"): this index maps value names to their producer, consumers, initializer, ``Constant`` value and
+static type, so that every later question is a dictionary look-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from sgdfuse.contract import TensorSpec
+
+__all__ = ["GraphIndex", "build_index", "SMALL_CONSTANT_ELEMENTS"]
+
+logger = logging.getLogger(__name__)
+
+SMALL_CONSTANT_ELEMENTS = 64
+"""Initializers and ``Constant`` values up to this many elements are read (to find scalar coefficients);
+larger ones are never loaded, so external tensor data stays on disk."""
+
+
+@dataclasses.dataclass
+class GraphIndex:
+    """Look-up tables over one ``GraphProto`` (the main graph; subgraphs are opaque).
+
+    Attributes:
+        graph: the indexed graph (not copied; never mutated by the index).
+        producer: value name → index of the node that outputs it.
+        consumers: value name → indices of the nodes that read it (in node order).
+        initializers: name → ``TensorProto`` of every initializer.
+        graph_inputs: names of the graph inputs, in order.
+        graph_outputs: names of the graph outputs, in order.
+        specs: value name → :class:`TensorSpec` (shape and dtype), from inputs, outputs, ``value_info``,
+            initializers and shape inference.
+        subgraph_reads: names read from the outer scope by any subgraph (``If``/``Loop``/``Scan`` bodies):
+            such values are used even though no top-level node lists them.
+    """
+
+    graph: onnx.GraphProto
+    producer: dict[str, int]
+    consumers: dict[str, list[int]]
+    initializers: dict[str, onnx.TensorProto]
+    graph_inputs: list[str]
+    graph_outputs: list[str]
+    specs: dict[str, TensorSpec]
+    subgraph_reads: set[str]
+    _constants: dict[str, np.ndarray | None] = dataclasses.field(default_factory=dict)
+
+    def node(self, value: str) -> onnx.NodeProto | None:
+        """The node that produces ``value``, or None for graph inputs, initializers and unknown names."""
+        index = self.producer.get(value)
+        return None if index is None else self.graph.node[index]
+
+    def spec(self, value: str) -> TensorSpec:
+        """Static shape and dtype of ``value`` (shape None and dtype 0 when unknown)."""
+        return self.specs.get(value) or TensorSpec(value, None, 0)
+
+    def is_graph_input(self, value: str) -> bool:
+        """True for a graph input that is not also an initializer (a real runtime input)."""
+        return value in self._input_set and value not in self.initializers
+
+    def constant(self, value: str) -> np.ndarray | None:
+        """The value of a small compile-time constant: an initializer that is not a graph input, or a
+        ``Constant`` node's output, holding at most :data:`SMALL_CONSTANT_ELEMENTS` elements; else None.
+
+        An initializer that is also a graph input is overridable at run time, so it is not a constant.
+        """
+        if value in self._constants:
+            return self._constants[value]
+        result = self._read_constant(value)
+        self._constants[value] = result
+        return result
+
+    def _read_constant(self, value: str) -> np.ndarray | None:
+        tensor = self.initializers.get(value)
+        if tensor is not None:
+            if value in self._input_set:
+                return None
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                return None
+            if int(np.prod(tensor.dims, dtype=np.int64)) > SMALL_CONSTANT_ELEMENTS:
+                return None
+            return numpy_helper.to_array(tensor)
+        node = self.node(value)
+        if node is None or node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            return None
+        for attribute in node.attribute:
+            if attribute.ref_attr_name:
+                return None
+            if attribute.name == "value":
+                if int(np.prod(attribute.t.dims, dtype=np.int64)) > SMALL_CONSTANT_ELEMENTS:
+                    return None
+                return numpy_helper.to_array(attribute.t)
+            if attribute.name == "value_float":
+                return np.array(attribute.f, dtype=np.float32)
+            if attribute.name == "value_floats":
+                return np.array(list(attribute.floats), dtype=np.float32)
+            if attribute.name == "value_int":
+                return np.array(attribute.i, dtype=np.int64)
+            if attribute.name == "value_ints":
+                return np.array(list(attribute.ints), dtype=np.int64)
+        return None
+
+    @property
+    def _input_set(self) -> set[str]:
+        cached = self.__dict__.get("_input_set_cache")
+        if cached is None:
+            cached = set(self.graph_inputs)
+            self.__dict__["_input_set_cache"] = cached
+        return cached
+
+    def is_used(self, value: str) -> bool:
+        """True when a node, a subgraph or a graph output reads ``value``."""
+        return bool(self.consumers.get(value)) or value in self.subgraph_reads or value in self._output_set
+
+    @property
+    def _output_set(self) -> set[str]:
+        cached = self.__dict__.get("_output_set_cache")
+        if cached is None:
+            cached = set(self.graph_outputs)
+            self.__dict__["_output_set_cache"] = cached
+        return cached
+
+
+def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIndex:
+    """Index ``model.graph`` in one sweep.
+
+    Shapes and dtypes come from the graph's declarations and, when ``infer_shapes``, from ONNX shape
+    inference run on a copy of the model with initializer data stripped (so no weight bytes are copied or
+    read). Inference failures are logged and tolerated: unknown shapes only make the matcher more careful.
+    """
+    graph = model.graph
+    producer: dict[str, int] = {}
+    consumers: dict[str, list[int]] = {}
+    subgraph_reads: set[str] = set()
+    for index, node in enumerate(graph.node):
+        for name in node.output:
+            if name:
+                producer[name] = index
+        for name in node.input:
+            if name:
+                consumers.setdefault(name, []).append(index)
+        for attribute in node.attribute:
+            for sub in _subgraphs(attribute):
+                subgraph_reads.update(_outer_reads(sub))
+
+    specs: dict[str, TensorSpec] = {}
+    value_infos = list(graph.input) + list(graph.output) + list(graph.value_info)
+    if infer_shapes:
+        value_infos.extend(_inferred_value_infos(model))
+    for info in value_infos:
+        spec = _spec_of(info)
+        if spec is not None and (info.name not in specs or specs[info.name].shape is None):
+            specs[info.name] = spec
+    initializers = {t.name: t for t in graph.initializer}
+    for name, tensor in initializers.items():
+        specs[name] = TensorSpec(name, tuple(int(d) for d in tensor.dims), tensor.data_type)
+
+    return GraphIndex(
+        graph=graph,
+        producer=producer,
+        consumers=consumers,
+        initializers=initializers,
+        graph_inputs=[i.name for i in graph.input],
+        graph_outputs=[o.name for o in graph.output],
+        specs=specs,
+        subgraph_reads=subgraph_reads,
+    )
+
+
+def _spec_of(info: onnx.ValueInfoProto) -> TensorSpec | None:
+    if not info.type.HasField("tensor_type"):
+        return None
+    tensor_type = info.type.tensor_type
+    shape: tuple[int | str | None, ...] | None = None
+    if tensor_type.HasField("shape"):
+        dims: list[int | str | None] = []
+        for dim in tensor_type.shape.dim:
+            if dim.HasField("dim_value"):
+                dims.append(int(dim.dim_value))
+            elif dim.HasField("dim_param"):
+                dims.append(dim.dim_param)
+            else:
+                dims.append(None)
+        shape = tuple(dims)
+    return TensorSpec(info.name, shape, tensor_type.elem_type)
+
+
+def _inferred_value_infos(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    # Shape inference needs initializer shapes, not their bytes: infer on a copy without the data.
+    stripped = onnx.ModelProto()
+    stripped.CopyFrom(model)
+    for tensor in stripped.graph.initializer:
+        _strip_data(tensor)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(stripped, check_type=False, strict_mode=False, data_prop=True)
+    except Exception as error:  # inference is advisory; the matcher treats unknown shapes as unproven
+        logger.warning("shape inference failed, continuing with declared shapes only: %s", error)
+        return []
+    return list(inferred.graph.value_info)
+
+
+def _strip_data(tensor: onnx.TensorProto) -> None:
+    if int(np.prod(tensor.dims, dtype=np.int64)) <= SMALL_CONSTANT_ELEMENTS:
+        return
+    dims, dtype, name = list(tensor.dims), tensor.data_type, tensor.name
+    tensor.Clear()
+    tensor.name = name
+    tensor.data_type = dtype
+    tensor.dims.extend(dims)
+    # An external reference to nothing: the shape is declared, no bytes are read.
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    entry = tensor.external_data.add()
+    entry.key, entry.value = "location", "__sgdfuse_stripped__"
+
+
+def _subgraphs(attribute: onnx.AttributeProto) -> list[onnx.GraphProto]:
+    if attribute.type == onnx.AttributeProto.GRAPH:
+        return [attribute.g]
+    if attribute.type == onnx.AttributeProto.GRAPHS:
+        return list(attribute.graphs)
+    return []
+
+
+def _outer_reads(graph: onnx.GraphProto) -> set[str]:
+    """Names a subgraph reads that it does not define itself (its outer-scope references)."""
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    reads: set[str] = set()
+    for node in graph.node:
+        for name in node.input:
+            if name and name not in defined:
+                reads.add(name)
+        for attribute in node.attribute:
+            for sub in _subgraphs(attribute):
+                reads.update(r for r in _outer_reads(sub) if r not in defined)
+        defined.update(o for o in node.output if o)
+    for output in graph.output:
+        if output.name not in defined:
+            reads.add(output.name)
+    return reads

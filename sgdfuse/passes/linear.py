@@ -1,0 +1,423 @@
+"""Normalise the elementwise cone of a value into a linear combination of tensor leaves.
+
+This is the heart of "matching is algebraic, not a list of shapes" (shared/DESIGN.md): whatever mix of
+``Add``/``Sub``/``Mul``/``Div``/``Neg``/``Sum``/``Identity``/``Cast``/``CastLike`` an exporter wrote, a value
+becomes ``Σ coefficient_i · leaf_i``. A leaf is a tensor the normaliser does not look through (a graph input,
+an initializer, the output of a non-elementwise op or of a product of two tensors). A coefficient is a
+:class:`Poly`: a polynomial with real coefficients over *symbols*, the runtime scalars of the graph (a
+learning rate fed as a graph input, say). Scalars are recognised through ``Constant``, initializers,
+``Reshape``/``Unsqueeze``/``Squeeze``/``Expand``/``Gather``/``Identity``/``Cast``/``CastLike`` and scalar
+arithmetic, so ``Mul(v, Reshape(lr))`` and ``Mul(Neg(lr), v)`` normalise alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import onnx
+
+from sgdfuse.passes.index import GraphIndex
+
+__all__ = ["Monomial", "Poly", "Form", "ONE", "Normaliser", "format_form", "format_poly"]
+
+ONE = ""
+"""The leaf of the constant term: ``Add(v, 1.0)`` normalises to ``1·v + 1.0·ONE``."""
+
+MAX_LEAVES = 64
+"""A form with more leaves is not an update; it is treated as one opaque leaf to bound the work."""
+
+Monomial = tuple[tuple[str, int], ...]
+"""A product of symbols with integer powers, sorted by symbol: ``(("lr", 1), ("m", -1))`` is lr/m."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Poly:
+    """A polynomial over runtime scalar symbols: ``{monomial: coefficient}``; ``{(): c}`` is the constant c.
+
+    Coefficients are float64. Values that come from FLOAT16 or FLOAT constants keep their exact value.
+    """
+
+    terms: Mapping[Monomial, float]
+
+    @staticmethod
+    def const(value: float) -> "Poly":
+        """The constant polynomial ``value`` (zero has no terms)."""
+        return Poly({(): float(value)} if value != 0 else {})
+
+    @staticmethod
+    def symbol(name: str) -> "Poly":
+        """The polynomial ``1·name``."""
+        return Poly({((name, 1),): 1.0})
+
+    def __add__(self, other: "Poly") -> "Poly":
+        terms = dict(self.terms)
+        for monomial, value in other.terms.items():
+            terms[monomial] = terms.get(monomial, 0.0) + value
+        return Poly({k: v for k, v in terms.items() if v != 0})
+
+    def __neg__(self) -> "Poly":
+        return Poly({k: -v for k, v in self.terms.items()})
+
+    def __sub__(self, other: "Poly") -> "Poly":
+        return self + (-other)
+
+    def __mul__(self, other: "Poly") -> "Poly":
+        terms: dict[Monomial, float] = {}
+        for m1, v1 in self.terms.items():
+            for m2, v2 in other.terms.items():
+                monomial = _multiply_monomials(m1, m2)
+                terms[monomial] = terms.get(monomial, 0.0) + v1 * v2
+        return Poly({k: v for k, v in terms.items() if v != 0})
+
+    def scale(self, factor: float) -> "Poly":
+        """``factor · self``."""
+        return Poly({k: v * factor for k, v in self.terms.items() if v * factor != 0})
+
+    @property
+    def is_zero(self) -> bool:
+        return not self.terms
+
+    @property
+    def is_constant(self) -> bool:
+        """True when no symbol appears (zero included)."""
+        return all(m == () for m in self.terms)
+
+    @property
+    def constant_value(self) -> float:
+        """The value of a constant polynomial (0.0 for zero). Raises ValueError if symbols appear."""
+        if not self.is_constant:
+            raise ValueError(f"{format_poly(self)} is not a constant")
+        return self.terms.get((), 0.0)
+
+    @property
+    def is_monomial(self) -> bool:
+        """True for exactly one non-zero term."""
+        return len(self.terms) == 1
+
+    def inverse(self) -> "Poly | None":
+        """``1/self`` for a monomial; None otherwise (division by a sum is not linear)."""
+        if not self.is_monomial:
+            return None
+        ((monomial, value),) = self.terms.items()
+        return Poly({tuple((s, -p) for s, p in monomial): 1.0 / value})
+
+    def symbols(self) -> set[str]:
+        """The symbol names this polynomial mentions."""
+        return {s for m in self.terms for s, _ in m}
+
+    def close_to(self, other: "Poly", rel: float) -> bool:
+        """True when ``self`` and ``other`` differ in every monomial by at most ``rel`` relative to the
+        larger of the two coefficients (or to ``1`` for the constant monomial when both are tiny)."""
+        for monomial in set(self.terms) | set(other.terms):
+            a, b = self.terms.get(monomial, 0.0), other.terms.get(monomial, 0.0)
+            if math.isnan(a) or math.isnan(b):
+                return False
+            if abs(a - b) > rel * max(abs(a), abs(b)):
+                return False
+        return True
+
+
+def _multiply_monomials(a: Monomial, b: Monomial) -> Monomial:
+    powers: dict[str, int] = dict(a)
+    for symbol, power in b:
+        powers[symbol] = powers.get(symbol, 0) + power
+    return tuple(sorted((s, p) for s, p in powers.items() if p != 0))
+
+
+Form = dict[str, Poly]
+"""A linear form: leaf value name (or :data:`ONE`) → coefficient."""
+
+
+def add_forms(a: Form, b: Form, factor: Poly | None = None) -> Form:
+    """``a + factor·b`` (factor 1 when None), dropping zero coefficients."""
+    result = dict(a)
+    for leaf, coefficient in b.items():
+        term = coefficient if factor is None else coefficient * factor
+        total = result.get(leaf, Poly.const(0)) + term
+        if total.is_zero:
+            result.pop(leaf, None)
+        else:
+            result[leaf] = total
+    return result
+
+
+def scale_form(form: Form, factor: Poly) -> Form:
+    """``factor·form``."""
+    result = {}
+    for leaf, coefficient in form.items():
+        product = coefficient * factor
+        if not product.is_zero:
+            result[leaf] = product
+    return result
+
+
+_PASS_THROUGH = {"Identity", "Cast", "CastLike"}
+_SCALAR_SHAPE_OPS = {"Reshape", "Unsqueeze", "Squeeze", "Expand", "Flatten"}
+_FLOAT_TYPES = {
+    onnx.TensorProto.FLOAT,
+    onnx.TensorProto.FLOAT16,
+    onnx.TensorProto.BFLOAT16,
+    onnx.TensorProto.DOUBLE,
+}
+
+
+class Normaliser:
+    """Computes and memoises :data:`Form` s of tensors and :class:`Poly` s of scalars of one graph.
+
+    Only nodes of the default domain are looked through. Every value met while expanding is recorded in
+    :attr:`visited_nodes` per root, so callers know the cone a form was read from.
+    """
+
+    def __init__(self, index: GraphIndex) -> None:
+        self.index = index
+        self._forms: dict[str, Form] = {}
+        self._scalars: dict[str, Poly | None] = {}
+
+    # -- scalars -------------------------------------------------------------------------------------
+    def scalar(self, value: str) -> Poly | None:
+        """The polynomial of ``value`` if every element of it provably equals one scalar; else None.
+
+        Constants give numbers; runtime values proven to hold one element give symbols (their own name);
+        arithmetic and shape ops over scalars are folded.
+        """
+        if value in self._scalars:
+            return self._scalars[value]
+        self._scalars[value] = None  # cycle guard (graphs are acyclic, but be safe)
+        result = self._scalar(value)
+        self._scalars[value] = result
+        return result
+
+    def _scalar(self, value: str) -> Poly | None:
+        constant = self.index.constant(value)
+        if constant is not None:
+            if constant.size == 0 or constant.dtype.kind not in "fiu":
+                return None
+            flat = constant.astype(np.float64).reshape(-1)
+            if not np.all(flat == flat[0]):
+                return None
+            if not math.isfinite(flat[0]):
+                return None
+            return Poly.const(float(flat[0]))
+        node = self.index.node(value)
+        if node is None or node.domain not in ("", "ai.onnx"):
+            return self._symbol(value)
+        op, inputs = node.op_type, [i for i in node.input]
+        if op in _PASS_THROUGH or op in _SCALAR_SHAPE_OPS:
+            inner = self.scalar(inputs[0]) if inputs and inputs[0] else None
+            return inner if inner is not None else self._symbol(value)
+        if op == "Gather":
+            # Every element of a uniform tensor is the same scalar, whichever indices are gathered.
+            inner = self.scalar(inputs[0])
+            return inner if inner is not None else self._symbol(value)
+        if op == "ConstantOfShape":
+            for attribute in node.attribute:
+                if attribute.name == "value":
+                    array = onnx.numpy_helper.to_array(attribute.t).astype(np.float64).reshape(-1)
+                    return Poly.const(float(array[0])) if array.size else None
+            return Poly.const(0.0)
+        if op in ("Add", "Sub", "Mul", "Div") and len(inputs) == 2:
+            a, b = self.scalar(inputs[0]), self.scalar(inputs[1])
+            if a is not None and b is not None:
+                if op == "Add":
+                    return a + b
+                if op == "Sub":
+                    return a - b
+                if op == "Mul":
+                    return a * b
+                inverse = b.inverse()
+                if inverse is not None:
+                    return a * inverse
+            return self._symbol(value)
+        if op == "Neg":
+            inner = self.scalar(inputs[0])
+            return -inner if inner is not None else self._symbol(value)
+        if op == "Reciprocal":
+            inner = self.scalar(inputs[0])
+            inverse = inner.inverse() if inner is not None else None
+            return inverse if inverse is not None else self._symbol(value)
+        return self._symbol(value)
+
+    def _symbol(self, value: str) -> Poly | None:
+        spec = self.index.spec(value)
+        if spec.num_elements() == 1 and spec.dtype in _FLOAT_TYPES:
+            return Poly.symbol(value)
+        return None
+
+    # -- tensors -------------------------------------------------------------------------------------
+    def form(self, value: str) -> Form:
+        """The linear form of ``value`` over its leaves (``{value: 1}`` when it is a leaf itself)."""
+        cached = self._forms.get(value)
+        if cached is not None:
+            return cached
+        # Iterative post-order so that long chains do not hit Python's recursion limit.
+        stack = [value]
+        while stack:
+            current = stack[-1]
+            if current in self._forms:
+                stack.pop()
+                continue
+            missing = [i for i in self._operands(current) if i not in self._forms]
+            if missing:
+                stack.extend(missing)
+                continue
+            stack.pop()
+            self._forms[current] = self._form_from_operands(current)
+        return self._forms[value]
+
+    def _operands(self, value: str) -> list[str]:
+        """Tensor operands the form of ``value`` is built from (empty for a leaf)."""
+        plan = self._plan(value)
+        return [] if plan is None else [name for name, _ in plan[1]]
+
+    def _plan(self, value: str) -> tuple[str, list[tuple[str, Poly]]] | None:
+        """How ``value`` combines its operands: ``("sum", [(operand, factor), ...])`` or
+        ``("scale", [(operand, factor)])``; None for a leaf."""
+        node = self.index.node(value)
+        if node is None or node.domain not in ("", "ai.onnx"):
+            return None
+        spec = self.index.spec(value)
+        if spec.dtype not in _FLOAT_TYPES:
+            return None
+        op, inputs = node.op_type, list(node.input)
+        one = Poly.const(1.0)
+        if op in _PASS_THROUGH:
+            if not inputs or self.index.spec(inputs[0]).dtype not in _FLOAT_TYPES:
+                return None
+            return ("sum", [(inputs[0], one)])
+        if op == "Neg":
+            return ("sum", [(inputs[0], Poly.const(-1.0))])
+        if op in ("Add", "Sub") and len(inputs) == 2:
+            sign = Poly.const(1.0 if op == "Add" else -1.0)
+            return ("sum", [(inputs[0], one), (inputs[1], sign)])
+        if op == "Sum":
+            return ("sum", [(i, one) for i in inputs if i])
+        if op == "Mul" and len(inputs) == 2:
+            a, b = self._as_scalar_factor(inputs[0]), self._as_scalar_factor(inputs[1])
+            if a is not None and b is None:
+                return ("sum", [(inputs[1], a)])
+            if b is not None and a is None:
+                return ("sum", [(inputs[0], b)])
+            return None  # a product of two tensors (or of two scalars, which a caller reads as a scalar)
+        if op == "Div" and len(inputs) == 2:
+            if self._as_scalar_factor(inputs[0]) is not None:
+                return None
+            b = self._as_scalar_factor(inputs[1])
+            inverse = b.inverse() if b is not None else None
+            return None if inverse is None else ("sum", [(inputs[0], inverse)])
+        return None
+
+    def _as_scalar_factor(self, value: str) -> Poly | None:
+        # A scalar operand of a tensor op: it must not widen the result beyond the other operand, which the
+        # role solver checks by comparing leaf shapes with the result's shape.
+        return self.scalar(value)
+
+    def _form_from_operands(self, value: str) -> Form:
+        plan = self._plan(value)
+        if plan is None:
+            return {value: Poly.const(1.0)}
+        result: Form = {}
+        for operand, factor in plan[1]:
+            operand_scalar = self.scalar(operand) if self.index.spec(operand).num_elements() == 1 else None
+            if operand_scalar is not None and self.index.spec(value).num_elements() != 1:
+                # A scalar added to a tensor: a constant (or runtime-scalar) term on the ONE leaf.
+                result = add_forms(result, {ONE: operand_scalar}, factor)
+            else:
+                result = add_forms(result, self._forms[operand], factor)
+        if len(result) > MAX_LEAVES:
+            return {value: Poly.const(1.0)}
+        return result
+
+    # -- cones ---------------------------------------------------------------------------------------
+    def cone(self, value: str) -> tuple[set[int], set[str]]:
+        """Node indices and value names the form of ``value`` was read through (leaves excluded from the
+        nodes, included in the values), plus the nodes that compute scalar coefficients."""
+        nodes: set[int] = set()
+        values: set[str] = set()
+        stack = [value]
+        while stack:
+            current = stack.pop()
+            if current in values:
+                continue
+            values.add(current)
+            plan = self._plan(current)
+            if plan is None:
+                continue
+            node_index = self.index.producer[current]
+            nodes.add(node_index)
+            node = self.index.graph.node[node_index]
+            for name in node.input:
+                if not name:
+                    continue
+                if name in {operand for operand, _ in plan[1]}:
+                    stack.append(name)
+                else:
+                    nodes.update(self.scalar_cone(name))
+        return nodes, values
+
+    def scalar_cone(self, value: str) -> set[int]:
+        """Node indices that compute the scalar ``value`` (foldable ops only; symbols are not entered)."""
+        nodes: set[int] = set()
+        stack = [value]
+        seen: set[str] = set()
+        while stack:
+            current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            node_index = self.index.producer.get(current)
+            if node_index is None:
+                continue
+            poly = self.scalar(current)
+            if poly is None or poly == Poly.symbol(current):
+                continue
+            nodes.add(node_index)
+            stack.extend(i for i in self.index.graph.node[node_index].input if i)
+        return nodes
+
+
+def format_poly(poly: Poly, precision: int = 6) -> str:
+    """Human form of a polynomial: ``0.01``, ``lr``, ``-0.9*lr``, ``lr/m``."""
+    if poly.is_zero:
+        return "0"
+    parts = []
+    for monomial, value in sorted(poly.terms.items()):
+        symbols = "*".join(s if p == 1 else f"{s}^{p}" for s, p in monomial if p > 0)
+        divisors = "*".join(s if p == -1 else f"{s}^{-p}" for s, p in monomial if p < 0)
+        number = f"{value:.{precision}g}"
+        if symbols:
+            text = symbols if value == 1 else ("-" + symbols if value == -1 else f"{number}*{symbols}")
+        else:
+            text = number
+        if divisors:
+            text += "/" + (divisors if "*" not in divisors else f"({divisors})")
+        parts.append(text)
+    text = " + ".join(parts).replace("+ -", "- ")
+    return text if len(parts) == 1 else f"({text})"
+
+
+def format_form(form: Form, order: Iterable[str] = ()) -> str:
+    """Human form of a linear form, e.g. ``p - 0.01*buf_new - 0.0001*p``; leaves listed in ``order``
+    first, then the rest by name."""
+    order = [leaf for leaf in order if leaf in form]
+    leaves = order + sorted(leaf for leaf in form if leaf not in order)
+    parts = []
+    for leaf in leaves:
+        coefficient = form[leaf]
+        name = leaf if leaf != ONE else "1"
+        if coefficient.is_constant and coefficient.constant_value == 1:
+            parts.append(f"+ {name}")
+        elif coefficient.is_constant and coefficient.constant_value == -1:
+            parts.append(f"- {name}")
+        else:
+            text = format_poly(coefficient)
+            if text.startswith("-") and not text.startswith("(-") and " " not in text:
+                parts.append(f"- {text[1:]}*{name}")
+            else:
+                parts.append(f"+ {text}*{name}")
+    if not parts:
+        return "0"
+    text = " ".join(parts)
+    return text[2:] if text.startswith("+ ") else "-" + text[2:]

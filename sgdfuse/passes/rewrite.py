@@ -1,0 +1,301 @@
+"""Turn matched updates into ``ai.sgdfuse::SGD`` nodes: plan each rewrite, then apply accepted plans to a
+copy of the model.
+
+A plan is everything one fused update adds (the SGD node, helper nodes, scalar initializers). Plans are
+verified before they are applied (:mod:`sgdfuse.verify`), so a failing one can be dropped while the rest of
+the model is still optimised. Applying never touches a node that is not part of a fused update: the old
+update's nodes are removed only when nothing else reads their outputs (a value someone reads is never
+dropped), and the node order is otherwise kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+import re
+from collections.abc import Sequence
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from sgdfuse.contract import SgdAttributes
+from sgdfuse.fused_op import ensure_sgd_function, make_sgd_node
+from sgdfuse.passes.index import GraphIndex, _outer_reads, _subgraphs
+from sgdfuse.passes.linear import Poly, format_poly
+from sgdfuse.passes.sgd_match import Match
+from sgdfuse.runtime import onnx_to_numpy_dtype
+
+__all__ = ["Plan", "Planner", "apply_plans"]
+
+logger = logging.getLogger(__name__)
+
+STAT_DESCRIPTION = (
+    "zeros of the parameters' shape, computed in the graph (ConstantOfShape(Shape(parameters))): the original "
+    "graph applies dampening on every step it computes, which is the contract with stat = 0; stat_out is unused"
+)
+
+
+@dataclasses.dataclass
+class Plan:
+    """The rewrite of one :class:`Match`.
+
+    Attributes:
+        match: the update being fused.
+        nodes: new nodes in order (helpers first, the SGD node last).
+        initializers: new scalar initializers (learning rate, momentum) this plan introduced first.
+        sgd_node: the fused node (also the last of ``nodes``).
+        gradient_input: the value fed as ``gradient`` (the matched gradient, or its negation for maximize).
+        learning_rate_input, momentum_input: values fed as ``learning_rate`` and ``momentum``.
+        stat: how ``stat`` is provided (for the report).
+    """
+
+    match: Match
+    nodes: list[onnx.NodeProto]
+    initializers: list[onnx.TensorProto]
+    sgd_node: onnx.NodeProto
+    gradient_input: str
+    learning_rate_input: str
+    momentum_input: str
+    stat: str
+
+
+class Planner:
+    """Makes :class:`Plan` s for the matches of one graph, with names that collide with nothing in it.
+
+    Scalar constants are shared between plans: every update with learning rate 0.01 in FLOAT reads the same
+    initializer.
+    """
+
+    def __init__(self, index: GraphIndex) -> None:
+        self.index = index
+        self._taken: set[str] = set(index.producer) | set(index.initializers) | set(index.graph_inputs)
+        self._taken |= {n.name for n in index.graph.node if n.name}
+        self._taken |= set(index.consumers)
+        self._constants: dict[tuple[str, int, bytes], str] = {}
+
+    def _fresh(self, base: str) -> str:
+        name, counter = base, 1
+        while name in self._taken:
+            name = f"{base}_{counter}"
+            counter += 1
+        self._taken.add(name)
+        return name
+
+    def plan(self, match: Match) -> Plan:
+        """The rewrite of ``match``. Raises :class:`~sgdfuse.errors.AttributeContractError` if the
+        solved attributes break the contract (the matcher checks first, so this is a safeguard)."""
+        base = "sgdfuse/" + re.sub(r"[^A-Za-z0-9_.:/-]", "_", match.parameters_out)
+        nodes: list[onnx.NodeProto] = []
+        initializers: list[onnx.TensorProto] = []
+
+        gradient = match.gradient
+        if match.maximize:
+            gradient = self._fresh(f"{base}/negated_gradient")
+            nodes.append(helper.make_node("Neg", [match.gradient], [gradient], name=self._fresh(f"{base}/Neg")))
+        learning_rate = self._scalar(match.learning_rate, match.dtype, f"{base}/learning_rate", "learning_rate", nodes, initializers)
+        momentum = self._scalar(match.momentum, match.dtype, f"{base}/momentum", "momentum", nodes, initializers)
+
+        shape = self._fresh(f"{base}/stat_shape")
+        stat = self._fresh(f"{base}/stat")
+        zero = numpy_helper.from_array(np.zeros((1,), dtype=onnx_to_numpy_dtype(match.dtype)), name="value")
+        nodes.append(helper.make_node("Shape", [match.parameters], [shape], name=self._fresh(f"{base}/Shape")))
+        nodes.append(helper.make_node("ConstantOfShape", [shape], [stat], name=self._fresh(f"{base}/ConstantOfShape"), value=zero))
+        stat_out = self._fresh(f"{base}/stat_out")
+
+        sgd = make_sgd_node(
+            (match.parameters, gradient, learning_rate, match.accum, momentum, stat),
+            (match.parameters_out, match.accum_out, stat_out),
+            SgdAttributes(match.dampening, match.weight_decay, match.nesterov),
+            name=self._fresh(f"{base}/SGD"),
+        )
+        nodes.append(sgd)
+        return Plan(match, nodes, initializers, sgd, gradient, learning_rate, momentum, STAT_DESCRIPTION)
+
+    def _scalar(
+        self,
+        poly: Poly,
+        dtype: int,
+        base: str,
+        role: str,
+        nodes: list[onnx.NodeProto],
+        initializers: list[onnx.TensorProto],
+    ) -> str:
+        """A value holding ``poly`` as one element of ``dtype``: a shared initializer for a constant, the
+        runtime value itself when it already is exactly that, else a few nodes computing it in FLOAT."""
+        np_dtype = onnx_to_numpy_dtype(dtype)
+        if poly.is_constant:
+            array = np.array(poly.constant_value, dtype=np.float64).astype(np.float32).astype(np_dtype)
+            key = (role, dtype, array.tobytes())
+            if key not in self._constants:
+                name = self._fresh(f"sgdfuse/{role}_{len([k for k in self._constants if k[0] == role])}")
+                self._constants[key] = name
+                initializers.append(numpy_helper.from_array(array, name=name))
+            return self._constants[key]
+        if poly.is_monomial:
+            ((monomial, coefficient),) = poly.terms.items()
+            if coefficient == 1 and len(monomial) == 1 and monomial[0][1] == 1:
+                symbol = monomial[0][0]
+                if self.index.spec(symbol).dtype == dtype:
+                    return symbol
+        # General case: Σ c·Π symbol^k evaluated in FLOAT, then cast to the parameters' dtype.
+        total: str | None = None
+        for monomial, coefficient in sorted(poly.terms.items()):
+            term = self._float_constant(coefficient, f"{base}/coefficient", nodes)
+            for symbol, power in monomial:
+                as_float = self._fresh(f"{base}/{symbol}_float")
+                nodes.append(helper.make_node("Cast", [symbol], [as_float], to=onnx.TensorProto.FLOAT, name=self._fresh(f"{base}/Cast")))
+                for _ in range(abs(power)):
+                    product = self._fresh(f"{base}/term")
+                    op = "Mul" if power > 0 else "Div"
+                    nodes.append(helper.make_node(op, [term, as_float], [product], name=self._fresh(f"{base}/{op}")))
+                    term = product
+            if total is None:
+                total = term
+            else:
+                summed = self._fresh(f"{base}/sum")
+                nodes.append(helper.make_node("Add", [total, term], [summed], name=self._fresh(f"{base}/Add")))
+                total = summed
+        shaped = self._fresh(f"{base}/scalar")
+        shape = self._fresh(f"{base}/scalar_shape")
+        nodes.append(
+            helper.make_node(
+                "Constant", [], [shape], name=self._fresh(f"{base}/Constant"),
+                value=numpy_helper.from_array(np.zeros((0,), dtype=np.int64), name="value"),
+            )
+        )
+        nodes.append(helper.make_node("Reshape", [total, shape], [shaped], name=self._fresh(f"{base}/Reshape")))
+        result = self._fresh(base)
+        nodes.append(helper.make_node("Cast", [shaped], [result], to=dtype, name=self._fresh(f"{base}/Cast")))
+        return result
+
+    def _float_constant(self, value: float, base: str, nodes: list[onnx.NodeProto]) -> str:
+        name = self._fresh(base)
+        nodes.append(
+            helper.make_node(
+                "Constant", [], [name], name=self._fresh(f"{base}/Constant"),
+                value=numpy_helper.from_array(np.array(value, dtype=np.float32), name="value"),
+            )
+        )
+        return name
+
+
+def describe_scalar(poly: Poly) -> str | float:
+    """A report value for a coefficient: a float for a constant, else its expression over graph values."""
+    if poly.is_constant:
+        # The shortest decimal that round-trips in FLOAT: 0.01, not 0.009999999776482582.
+        return float(str(np.float32(poly.constant_value)))
+    return format_poly(poly)
+
+
+def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]) -> onnx.ModelProto:
+    """A new model with ``plans`` applied; ``model`` is not modified.
+
+    Raises:
+        ValueError: the model's default-domain opset is below 15 (the SGD function body needs it); callers
+            check :data:`sgdfuse.fused_op.MIN_OPSET` first.
+    """
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    if not plans:
+        return result
+    graph = result.graph
+    original = list(graph.node)
+
+    # The fused node now produces the update's outputs: their old producers go; the rest of the cone goes
+    # only if nothing else reads it.
+    replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
+    cone = set().union(*(plan.match.nodes for plan in plans))
+    removed: set[int] = {i for i in cone if any(o in replaced_outputs for o in original[i].output)}
+
+    reads: dict[str, int] = {}
+    node_reads = [_reads(node) for node in original]
+    for i, names in enumerate(node_reads):
+        if i in removed:
+            continue
+        for name in names:
+            reads[name] = reads.get(name, 0) + 1
+    for plan in plans:
+        for node in plan.nodes:
+            for name in _reads(node):
+                reads[name] = reads.get(name, 0) + 1
+    outputs = {o.name for o in graph.output}
+    for i in sorted(cone, reverse=True):
+        if i in removed:
+            continue
+        if any(reads.get(o, 0) or o in outputs for o in original[i].output if o):
+            continue
+        removed.add(i)
+        for name in node_reads[i]:
+            reads[name] -= 1
+
+    # Scalars only the removed nodes read go with them; every other initializer stays.
+    read_by_removed = {name for i in removed for name in node_reads[i]}
+    inputs = {i.name for i in graph.input}
+    kept_initializers = [
+        t for t in graph.initializer if not (t.name in read_by_removed and not reads.get(t.name) and t.name not in inputs and t.name not in outputs)
+    ]
+    new_initializers = [t for plan in plans for t in plan.initializers]
+    del graph.initializer[:]
+    graph.initializer.extend(kept_initializers + new_initializers)
+
+    gone_values = {o for i in removed for o in original[i].output} - replaced_outputs
+    kept_info = [vi for vi in graph.value_info if vi.name not in gone_values]
+    del graph.value_info[:]
+    graph.value_info.extend(kept_info)
+
+    # Order: every kept node at its old position, each plan's nodes at the position of its update's last
+    # node, then a stable topological sort (a reader of a fused output placed earlier moves after it).
+    entries: list[tuple[tuple[int, int], onnx.NodeProto]] = []
+    for i, node in enumerate(original):
+        if i not in removed:
+            entries.append(((i, 0), node))
+    for plan in plans:
+        anchor = max(plan.match.nodes) if plan.match.nodes else len(original)
+        for j, node in enumerate(plan.nodes):
+            entries.append(((anchor, 1 + j), node))
+    ordered = _stable_topological_sort(entries, available=inputs | {t.name for t in graph.initializer})
+    del graph.node[:]
+    graph.node.extend(ordered)
+    ensure_sgd_function(result)
+    return result
+
+
+def _reads(node: onnx.NodeProto) -> list[str]:
+    names = [name for name in node.input if name]
+    for attribute in node.attribute:
+        for sub in _subgraphs(attribute):
+            names.extend(_outer_reads(sub))
+    return names
+
+
+def _stable_topological_sort(entries: list[tuple[tuple[int, int], onnx.NodeProto]], available: set[str]) -> list[onnx.NodeProto]:
+    """Kahn's algorithm, always taking the ready node with the smallest original position."""
+    producer: dict[str, int] = {}
+    for k, (_, node) in enumerate(entries):
+        for name in node.output:
+            if name:
+                producer[name] = k
+    waiting: list[int] = [0] * len(entries)
+    dependants: dict[int, list[int]] = {}
+    for k, (_, node) in enumerate(entries):
+        for name in set(_reads(node)):
+            source = producer.get(name)
+            if source is not None and source != k and name not in available:
+                waiting[k] += 1
+                dependants.setdefault(source, []).append(k)
+    ready = [(entries[k][0], k) for k in range(len(entries)) if waiting[k] == 0]
+    heapq.heapify(ready)
+    order: list[onnx.NodeProto] = []
+    while ready:
+        _, k = heapq.heappop(ready)
+        order.append(entries[k][1])
+        for d in dependants.get(k, ()):
+            waiting[d] -= 1
+            if waiting[d] == 0:
+                heapq.heappush(ready, (entries[d][0], d))
+    if len(order) != len(entries):
+        raise ValueError("the rewritten graph has a cycle; this is a bug in sgdfuse, please report it")
+    return order

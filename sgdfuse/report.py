@@ -1,0 +1,157 @@
+"""Reports: what was fused, what was refused and why, and what the verification found.
+
+Dataclasses that print well (``str(report)``) and serialise to JSON (``report.to_json()``); the CLI only
+formats them. Layout of the JSON (issue 3): ``{"fused": [...], "refused": [...], "verification": {...}}``
+plus ``"model"`` and ``"added_state"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+__all__ = ["FusedUpdate", "Refusal", "Verification", "Report"]
+
+
+@dataclasses.dataclass
+class FusedUpdate:
+    """One update fused into an ``ai.sgdfuse::SGD`` node.
+
+    Attributes:
+        node: the fused node's name.
+        parameters, gradient, accum: value names of the old weights, the gradient, the momentum buffer.
+        parameters_out, accum_out: the outputs now produced by the fused node (names unchanged).
+        learning_rate, momentum: the value (a float) or the expression over graph values it was solved to.
+        learning_rate_input, momentum_input: the value names fed to the fused node.
+        dampening, weight_decay, nesterov, maximize: the solved hyper-parameters.
+        stat: how the ``stat`` input is provided.
+        dtype: ONNX element type name of the parameters; shape: their dims.
+        parameter_equation, accum_equation: the normalised equations that were matched.
+        matched_nodes: how many nodes of the original graph the matched update spans.
+    """
+
+    node: str
+    parameters: str
+    gradient: str
+    accum: str
+    parameters_out: str
+    accum_out: str
+    learning_rate: float | str
+    momentum: float | str
+    learning_rate_input: str
+    momentum_input: str
+    dampening: float
+    weight_decay: float
+    nesterov: bool
+    maximize: bool
+    stat: str
+    dtype: str
+    shape: list
+    parameter_equation: str
+    accum_equation: str
+    matched_nodes: int = 0
+
+
+@dataclasses.dataclass
+class Refusal:
+    """A candidate left unfused: the graph output, a reason code, one sentence, and the equations.
+
+    Attributes:
+        candidate: the graph output that looked like an update.
+        reason: stable code (``no-momentum-buffer``, ``extra-term``, ``constant-state``, ... see
+            :data:`sgdfuse.passes.sgd_match.REASONS`).
+        detail: what did not fit and what to do about it.
+        equation: the recovered update equation(s).
+        nearest: the closest SGD form reached.
+        differing: the term(s) that differ.
+    """
+
+    candidate: str
+    reason: str
+    detail: str
+    equation: str = ""
+    nearest: str = ""
+    differing: str = ""
+
+
+@dataclasses.dataclass
+class Verification:
+    """What the differential check did.
+
+    Attributes:
+        enabled: False with ``verify=False`` (nothing was checked).
+        steps: chained steps per update.
+        tolerance: how the per-element bound is derived (text).
+        updates: per update: ``{"parameters_out", "passed", "max_abs_error", "max_bound_ratio", "message"}``.
+    """
+
+    enabled: bool
+    steps: int = 0
+    tolerance: str = ""
+    updates: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        """True when every checked update passed (vacuously true when disabled)."""
+        return all(u["passed"] for u in self.updates)
+
+
+@dataclasses.dataclass
+class Report:
+    """The result of an analysis or optimisation of one model.
+
+    Attributes:
+        source: where the model came from (a path, or ``"<ModelProto>"``).
+        fused: updates fused (or, for ``inspect``, that would be fused).
+        refused: candidates refused, with reasons.
+        verification: what the differential check did.
+        added_state: values the rewrite added that a caller may see (name, what, initial value).
+        nodes_before, nodes_after: node counts of the main graph.
+        written: False for ``inspect`` (a dry run).
+    """
+
+    source: str
+    fused: list[FusedUpdate] = dataclasses.field(default_factory=list)
+    refused: list[Refusal] = dataclasses.field(default_factory=list)
+    verification: Verification = dataclasses.field(default_factory=lambda: Verification(False))
+    added_state: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    nodes_before: int = 0
+    nodes_after: int = 0
+    written: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data: ``fused``, ``refused``, ``verification``, ``added_state``, ``model``."""
+        return {
+            "fused": [dataclasses.asdict(f) for f in self.fused],
+            "refused": [dataclasses.asdict(r) for r in self.refused],
+            "verification": {**dataclasses.asdict(self.verification), "passed": self.verification.passed},
+            "added_state": list(self.added_state),
+            "model": {"source": self.source, "nodes_before": self.nodes_before, "nodes_after": self.nodes_after},
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The report as JSON text (keys sorted within each record for stable diffs)."""
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False, default=str)
+
+    def __str__(self) -> str:
+        lines = [f"{self.source}: {len(self.fused)} fused, {len(self.refused)} refused"]
+        for f in self.fused:
+            flags = ", ".join(x for x in ("nesterov" if f.nesterov else "", "maximize" if f.maximize else "") if x)
+            lines.append(
+                f"  fused {f.parameters} (grad {f.gradient}, buffer {f.accum}): lr={f.learning_rate} "
+                f"momentum={f.momentum} dampening={f.dampening:g} weight_decay={f.weight_decay:g}"
+                + (f" [{flags}]" if flags else "")
+            )
+        for r in self.refused:
+            lines.append(f"  refused {r.candidate} [{r.reason}]: {r.detail}")
+            if r.equation:
+                lines.append(f"      found:   {r.equation}")
+            if r.nearest:
+                lines.append(f"      nearest: {r.nearest}")
+            if r.differing:
+                lines.append(f"      differs: {r.differing}")
+        if self.verification.enabled:
+            state = "passed" if self.verification.passed else "FAILED for some updates"
+            lines.append(f"  verification: {self.verification.steps} chained steps in onnxruntime, {state}")
+        return "\n".join(lines)
