@@ -10,8 +10,10 @@ Form (shared/DESIGN.md, "The fused op in ONNX"):
 The FunctionProto's body is the contract (shared/SGD-OPERATOR.md) written with standard ops: every input is
 cast to FLOAT, the formula is evaluated one operation at a time in the order the contract writes it, and the
 results are cast back to the input dtype (``CastLike``, round-to-nearest-even). The ``if`` clauses of the
-formula become ``Where`` on a scalar condition, which selects without letting the unselected branch's NaN
-through (so ``wd == 0`` really means ``grad = gradient``, even where ``parameters`` is Inf).
+formula become ``If`` on a scalar condition, which selects without letting the unselected branch's NaN
+through (so ``wd == 0`` really means ``grad = gradient``, even where ``parameters`` is Inf) and passes the
+selected tensor through bit for bit (``Where`` would do too by the ONNX spec, but onnxruntime's CPU ``Where``
+returns +0 for a selected -0, microsoft/onnxruntime#32191).
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def make_sgd_function(opset: int) -> onnx.FunctionProto:
         n("Mul", ["p", "wd"], ["p_wd"]),
         n("Add", ["g", "p_wd"], ["g_plus_wd"]),
         n("Equal", ["wd", "zero"], ["wd_is_zero"]),
-        n("Where", ["wd_is_zero", "g", "g_plus_wd"], ["grad"]),
+        _select("wd_is_zero", "g", "g_plus_wd", "grad"),
         # accum_t = accum * m + grad
         n("Mul", ["a", "m"], ["a_m"]),
         n("Add", ["a_m", "grad"], ["accum_t0"]),
@@ -135,7 +137,7 @@ def make_sgd_function(opset: int) -> onnx.FunctionProto:
         n("Mul", ["grad_1ms", "d"], ["damp_term"]),
         n("Sub", ["accum_t0", "damp_term"], ["accum_t_damped"]),
         n("Equal", ["d", "zero"], ["d_is_zero"]),
-        n("Where", ["d_is_zero", "accum_t0", "accum_t_damped"], ["accum_t"]),
+        _select("d_is_zero", "accum_t0", "accum_t_damped", "accum_t"),
         # parameters_out = parameters - (grad + accum_t * m) * lr  if nesterov
         #                = parameters - accum_t * lr                otherwise
         n("Mul", ["accum_t", "m"], ["accum_t_m"]),
@@ -145,15 +147,17 @@ def make_sgd_function(opset: int) -> onnx.FunctionProto:
         n("Mul", ["accum_t", "lr"], ["plain_delta"]),
         n("Sub", ["p", "plain_delta"], ["p_plain"]),
         n("Equal", ["nesterov_i", "zero_i"], ["not_nesterov"]),
-        n("Where", ["not_nesterov", "p_plain", "p_nesterov"], ["p_out"]),
+        _select("not_nesterov", "p_plain", "p_nesterov", "p_out"),
         n("CastLike", ["p_out", "parameters"], ["parameters_out"]),
         # if m != 0: accum <- accum_t, stat <- 0; else both keep their input values
         n("Equal", ["m", "zero"], ["m_is_zero"]),
-        # Selected in FLOAT and cast back (Where has no BFLOAT16 before opset 16); FLOAT16/BFLOAT16 values
+        # Selected in FLOAT and cast back (If has no BFLOAT16 before opset 16); FLOAT16/BFLOAT16 values
         # round-trip through FLOAT exactly, so an unchanged accum or stat keeps its value.
-        n("Where", ["m_is_zero", "a", "accum_t"], ["accum_sel"]),
+        _select("m_is_zero", "a", "accum_t", "accum_sel"),
         n("CastLike", ["accum_sel", "accum"], ["accum_out"]),
-        n("Where", ["m_is_zero", "s", "zero"], ["stat_sel"]),
+        n("Shape", ["s"], ["stat_shape"]),
+        n("ConstantOfShape", ["stat_shape"], ["stat_zeros"]),  # FLOAT 0 of stat's shape
+        _select("m_is_zero", "s", "stat_zeros", "stat_sel"),
         n("CastLike", ["stat_sel", "stat"], ["stat_out"]),
     ]
     function = helper.make_function(
@@ -175,6 +179,25 @@ def make_sgd_function(opset: int) -> onnx.FunctionProto:
         ]
     )
     return function
+
+
+def _select(condition: str, if_true: str, if_false: str, output: str) -> onnx.NodeProto:
+    """``output = if_true if condition else if_false`` for a scalar BOOL ``condition``, bit for bit.
+
+    An ``If`` whose branches are one ``Identity`` each: only the selected tensor reaches ``output``, with its
+    bits (-0, NaN payloads) intact. onnxruntime's CPU ``Where`` would turn a selected -0 into +0
+    (microsoft/onnxruntime#32191), and the contract's results must match the reference bit for bit.
+    """
+
+    def branch(source: str, tag: str) -> onnx.GraphProto:
+        name = f"{output}_{tag}"
+        return helper.make_graph(
+            [helper.make_node("Identity", [source], [name])], name, [], [helper.make_value_info(name, onnx.TypeProto())]
+        )
+
+    return helper.make_node(
+        "If", [condition], [output], then_branch=branch(if_true, "then"), else_branch=branch(if_false, "else")
+    )
 
 
 def _attr_constant(output: str, attribute: str, dtype: int) -> onnx.NodeProto:

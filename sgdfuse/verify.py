@@ -135,7 +135,7 @@ def _value_info(index: GraphIndex, name: str) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, spec.dtype, None if spec.shape is None else list(spec.shape))
 
 
-def _feed(index: GraphIndex, name: str, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+def _feed(index: GraphIndex, name: str, rng: np.random.Generator, scale: float = 1.0, step: int = 0) -> np.ndarray:
     spec = index.spec(name)
     if spec.shape is None or any(d is None for d in spec.shape):
         raise ValueError(f"cannot verify: the shape of {name} is unknown")
@@ -147,9 +147,11 @@ def _feed(index: GraphIndex, name: str, rng: np.random.Generator, scale: float =
             return rng.uniform(0.01, 0.1, size=shape).astype(np.float32).astype(dtype)
         return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
     if np.issubdtype(dtype, np.integer):
-        return np.zeros(shape, dtype=dtype)
+        # Integer scalars are read as step counters (0 on the first step, then 1, 2, ...); integer tensors
+        # (class labels, say) are zeros, valid for any number of classes.
+        return np.full(shape, step if int(np.prod(shape)) == 1 else 0, dtype=dtype)
     if dtype == np.bool_:
-        return np.zeros(shape, dtype=bool)
+        return np.full(shape, step == 0, dtype=bool)
     raise ValueError(f"cannot verify: no test data for {name} of dtype {dtype}")
 
 
@@ -251,7 +253,7 @@ def _verify_batch(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Pla
             feeds[plan.match.accum] = got_original[plan.match.accum_out]
         for name in feeds:
             if name not in state:
-                feeds[name] = _feed(index, name, rng)
+                feeds[name] = _feed(index, name, rng, step=step + 1)
     return [
         UpdateCheck(name, steps, passed, max_abs, ratio, message)
         for name, (max_abs, ratio, passed, message) in checks.items()
@@ -378,6 +380,6 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
             feeds[state] = want_all[output]
         for name in original_inputs:
             if name not in pairs.values():
-                feeds[name] = _feed(index, name, rng)
+                feeds[name] = _feed(index, name, rng, step=step + 1)
     listed = list(results.values())
     return ModelCheck(steps, all(r["passed"] for r in listed), listed, pairs)

@@ -330,10 +330,31 @@ class Normaliser:
             return {value: Poly.const(1.0)}
         return result
 
+    # -- selections ----------------------------------------------------------------------------------
+    def where_branches(self, value: str) -> tuple[str, str, str] | None:
+        """``(condition, if_true, if_false)`` when ``value`` is a ``Where`` whose condition is one boolean
+        (a step-counter test, say) and whose branches are float tensors of the value's dtype; else None.
+
+        Such a selection is linear within each branch, which is how a first-step rule is matched.
+        """
+        node = self.index.node(value)
+        if node is None or node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.input) != 3:
+            return None
+        condition, if_true, if_false = node.input
+        spec = self.index.spec(condition)
+        if spec.dtype != onnx.TensorProto.BOOL or spec.num_elements() != 1:
+            return None
+        dtype = self.index.spec(value).dtype
+        if self.index.spec(if_true).dtype != dtype or self.index.spec(if_false).dtype != dtype:
+            return None
+        return condition, if_true, if_false
+
     # -- cones ---------------------------------------------------------------------------------------
     def cone(self, value: str) -> tuple[set[int], set[str]]:
         """Node indices and value names the form of ``value`` was read through (leaves excluded from the
-        nodes, included in the values), plus the nodes that compute scalar coefficients."""
+        nodes, included in the values), plus the nodes that compute scalar coefficients. A ``Where`` on
+        one boolean (see :meth:`where_branches`) is entered: both branches belong to the cone, the
+        condition does not."""
         nodes: set[int] = set()
         values: set[str] = set()
         stack = [value]
@@ -344,6 +365,10 @@ class Normaliser:
             values.add(current)
             plan = self._plan(current)
             if plan is None:
+                branches = self.where_branches(current)
+                if branches is not None:
+                    nodes.add(self.index.producer[current])
+                    stack.extend(branches[1:])
                 continue
             node_index = self.index.producer[current]
             nodes.add(node_index)

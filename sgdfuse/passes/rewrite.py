@@ -100,19 +100,42 @@ class Planner:
 
         shape = self._fresh(f"{base}/stat_shape")
         stat = self._fresh(f"{base}/stat")
-        zero = numpy_helper.from_array(np.zeros((1,), dtype=onnx_to_numpy_dtype(match.dtype)), name="value")
         nodes.append(helper.make_node("Shape", [match.parameters], [shape], name=self._fresh(f"{base}/Shape")))
-        nodes.append(helper.make_node("ConstantOfShape", [shape], [stat], name=self._fresh(f"{base}/ConstantOfShape"), value=zero))
+        accum = match.accum
+        if match.first_step is None:
+            zero = numpy_helper.from_array(np.zeros((1,), dtype=onnx_to_numpy_dtype(match.dtype)), name="value")
+            nodes.append(helper.make_node("ConstantOfShape", [shape], [stat], name=self._fresh(f"{base}/ConstantOfShape"), value=zero))
+            stat_text = STAT_DESCRIPTION
+        else:
+            # stat = 1 on the first step (no dampening), 0 after: the condition the graph selects with.
+            first = match.first_step.condition
+            if not match.first_step.when_true:
+                first = self._fresh(f"{base}/first_step")
+                nodes.append(helper.make_node("Not", [match.first_step.condition], [first], name=self._fresh(f"{base}/Not")))
+            flag = self._fresh(f"{base}/first_step_flag")
+            nodes.append(helper.make_node("Cast", [first], [flag], to=match.dtype, name=self._fresh(f"{base}/Cast")))
+            nodes.append(helper.make_node("Expand", [flag, shape], [stat], name=self._fresh(f"{base}/Expand")))
+            stat_text = (
+                f"1 where {match.first_step.condition} is {match.first_step.when_true} (the first step: no dampening), "
+                "else 0; Expand(Cast(condition), Shape(parameters)); stat_out is unused"
+            )
+            if match.first_step.zero_accum:
+                # The graph's first step ignores the old buffer (buf = grad); the contract computes
+                # accum*m + grad, so the buffer is fed as zero on that step.
+                zero_value = self._scalar(Poly.const(0.0), match.dtype, f"{base}/zero", "zero", nodes, initializers)
+                accum = self._fresh(f"{base}/accum_first_step_zeroed")
+                nodes.append(helper.make_node("Where", [first, zero_value, match.accum], [accum], name=self._fresh(f"{base}/Where")))
+                stat_text += "; on the first step the buffer is fed as 0 (the graph ignores the old buffer then)"
         stat_out = self._fresh(f"{base}/stat_out")
 
         sgd = make_sgd_node(
-            (match.parameters, gradient, learning_rate, match.accum, momentum, stat),
+            (match.parameters, gradient, learning_rate, accum, momentum, stat),
             (match.parameters_out, match.accum_out, stat_out),
             SgdAttributes(match.dampening, match.weight_decay, match.nesterov),
             name=self._fresh(f"{base}/SGD"),
         )
         nodes.append(sgd)
-        return Plan(match, nodes, initializers, sgd, gradient, learning_rate, momentum, STAT_DESCRIPTION)
+        return Plan(match, nodes, initializers, sgd, gradient, learning_rate, momentum, stat_text)
 
     def _scalar(
         self,
@@ -127,7 +150,7 @@ class Planner:
         runtime value itself when it already is exactly that, else a few nodes computing it in FLOAT."""
         np_dtype = onnx_to_numpy_dtype(dtype)
         if poly.is_constant:
-            array = np.array(poly.constant_value, dtype=np.float64).astype(np.float32).astype(np_dtype)
+            array = np.array(poly.constant_value if not poly.is_zero else 0.0, dtype=np.float64).astype(np.float32).astype(np_dtype)
             key = (role, dtype, array.tobytes())
             if key not in self._constants:
                 name = self._fresh(f"sgdfuse/{role}_{len([k for k in self._constants if k[0] == role])}")

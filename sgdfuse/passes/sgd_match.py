@@ -27,7 +27,7 @@ from sgdfuse.errors import ContractError
 from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.linear import ONE, Form, Normaliser, Poly, add_forms, format_form, format_poly, scale_form
 
-__all__ = ["Match", "Miss", "find_updates", "coefficient_tolerance"]
+__all__ = ["Match", "Miss", "FirstStep", "REASONS", "find_updates", "coefficient_tolerance"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class Match:
     nodes: set[int]
     parameter_equation: str
     accum_equation: str
+    first_step: "FirstStep | None" = None
 
 
 @dataclasses.dataclass
@@ -116,7 +117,31 @@ REASONS = {
     "mixed-precision": "the update is computed in a different precision than the parameters",
     "shared-state": "another update already uses this parameter or buffer",
     "verification-failed": "onnxruntime found the fused update computes different numbers",
+    "nonlinear-term": "the buffer enters the parameter update through a non-scalar product (per-element learning rate)",
+    "gradient-mixes-tensors": "the gradient weighs several tensors differently (weight decay on another tensor)",
+    "first-step-unsupported": "the first-step rule is not expressible with the contract's stat flag",
+    "buffer-not-own-previous": "the buffer update reads a different tensor than the buffer it replaces",
+    "parameters-not-own-previous": "the parameter update reads a different tensor than the parameters it replaces",
+    "opset": "the model's opset is too old for the fused op's function body",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstStep:
+    """A first-step rule selected by ``Where`` on one boolean.
+
+    Attributes:
+        condition: the boolean value that selects the branches.
+        when_true: True when ``condition`` true means "first step".
+        zero_accum: True when the first step ignores the old buffer (PyTorch's ``buf = grad``): the fused
+            node is then fed a zeroed buffer on that step, so it stays exact whatever the buffer holds.
+            False when the first step is ``m·buf + grad`` (ONNX ``Momentum`` with ``T == 0``), which is the
+            contract with ``stat = 1`` as it is.
+    """
+
+    condition: str
+    when_true: bool
+    zero_accum: bool
 
 
 def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tuple[list[Match], list[Miss]]:
@@ -127,10 +152,11 @@ def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tup
     normaliser = normaliser or Normaliser(index)
     outputs = list(dict.fromkeys(index.graph_outputs))
     float_outputs = [o for o in outputs if index.spec(o).dtype in _EPS]
-    canonical = {o: _skip_identity(index, o) for o in float_outputs}
+    canonical = {o: _skip_copies(index, o) for o in float_outputs}
 
     matches: list[Match] = []
     misses: list[Miss] = []
+    tried_buffers: set[str] = set()
     for w in float_outputs:
         form_w = normaliser.form(w)
         if not _looks_like_update(index, w, form_w):
@@ -138,21 +164,13 @@ def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tup
         _, values_w = normaliser.cone(w)
         buffers = [v for v in float_outputs if v != w and canonical[v] in values_w and canonical[v] != canonical[w]]
         if not buffers:
-            misses.append(
-                Miss(
-                    w,
-                    "no-momentum-buffer",
-                    f"{w} = {format_form(form_w)} reads no momentum buffer that the graph outputs "
-                    "(momentum 0 or absent): plain SGD is left as it is.",
-                    equation=f"{w} = {format_form(form_w)}",
-                    score=0,
-                )
-            )
+            misses.append(_no_buffer_miss(index, normaliser, w, form_w, canonical))
             continue
         best: Miss | None = None
         found: Match | None = None
+        tried_buffers.update(buffers)
         for v in buffers:
-            result = _solve(index, normaliser, w, v)
+            result = _solve(index, normaliser, w, v, canonical[v])
             if isinstance(result, Match):
                 found = result
                 break
@@ -181,20 +199,57 @@ def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tup
             continue
         claimed |= state
         accepted.append(match)
-    buffer_outputs = {m.accum_out for m in accepted}
-    misses = [miss for miss in misses if miss.candidate not in buffer_outputs]
+    # A buffer output is reported through the parameter update that reads it, not as a candidate itself.
+    misses = [miss for miss in misses if miss.candidate not in tried_buffers or miss.reason == "shared-state"]
     return accepted, misses
 
 
-def _skip_identity(index: GraphIndex, value: str) -> str:
+def _skip_copies(index: GraphIndex, value: str) -> str:
+    """Follow ``Identity`` and float-to-float ``Cast``/``CastLike`` back to the value they copy or round:
+    a buffer output ``Cast(v32, FLOAT16)`` is the buffer ``v32`` the parameter update reads."""
     seen = set()
     while value not in seen:
         seen.add(value)
         node = index.node(value)
-        if node is None or node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+        if node is None or node.domain not in ("", "ai.onnx") or not node.input:
             return value
-        value = node.input[0]
+        if node.op_type == "Identity" or (
+            node.op_type in ("Cast", "CastLike") and index.spec(node.input[0]).dtype in _EPS and index.spec(value).dtype in _EPS
+        ):
+            value = node.input[0]
+            continue
+        return value
     return value
+
+
+def _no_buffer_miss(index: GraphIndex, normaliser: Normaliser, w: str, form_w: Form, canonical: dict[str, str]) -> Miss:
+    # A buffer hidden behind a non-linear op (a per-element learning rate, say) is named as such.
+    outputs_by_canonical = {c: o for o, c in canonical.items()}
+    for leaf in form_w:
+        node = index.node(leaf)
+        if node is None:
+            continue
+        for operand in node.input:
+            if operand and _skip_copies(index, operand) in outputs_by_canonical and outputs_by_canonical[_skip_copies(index, operand)] != w:
+                other = [i for i in node.input if i and i != operand]
+                return Miss(
+                    w,
+                    "nonlinear-term",
+                    f"{w} reads the buffer {outputs_by_canonical[_skip_copies(index, operand)]} through "
+                    f"{node.op_type} node {node.name or leaf} with {', '.join(other) or 'another operand'}, which is "
+                    "not a scalar: a per-element learning rate or other non-linear use is not momentum SGD.",
+                    equation=f"{w} = {format_form(form_w)}",
+                    differing=leaf,
+                    score=1,
+                )
+    return Miss(
+        w,
+        "no-momentum-buffer",
+        f"{w} = {format_form(form_w)} reads no momentum buffer that the graph outputs "
+        "(momentum 0 or absent): plain SGD is left as it is.",
+        equation=f"{w} = {format_form(form_w)}",
+        score=0,
+    )
 
 
 def _looks_like_update(index: GraphIndex, w: str, form_w: Form) -> bool:
@@ -218,17 +273,60 @@ def _same_shape(a: TensorSpec, b: TensorSpec) -> bool:
     return len(a.shape) == len(b.shape) and all(x == y or x is None or y is None for x, y in zip(a.shape, b.shape))
 
 
-def _solve(index: GraphIndex, normaliser: Normaliser, w: str, v: str) -> Match | Miss:
-    form_w, form_v = normaliser.form(w), normaliser.form(v)
+def _substitute(form: Form, leaf: str, replacement: Form) -> Form:
+    if leaf not in form:
+        return form
+    coefficient = form[leaf]
+    rest = {k: c for k, c in form.items() if k != leaf}
+    return add_forms(rest, replacement, coefficient)
+
+
+def _solve(index: GraphIndex, normaliser: Normaliser, w: str, v: str, v_source: str) -> Match | Miss:
     dtype = index.spec(w).dtype
     rel = coefficient_tolerance(dtype)
+    form_w = normaliser.form(w)
+    source_node = index.node(v_source)
+    if source_node is not None and source_node.op_type in ("If", "Loop", "Scan"):
+        return Miss(
+            w,
+            "first-step-unsupported",
+            f"the buffer {v} comes out of {source_node.op_type} node {source_node.name or v_source}; a first-step "
+            "rule is fused when written as Where(condition, first_step, later_steps) on one boolean.",
+            score=2,
+        )
+    branches = normaliser.where_branches(v_source)
+    if branches is None:
+        return _solve_pair(index, normaliser, w, v, form_w, normaliser.form(v), rel, None)
+    condition, if_true, if_false = branches
+    best: Miss | None = None
+    # Either branch may be the later steps; the other must be the contract's first step.
+    for later, first, when_true in ((if_false, if_true, True), (if_true, if_false, False)):
+        form_v = normaliser.form(later)
+        result = _solve_pair(index, normaliser, w, v, _substitute(form_w, v_source, form_v), form_v, rel, (condition, first, when_true, v_source))
+        if isinstance(result, Match):
+            return result
+        if best is None or result.score > best.score:
+            best = result
+    assert best is not None
+    return best
+
+
+def _solve_pair(
+    index: GraphIndex,
+    normaliser: Normaliser,
+    w: str,
+    v: str,
+    form_w: Form,
+    form_v: Form,
+    rel: float,
+    selection: tuple[str, str, bool, str] | None,
+) -> Match | Miss:
     equation = f"{w} = {format_form(form_w)};  {v} = {format_form(form_v)}"
     best = Miss(w, "extra-term", f"{w} is not a momentum-SGD update of buffer {v}.", equation=equation, score=1)
-
     for a in [leaf for leaf in form_v if leaf != ONE]:
         m = form_v[a]
         for p in [leaf for leaf in form_w if leaf not in (ONE, a)]:
-            result = _solve_roles(index, normaliser, w, v, p, a, m, rel, equation)
+            result = _solve_roles(index, normaliser, w, v, form_w, form_v, p, a, m, rel, equation, selection)
             if isinstance(result, Match):
                 return result
             if result.score > best.score:
@@ -241,13 +339,16 @@ def _solve_roles(
     normaliser: Normaliser,
     w: str,
     v: str,
+    form_w: Form,
+    form_v: Form,
     p: str,
     a: str,
     m: Poly,
     rel: float,
     equation: str,
+    selection: tuple[str, str, bool, str] | None,
 ) -> Match | Miss:
-    form_w, form_v = normaliser.form(w), normaliser.form(v)
+    equation = f"{w} = {format_form(form_w, [p, a])};  {v} = {format_form(form_v, [a])}"
     vp = form_v.get(p, Poly.const(0))
     # What V holds besides the buffer and parameter terms: (1-d)·s·G.
     rest_v = add_forms(add_forms(form_v, {a: m}, Poly.const(-1)), {p: vp}, Poly.const(-1))
@@ -274,49 +375,30 @@ def _solve_roles(
         return Miss(
             w,
             "extra-term",
-            f"{w} does not use the new buffer {v}: its {pivot} term is not the buffer's.",
+            f"{w} does not use the new buffer {v}: {w} = {format_form(form_w, [p])}.",
             equation=equation,
+            nearest=f"{w} = {p} - lr*{v}",
             score=2,
         )
     beta = delta.get(a, Poly.const(0)) - alpha * m
     predicted = add_forms(scale_form(form_v, alpha), {a: beta})
-    differing = _differing_terms(delta, predicted, rel)
+    residual = {leaf: c for leaf, c in add_forms(delta, predicted, Poly.const(-1)).items() if not _close(delta.get(leaf, Poly.const(0)), predicted.get(leaf, Poly.const(0)), rel)}
     lr_plain = -alpha
-    nearest = f"{w} = {p} - {format_poly(lr_plain)}*{v}"
-    if differing:
+    if residual:
+        # Say it in terms of the new buffer: W = P + α·V (+ β·A) + the terms that do not fit.
+        shown = add_forms({p: Poly.const(1), v: alpha}, residual)
+        if not _close(beta, Poly.const(0), rel, scale=alpha * m):
+            shown = add_forms(shown, {a: beta})
+        differing = [f"{format_poly(c)}*{'1' if leaf == ONE else leaf}" for leaf, c in sorted(residual.items())]
         return Miss(
             w,
             "extra-term",
-            f"{w} = {p} + ({format_form(delta, [p, a])}) is not {p} - lr*{v} "
-            f"(nor the Nesterov form): the term{'s' if len(differing) > 1 else ''} "
-            f"{', '.join(differing)} do{'es' if len(differing) == 1 else ''} not fit.",
-            equation=equation,
-            nearest=nearest,
+            f"{w} is {p} - lr*{v} plus {', '.join(differing)}, which momentum SGD (plain or Nesterov) does not have.",
+            equation=f"{w} = {format_form(shown, [p, v, a])};  {v} = {format_form(form_v, [a])}",
+            nearest=f"{w} = {p} - {format_poly(lr_plain)}*{v}",
             differing=", ".join(differing),
             score=4,
         )
-
-    nesterov = not _close(beta, Poly.const(0), rel, scale=alpha * m)
-    if nesterov:
-        m_inverse = m.inverse()
-        if m_inverse is None:
-            return Miss(w, "extra-term", f"momentum {format_poly(m)} is not a single term.", equation=equation, score=3)
-        lr = beta * m_inverse
-        expected_alpha = -(lr + lr * m)
-        if not _close(alpha, expected_alpha, rel):
-            return Miss(
-                w,
-                "nesterov-momentum-mismatch",
-                f"{w} adds {format_poly(beta)}*{a} beside {format_poly(alpha)}*{v}: a Nesterov step with "
-                f"momentum {format_poly(m)} would have {format_poly(expected_alpha)}*{v}; the look-ahead "
-                "momentum differs from the buffer's.",
-                equation=equation,
-                nearest=f"{w} = {p} - {format_poly(lr)}*(g + {format_poly(m)}*{v})",
-                differing=f"{format_poly(alpha)}*{v} vs {format_poly(expected_alpha)}*{v}",
-                score=5,
-            )
-    else:
-        lr = lr_plain
 
     gradient = _find_gradient(index, normaliser, v, rest_v, {a, p})
     if gradient is None:
@@ -328,6 +410,37 @@ def _solve_roles(
             score=5,
         )
     g, k = gradient
+    nesterov = not _close(beta, Poly.const(0), rel, scale=alpha * m)
+    if nesterov:
+        m_inverse = m.inverse()
+        k_inverse = k.inverse()
+        if m_inverse is None or k_inverse is None:
+            return Miss(w, "extra-term", f"momentum {format_poly(m)} is not a single term.", equation=equation, score=3)
+        lr = beta * m_inverse
+        expected_alpha = -(lr + lr * m)
+        if not _close(alpha, expected_alpha, rel):
+            # Say it with the new buffer and the gradient: W = P + c_v·V + c_g·g, beside both SGD forms.
+            c_v = alpha + beta * m_inverse
+            c_g = -(beta * m_inverse) * k
+            plain_differs = f"{format_poly(c_g)}*{g}"
+            nesterov_differs = f"{format_poly(c_v - (-(lr * m)))}*{v}"
+            return Miss(
+                w,
+                "nesterov-momentum-mismatch",
+                f"{w} = {p} {_signed(c_v)}*{v} {_signed(c_g)}*{g} is neither plain momentum ({p} - "
+                f"{format_poly(-c_v)}*{v}; differs by {plain_differs}) nor Nesterov with the buffer's momentum "
+                f"{format_poly(m)} ({p} - {format_poly(lr)}*({g} + {format_poly(m)}*{v}); differs by {nesterov_differs}).",
+                equation=f"{w} = {format_form({p: Poly.const(1), v: c_v, g: c_g}, [p, v, g])};  {v} = {format_form(form_v, [a])}",
+                nearest=f"{w} = {p} - {format_poly(-c_v)}*{v}  or  {w} = {p} - {format_poly(lr)}*({g} + {format_poly(m)}*{v})",
+                differing=f"{plain_differs} (plain) / {nesterov_differs} (Nesterov)",
+                score=5,
+            )
+    else:
+        lr = lr_plain
+
+    mixed = _mixed_gradient(normaliser, g, rel)
+    if mixed is not None:
+        return Miss(w, "gradient-mixes-tensors", mixed, equation=equation, score=5)
     if not k.is_constant or not vp.is_constant:
         return Miss(
             w,
@@ -347,8 +460,6 @@ def _solve_roles(
     if abs(dampening) < rel:
         dampening = 0.0
 
-    # Nesterov's step also reads the weight-decayed gradient: W's P coefficient must carry wd·lr once more,
-    # which the α·V + β·A identity already enforced. Only the contract clauses are left to check.
     try:
         check_attributes(dampening, weight_decay, nesterov, subject=w)
     except ContractError as error:
@@ -362,7 +473,30 @@ def _solve_roles(
             equation=equation,
             score=7,
         )
-    state_problem = _state_problem(index, w, p, a)
+
+    first_step = None
+    if selection is not None:
+        condition, first_branch, when_true, _ = selection
+        grad_eff = scale_form(add_forms(form_v, {a: m}, Poly.const(-1)), Poly.const(1.0 / one_minus_d))
+        form_first = normaliser.form(first_branch)
+        if not _differing_terms(form_first, grad_eff, rel):
+            first_step = FirstStep(condition, when_true, zero_accum=True)
+        elif not _differing_terms(form_first, add_forms(grad_eff, {a: m}), rel):
+            first_step = FirstStep(condition, when_true, zero_accum=False)
+        else:
+            return Miss(
+                w,
+                "first-step-unsupported",
+                f"on the first step ({condition} is {when_true}) {v} = {format_form(form_first, [a])}; the contract "
+                f"with stat = 1 gives {format_form(grad_eff)} (old buffer ignored) or "
+                f"{format_form(add_forms(grad_eff, {a: m}), [a])}.",
+                equation=equation,
+                nearest=f"{v} = {format_form(grad_eff)}",
+                differing=", ".join(_differing_terms(form_first, grad_eff, rel)),
+                score=7,
+            )
+
+    state_problem = _state_problem(index, w, v, p, a)
     if state_problem is not None:
         return dataclasses.replace(state_problem, equation=equation, score=8)
     typing_problem = _typing_problem(index, normaliser, w, v, p, a, g)
@@ -386,8 +520,31 @@ def _solve_roles(
         dtype=index.spec(p).dtype,
         shape=index.spec(p).shape,
         nodes=nodes_w | nodes_v,
-        parameter_equation=f"{w} = {format_form(normaliser.form(w), [p, a])}",
-        accum_equation=f"{v} = {format_form(normaliser.form(v), [a, g, p])}",
+        parameter_equation=f"{w} = {format_form({p: Poly.const(1), v: alpha, a: beta} if nesterov else {p: Poly.const(1), v: alpha}, [p, v, a])}",
+        accum_equation=f"{v} = {format_form(form_v, [a, g, p])}",
+        first_step=first_step,
+    )
+
+
+def _signed(poly: Poly) -> str:
+    text = format_poly(poly)
+    return f"- {text[1:]}" if text.startswith("-") and " " not in text else f"+ {text}"
+
+
+def _mixed_gradient(normaliser: Normaliser, g: str, rel: float) -> str | None:
+    """A gradient computed as a weighted mix of tensors (``g + 0.01*q``: weight decay on a tensor other than
+    the parameter) is not taken as the gradient; a sum of contributions with one common weight
+    (accumulated micro-batch gradients, averaged or not) is."""
+    form = normaliser.form(g)
+    if len(form) < 2:
+        return None
+    weights = list(form.values())
+    first = weights[0]
+    if all(_close(w, first, rel) for w in weights[1:]):
+        return None
+    return (
+        f"the gradient {g} = {format_form(form)} weighs tensors differently; a weighted term on a tensor other "
+        "than the parameters (weight decay of another tensor, say) is not part of momentum SGD."
     )
 
 
@@ -436,7 +593,7 @@ def _find_gradient(index: GraphIndex, normaliser: Normaliser, v: str, rest: Form
     return None
 
 
-def _state_problem(index: GraphIndex, w: str, p: str, a: str) -> Miss | None:
+def _state_problem(index: GraphIndex, w: str, v: str, p: str, a: str) -> Miss | None:
     for role, name in (("parameters", p), ("momentum buffer", a)):
         if name in index.initializers and name not in index.graph_inputs:
             return Miss(
@@ -453,6 +610,33 @@ def _state_problem(index: GraphIndex, w: str, p: str, a: str) -> Miss | None:
                 "computed-state",
                 f"the {role} {name} is {what}; fused state must be a graph input the caller feeds and updates.",
             )
+    # ONNX does not say which input a new state output replaces. Where the names say it (buf -> buf_out),
+    # the buffer an update reads must be the one its output replaces, or the in-place write hits another.
+    for role, old, new in (("momentum buffer", a, v), ("parameters", p, w)):
+        named = _previous_by_name(index, new)
+        if named is not None and named != old:
+            return Miss(
+                w,
+                "buffer-not-own-previous" if role == "momentum buffer" else "parameters-not-own-previous",
+                f"{new} is computed from {old}, but its name says it is the next value of {named}; an in-place "
+                f"update would overwrite {old} instead.",
+            )
+    return None
+
+
+_STATE_SUFFIXES = ("_out", "_new", "_next", "_updated", ".out", ".new")
+_STATE_PREFIXES = ("new_", "next_", "updated_", "out_")
+
+
+def _previous_by_name(index: GraphIndex, output: str) -> str | None:
+    """The graph input whose name marks ``output`` as its next value (``buf`` for ``buf_out``), if any."""
+    inputs = set(index.graph_inputs)
+    for suffix in _STATE_SUFFIXES:
+        if output.endswith(suffix) and output[: -len(suffix)] in inputs:
+            return output[: -len(suffix)]
+    for prefix in _STATE_PREFIXES:
+        if output.startswith(prefix) and output[len(prefix):] in inputs:
+            return output[len(prefix):]
     return None
 
 
@@ -463,33 +647,49 @@ def _typing_problem(
     dtype = specs[p].dtype
     for name, spec in specs.items():
         if spec.dtype != dtype:
+            both_float = spec.dtype in _EPS and dtype in _EPS
             return Miss(
                 w,
-                "dtype-mismatch",
-                f"{name} is {dtype_name(spec.dtype)} but parameters {p} is {dtype_name(dtype)}; the SGD operator "
-                "needs one dtype.",
+                "mixed-precision" if both_float else "dtype-mismatch",
+                f"{name} is {dtype_name(spec.dtype)} but parameters {p} are {dtype_name(dtype)}; the SGD operator "
+                "keeps parameters, gradient and buffer in one dtype"
+                + (" (a buffer or gradient kept in higher precision cannot be fused without changing it)." if both_float else "."),
             )
     for name, spec in specs.items():
         if not _same_shape(spec, specs[p]) or spec.shape is None and specs[p].shape is not None:
             return Miss(
                 w,
                 "shape-mismatch",
-                f"{name} has shape {spec.shape} but parameters {p} has {specs[p].shape}; the SGD operator needs "
+                f"{name} has shape {spec.shape} but parameters {p} have {specs[p].shape}; the SGD operator needs "
                 "one shape.",
             )
-    # Every tensor the update computes must be in the parameters' precision: an update carried out in FLOAT
-    # between Casts rounds differently from the contract's single rounding at the end.
+    # The contract computes in FLOAT and rounds once at the end. An update computed wholly in the parameters'
+    # dtype, or wholly in FLOAT between Casts of FLOAT16/BFLOAT16 state, is that computation (up to the
+    # rounding the verification bound covers); a mix rounds to the low precision midway, and is refused.
+    intermediate_dtypes: dict[int, str] = {}
+    boundary = {p, g, a, w, v}
     for root in (w, v):
         _, values = normaliser.cone(root)
         for value in sorted(values):
             spec = index.spec(value)
-            if spec.num_elements() == 1 or value == ONE:
+            if value in boundary or value == ONE or spec.num_elements() == 1 or index.producer.get(value) is None:
                 continue
-            if spec.dtype and spec.dtype != dtype:
-                return Miss(
-                    w,
-                    "mixed-precision",
-                    f"{value} in the update is computed in {dtype_name(spec.dtype)} while parameters {p} are "
-                    f"{dtype_name(dtype)}.",
-                )
+            if spec.dtype:
+                intermediate_dtypes.setdefault(spec.dtype, value)
+    allowed = {dtype} | ({onnx.TensorProto.FLOAT} if dtype in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) else set())
+    for other, value in intermediate_dtypes.items():
+        if other not in allowed:
+            return Miss(
+                w,
+                "mixed-precision",
+                f"{value} in the update is computed in {dtype_name(other)} while parameters {p} are {dtype_name(dtype)}.",
+            )
+    if len(intermediate_dtypes) > 1:
+        low = intermediate_dtypes[dtype]
+        return Miss(
+            w,
+            "mixed-precision",
+            f"the update rounds to {dtype_name(dtype)} midway ({low}) between FLOAT computations; the contract "
+            "rounds once, at the end.",
+        )
     return None
