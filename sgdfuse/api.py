@@ -17,9 +17,10 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from sgdfuse.errors import ModelLoadError, OutputWriteError
-from sgdfuse.fused_op import MIN_OPSET, default_opset
+from sgdfuse.fused_op import MIN_OPSET, function_opset
 from sgdfuse.passes.index import build_index
 from sgdfuse.passes.linear import Normaliser
+from sgdfuse.passes.onnx_momentum import TRAINING_DOMAIN, convert_momentum_nodes
 from sgdfuse.passes.rewrite import Planner, apply_plans, describe_scalar
 from sgdfuse.passes.sgd_match import Match, Miss, find_updates
 from sgdfuse.report import FusedUpdate, Refusal, Report, Verification
@@ -126,8 +127,8 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, *, verify: bool = True,
         ModelLoadError: ``model`` is a path that cannot be loaded as ONNX.
     """
     source_model, source = _as_model(model)
-    report, plans, index = _analyse(source_model, source, verify=verify, steps=steps, seed=seed)
-    new_model = apply_plans(source_model, index, plans)
+    report, plans, index, base = _analyse(source_model, source, verify=verify, steps=steps, seed=seed)
+    new_model = apply_plans(base, index, plans)
     report.nodes_after = len(new_model.graph.node)
     return OptimizeResult(new_model, report)
 
@@ -136,19 +137,39 @@ def inspect(model: str | os.PathLike | onnx.ModelProto, *, verify: bool = False,
     """The analysis of :func:`optimize` with nothing rewritten (a dry run): which updates would fuse,
     which candidates are refused and why. ``verify`` runs the differential check as well."""
     source_model, source = _as_model(model)
-    report, plans, _ = _analyse(source_model, source, verify=verify, steps=steps, seed=seed)
+    report, plans, _, _ = _analyse(source_model, source, verify=verify, steps=steps, seed=seed)
     report.written = False
     report.nodes_after = report.nodes_before
     return report
 
 
 def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, seed: int):
-    index = build_index(model)
-    normaliser = Normaliser(index)
-    matches, misses = find_updates(index, normaliser)
+    """Returns (report, plans, index, base): ``base`` is the model the plans apply to (``model`` with any
+    ONNX ``Momentum`` nodes already converted)."""
     report = Report(source=source, nodes_before=len(model.graph.node))
+    report.verification = Verification(enabled=verify, steps=steps if verify else 0, tolerance=_tolerance_text())
+    misses: list[Miss] = []
 
-    opset = default_opset(model)
+    base = model
+    index = build_index(model)
+    if any(n.op_type == "Momentum" and n.domain == TRAINING_DOMAIN for n in model.graph.node):
+        base, conversions, momentum_misses = convert_momentum_nodes(model, index, verify=verify, steps=steps, seed=seed)
+        misses.extend(momentum_misses)
+        for c in conversions:
+            report.fused.append(_momentum_entry(c))
+            if verify:
+                report.verification.updates.append(
+                    {"parameters_out": c.parameters_out, "steps": steps, "passed": True, "max_abs_error": c.max_abs_error,
+                     "max_bound_ratio": float("nan"), "message": "original run with onnx.reference.ReferenceEvaluator"}
+                )
+        if conversions:
+            index = build_index(base)
+
+    normaliser = Normaliser(index)
+    matches, found_misses = find_updates(index, normaliser)
+    misses.extend(found_misses)
+
+    opset = function_opset(base)
     if matches and opset < MIN_OPSET:
         for match in matches:
             misses.append(
@@ -163,9 +184,8 @@ def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, s
 
     planner = Planner(index)
     plans = [planner.plan(match) for match in matches]
-    report.verification = Verification(enabled=verify, steps=steps if verify else 0, tolerance=_tolerance_text())
     if verify and plans:
-        checks = verification.verify_plans(model, index, plans, steps=steps, seed=seed)
+        checks = verification.verify_plans(base, index, plans, steps=steps, seed=seed)
         kept = []
         for plan, check in zip(plans, checks):
             report.verification.updates.append(dataclasses.asdict(check))
@@ -182,7 +202,32 @@ def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, s
                 {"name": plan.gradient_input, "what": f"Neg({plan.match.gradient}): maximize feeds the negated gradient", "initial": "-"}
             )
     report.refused = [Refusal(m.candidate, m.reason, m.detail, m.equation, m.nearest, m.differing) for m in misses]
-    return report, plans, index
+    return report, plans, index, base
+
+
+def _momentum_entry(c) -> FusedUpdate:
+    return FusedUpdate(
+        node=c.sgd_node,
+        parameters=c.parameters,
+        gradient=c.gradient,
+        accum=c.accum,
+        parameters_out=c.parameters_out,
+        accum_out=c.accum_out,
+        learning_rate=c.learning_rate,
+        momentum=_short(c.momentum),
+        learning_rate_input=c.learning_rate,
+        momentum_input="",
+        dampening=_short(c.dampening),
+        weight_decay=_short(c.weight_decay),
+        nesterov=c.nesterov,
+        maximize=False,
+        stat=f"1 where {c.step_count} <= 0 (ONNX Momentum's first step: beta_adjusted = 1), else 0",
+        dtype=dtype_name(c.dtype),
+        shape=list(c.shape) if c.shape is not None else [],
+        parameter_equation=f"converted from ai.onnx.preview.training::Momentum node {c.node}",
+        accum_equation="",
+        source="onnx-momentum",
+    )
 
 
 def _fused_entry(plan) -> FusedUpdate:
@@ -208,6 +253,7 @@ def _fused_entry(plan) -> FusedUpdate:
         parameter_equation=match.parameter_equation,
         accum_equation=match.accum_equation,
         matched_nodes=len(match.nodes),
+        source="pattern" if match.first_step is None else "pattern with first-step Where",
     )
 
 

@@ -35,6 +35,8 @@ __all__ = [
     "ensure_sgd_function",
     "is_sgd_node",
     "read_sgd_attributes",
+    "default_opset",
+    "function_opset",
 ]
 
 DOMAIN = "ai.sgdfuse"
@@ -219,12 +221,30 @@ def default_opset(model: onnx.ModelProto) -> int:
     return 0
 
 
+DEFAULT_OPSET_WHEN_ABSENT = 18
+"""Opset declared for the default domain when a model imports none (a model of training-domain ops only,
+like ONNX's own Momentum test cases): no existing node reads it, and the function body needs one."""
+
+
+def function_opset(model: onnx.ModelProto) -> int:
+    """The default-domain opset the SGD function will be declared against in ``model``: the model's own, or
+    :data:`DEFAULT_OPSET_WHEN_ABSENT` when it imports none."""
+    return default_opset(model) or DEFAULT_OPSET_WHEN_ABSENT
+
+
 def ensure_sgd_function(model: onnx.ModelProto) -> None:
     """Declare the ``ai.sgdfuse`` domain and add the SGD FunctionProto to ``model`` (in place) if absent.
+
+    A model with no default-domain import gets one (:data:`DEFAULT_OPSET_WHEN_ABSENT`); the IR version is
+    raised to 8 if lower, the first with model-local functions.
 
     Raises:
         ValueError: the model's default-domain opset is below 15 (the body needs ``CastLike``).
     """
+    if default_opset(model) == 0:
+        model.opset_import.append(helper.make_opsetid("", DEFAULT_OPSET_WHEN_ABSENT))
+    if model.ir_version < 8:
+        model.ir_version = 8
     if not any(entry.domain == DOMAIN for entry in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, OP_VERSION))
     if not any(f.domain == DOMAIN and f.name == OP_TYPE for f in model.functions):

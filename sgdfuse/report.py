@@ -29,6 +29,8 @@ class FusedUpdate:
         dtype: ONNX element type name of the parameters; shape: their dims.
         parameter_equation, accum_equation: the normalised equations that were matched.
         matched_nodes: how many nodes of the original graph the matched update spans.
+        source: how it was found: ``"pattern"`` (algebraic matching), ``"pattern with first-step Where"``,
+            ``"onnx-momentum"`` (an ``ai.onnx.preview.training::Momentum`` node converted).
     """
 
     node: str
@@ -51,6 +53,7 @@ class FusedUpdate:
     parameter_equation: str
     accum_equation: str
     matched_nodes: int = 0
+    source: str = "pattern"
 
 
 @dataclasses.dataclass

@@ -32,7 +32,7 @@ from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.rewrite import Plan
 from sgdfuse.runtime import make_session, onnx_to_numpy_dtype, run
 
-__all__ = ["OPERATIONS", "UpdateCheck", "verify_plans", "error_bound", "unit_roundoff"]
+__all__ = ["OPERATIONS", "UpdateCheck", "ModelCheck", "verify_plans", "check_models", "error_bound", "error_bound_values", "unit_roundoff"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,22 +70,38 @@ class UpdateCheck:
     message: str = ""
 
 
-def error_bound(plan_or_hyper, p: np.ndarray, g: np.ndarray, a: np.ndarray, lr: float, dtype: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-element bounds ``(weights, buffer)`` on |fused - original| for one step (see module docstring).
+def error_bound(plan, p: np.ndarray, g: np.ndarray, a: np.ndarray, lr: float, dtype: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-element bounds ``(weights, buffer)`` on |fused - original| for one step of ``plan``'s update
+    (see the module docstring); a runtime momentum is bounded by 1 in magnitude."""
+    match = plan.match
+    m = abs(float(match.momentum.constant_value)) if match.momentum.is_constant else 1.0
+    return error_bound_values(m, match.dampening, match.weight_decay, match.nesterov, p, g, a, lr, dtype)
+
+
+def error_bound_values(
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    p: np.ndarray,
+    g: np.ndarray,
+    a: np.ndarray,
+    lr: float,
+    dtype: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-element bounds ``(weights, buffer)`` on |fused - original| for one step (module docstring).
 
     Args:
-        plan_or_hyper: a :class:`Plan` (its match's momentum, dampening, weight_decay, nesterov are read).
+        momentum, dampening, weight_decay, nesterov: the update's hyper-parameters.
         p, g, a: the step's parameters, gradient and buffer (any float dtype; computed in float64).
         lr: the learning rate of the step.
-        dtype: the parameters' ONNX dtype.
+        dtype: the parameters' ONNX dtype (FLOAT, FLOAT16 or BFLOAT16).
     """
-    match = plan_or_hyper.match
-    m = abs(float(match.momentum.constant_value)) if match.momentum.is_constant else 1.0
-    d, wd = abs(match.dampening), abs(match.weight_decay)
+    m, d, wd = abs(momentum), abs(dampening), abs(weight_decay)
     p64, g64, a64 = (np.abs(np.asarray(x, dtype=np.float64)) for x in (p, g, a))
     grad = g64 + wd * p64
     s_buffer = m * a64 + (1 + d) * grad
-    if match.nesterov:
+    if nesterov:
         s_weights = p64 + abs(lr) * (grad + m * s_buffer)
     else:
         s_weights = p64 + abs(lr) * s_buffer
@@ -181,7 +197,7 @@ def verify_plans(
 
 
 def _verify_batch(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan], *, steps: int, seed: int) -> list[UpdateCheck]:
-    from sgdfuse.fused_op import make_sgd_function, default_opset, DOMAIN, OP_VERSION
+    from sgdfuse.fused_op import make_sgd_function, function_opset, DOMAIN, OP_VERSION
 
     from sgdfuse.passes.rewrite import _stable_topological_sort
 
@@ -205,7 +221,7 @@ def _verify_batch(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Pla
     fused_nodes = _stable_topological_sort(entries, available=set())
     fused_initializers = list({t.name: t for plan in plans for t in plan.initializers}.values())
     fused, fused_inputs = _slice_model(
-        index, fused_nodes, fused_initializers, outputs, opsets, [make_sgd_function(default_opset(model))]
+        index, fused_nodes, fused_initializers, outputs, opsets, [make_sgd_function(function_opset(model))]
     )
     original_session, fused_session = make_session(original), make_session(fused)
 
