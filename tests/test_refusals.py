@@ -1,0 +1,446 @@
+"""What ``sgdfuse.optimize`` refuses to fuse, and why; and that what it does fuse stays sound.
+
+Each refusal test builds the smallest graph (``tests/graphs.py``, opset 18, FLOAT [2, 3] unless noted) that
+breaks one clause, then asserts the reason code (``sgdfuse.passes.sgd_match.REASONS``), that the detail
+names the offending value, and that the model comes back unchanged (no SGD node, the same bytes).
+
+The soundness tests at the end fuse graphs where the update's values are also read elsewhere and run the
+original and the fused model in onnxruntime: every output must come out the same. The expected values come
+from onnxruntime on the original graph, never from sgdfuse.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+import sgdfuse.api as api
+from graphs import F16, F32, make_model, momentum_sgd, random_feeds, scalar, value
+from sgdfuse.report import Refusal
+
+node = helper.make_node
+
+
+def _refusal(model: onnx.ModelProto, candidate: str = "p_out") -> Refusal:
+    """Optimise ``model``, check it came back unchanged, and return the refusal of ``candidate``."""
+    before = model.SerializeToString()
+    result = api.optimize(model)
+    assert result.report.fused == [], result.report
+    assert not [n for n in result.model.graph.node if n.domain == "ai.sgdfuse"]
+    assert result.model.SerializeToString() == before, "a refused model must come back unchanged"
+    assert model.SerializeToString() == before
+    refusals = {r.candidate: r for r in result.report.refused}
+    assert candidate in refusals, f"{candidate} not refused; refusals: {result.report.refused}"
+    return refusals[candidate]
+
+
+def _names(text: str, name: str) -> bool:
+    """True when ``text`` mentions the value ``name`` as a whole word (``p`` is not in ``p_out``)."""
+    return re.search(rf"(?<![\w/]){re.escape(name)}(?![\w/])", text) is not None
+
+
+def _momentum_step(*, buffer: list[onnx.NodeProto], weights: list[onnx.NodeProto], inputs, initializers, dtype=F32):
+    """A step with graph outputs ``p_out`` and ``buf_out`` computed by ``buffer`` and ``weights`` nodes."""
+    return make_model(
+        [*buffer, *weights],
+        inputs,
+        [value("p_out", dtype), value("buf_out", dtype)],
+        initializers,
+    )
+
+
+PLAIN_BUFFER = [
+    node("Mul", ["buf", "m"], ["buf_scaled"]),
+    node("Add", ["buf_scaled", "g"], ["buf_out"]),
+]
+PLAIN_WEIGHTS = [
+    node("Mul", ["buf_out", "lr"], ["step"]),
+    node("Sub", ["p", "step"], ["p_out"]),
+]
+STATE = [value("p"), value("g"), value("buf")]
+
+
+def test_the_plain_graph_the_refusals_start_from_does_fuse():
+    # Guard: the refusals below differ from this graph in one clause only.
+    result = api.optimize(momentum_sgd())
+    [fused] = result.report.fused
+    assert (fused.parameters, fused.gradient, fused.accum) == ("p", "g", "buf")
+    assert fused.momentum == pytest.approx(0.9) and fused.learning_rate == pytest.approx(0.1)
+    assert (fused.dampening, fused.weight_decay, fused.nesterov) == (0.0, 0.0, False)
+
+
+# -- constant-state -------------------------------------------------------------------------------------
+
+
+def test_parameters_as_an_initializer_are_refused_as_constant_state():
+    refusal = _refusal(momentum_sgd(parameters_as_initializer=True))
+    assert refusal.reason == "constant-state", refusal
+    assert _names(refusal.detail, "p"), refusal.detail
+
+
+def test_momentum_buffer_as_an_initializer_is_refused_as_constant_state():
+    refusal = _refusal(momentum_sgd(buffer_as_initializer=True))
+    assert refusal.reason == "constant-state", refusal
+    assert _names(refusal.detail, "buf"), refusal.detail
+
+
+# -- no-momentum-buffer ---------------------------------------------------------------------------------
+
+
+def test_plain_sgd_without_a_buffer_is_refused_as_no_momentum_buffer():
+    # p_out = p - lr*g: nothing to fuse into a momentum operator.
+    model = make_model(
+        [node("Mul", ["g", "lr"], ["step"]), node("Sub", ["p", "step"], ["p_out"])],
+        [value("p"), value("g")],
+        [value("p_out")],
+        [scalar("lr", 0.1)],
+    )
+    refusal = _refusal(model)
+    assert refusal.reason == "no-momentum-buffer", refusal
+    assert _names(refusal.detail, "p_out"), refusal.detail
+
+
+def test_momentum_zero_is_refused_as_no_momentum_buffer():
+    # buf_out = 0*buf + g; p_out = p - lr*buf_out. With momentum 0 the contract keeps the old buffer where
+    # this graph overwrites it (SGD-OPERATOR.md), and DESIGN.md: "momentum == 0 updates are not momentum
+    # updates: leave them (report why)".
+    refusal = _refusal(momentum_sgd(momentum=0.0))
+    assert refusal.reason == "no-momentum-buffer", refusal
+    assert _names(refusal.detail, "p_out"), refusal.detail
+
+
+def test_parameter_update_that_reads_the_old_buffer_is_refused():
+    # buf_out = m*buf + g is computed, but p_out = p - lr*buf reads the *old* buffer: not momentum SGD.
+    model = _momentum_step(
+        buffer=PLAIN_BUFFER,
+        weights=[node("Mul", ["buf", "lr"], ["step"]), node("Sub", ["p", "step"], ["p_out"])],
+        inputs=STATE,
+        initializers=[scalar("m", 0.9), scalar("lr", 0.1)],
+    )
+    refusal = _refusal(model)
+    assert refusal.reason == "no-momentum-buffer", refusal
+    assert _names(refusal.detail, "p_out") and _names(refusal.detail, "buf"), refusal.detail
+
+
+# -- extra-term -----------------------------------------------------------------------------------------
+
+
+def test_decoupled_weight_decay_is_refused_as_an_extra_term_naming_the_parameters():
+    # AdamW-style decay: p_out = p - lr*wd*p - lr*buf_out. The contract folds wd into the gradient (and so
+    # into the buffer); a decay applied to p directly is a term momentum SGD does not have.
+    model = _momentum_step(
+        buffer=PLAIN_BUFFER,
+        weights=[
+            node("Mul", ["buf_out", "lr"], ["step"]),
+            node("Mul", ["p", "lr_wd"], ["decay"]),
+            node("Sub", ["p", "decay"], ["p_decayed"]),
+            node("Sub", ["p_decayed", "step"], ["p_out"]),
+        ],
+        inputs=STATE,
+        initializers=[scalar("m", 0.9), scalar("lr", 0.1), scalar("lr_wd", 0.1 * 0.01)],
+    )
+    refusal = _refusal(model)
+    assert refusal.reason == "extra-term", refusal
+    assert re.search(r"\*p(?!\w)", refusal.detail), f"the detail should show the p term: {refusal.detail}"
+    assert _names(refusal.differing, "p") or "*p" in refusal.differing, refusal.differing
+
+
+# -- nesterov-momentum-mismatch -------------------------------------------------------------------------
+
+
+def test_nesterov_look_ahead_with_another_momentum_is_refused():
+    # buf_out = 0.9*buf + g; p_out = p - lr*(g + 0.5*buf_out): the look-ahead momentum is not the buffer's.
+    model = _momentum_step(
+        buffer=PLAIN_BUFFER,
+        weights=[
+            node("Mul", ["buf_out", "m_look"], ["look"]),
+            node("Add", ["g", "look"], ["direction"]),
+            node("Mul", ["direction", "lr"], ["step"]),
+            node("Sub", ["p", "step"], ["p_out"]),
+        ],
+        inputs=STATE,
+        initializers=[scalar("m", 0.9), scalar("m_look", 0.5), scalar("lr", 0.1)],
+    )
+    refusal = _refusal(model)
+    assert refusal.reason == "nesterov-momentum-mismatch", refusal
+    assert _names(refusal.detail, "buf_out"), refusal.detail
+    assert "0.9" in refusal.detail, refusal.detail
+
+
+def test_nesterov_with_the_buffer_momentum_fuses():
+    # Guard for the test above: the same graph with the look-ahead reading m itself is Nesterov SGD.
+    model = _momentum_step(
+        buffer=PLAIN_BUFFER,
+        weights=[
+            node("Mul", ["buf_out", "m"], ["look"]),
+            node("Add", ["g", "look"], ["direction"]),
+            node("Mul", ["direction", "lr"], ["step"]),
+            node("Sub", ["p", "step"], ["p_out"]),
+        ],
+        inputs=STATE,
+        initializers=[scalar("m", 0.9), scalar("lr", 0.1)],
+    )
+    [fused] = api.optimize(model).report.fused
+    assert fused.nesterov and fused.momentum == pytest.approx(0.9) and fused.accum == "buf"
+
+
+# -- runtime-hyperparameter / runtime-momentum ----------------------------------------------------------
+
+
+def test_dampening_fed_as_a_graph_input_is_refused_as_runtime_hyperparameter():
+    # buf_out = m*buf + (1 - d)*g with d a graph input: the contract needs dampening as an attribute.
+    model = _momentum_step(
+        buffer=[
+            node("Mul", ["buf", "m"], ["buf_scaled"]),
+            node("Sub", ["one", "d"], ["one_minus_d"]),
+            node("Mul", ["g", "one_minus_d"], ["g_damped"]),
+            node("Add", ["buf_scaled", "g_damped"], ["buf_out"]),
+        ],
+        weights=PLAIN_WEIGHTS,
+        inputs=[*STATE, value("d", shape=[])],
+        initializers=[scalar("m", 0.9), scalar("lr", 0.1), scalar("one", 1.0)],
+    )
+    refusal = _refusal(model)
+    assert refusal.reason == "runtime-hyperparameter", refusal
+    assert _names(refusal.detail, "d"), refusal.detail
+
+
+def test_weight_decay_fed_as_a_graph_input_is_refused_as_runtime_hyperparameter():
+    # g' = g + wd*p with wd a graph input.
+    model = _momentum_step(
+        buffer=[
+            node("Mul", ["p", "wd"], ["decay"]),
+            node("Add", ["g", "decay"], ["g_decayed"]),
+            node("Mul", ["buf", "m"], ["buf_scaled"]),
+            node("Add", ["buf_scaled", "g_decayed"], ["buf_out"]),
+        ],
+        weights=PLAIN_WEIGHTS,
+        inputs=[*STATE, value("wd", shape=[])],
+        initializers=[scalar("m", 0.9), scalar("lr", 0.1)],
+    )
+    refusal = _refusal(model)
+    assert refusal.reason == "runtime-hyperparameter", refusal
+    assert _names(refusal.detail, "wd"), refusal.detail
+
+
+def test_momentum_fed_as_a_graph_input_is_refused_as_runtime_momentum():
+    # A runtime momentum may be 0 at run time, where the contract keeps the old buffer.
+    model = _momentum_step(
+        buffer=PLAIN_BUFFER,
+        weights=PLAIN_WEIGHTS,
+        inputs=[*STATE, value("m", shape=[])],
+        initializers=[scalar("lr", 0.1)],
+    )
+    refusal = _refusal(model)
+    assert refusal.reason == "runtime-momentum", refusal
+    assert _names(refusal.detail, "m"), refusal.detail
+
+
+# -- mixed-precision ------------------------------------------------------------------------------------
+# FLOAT16 state whose update is computed in FLOAT between Casts. The contract computes in FLOAT and rounds
+# once at the end (SGD-OPERATOR.md); sgd_match documents the rule: an update wholly in FLOAT between Casts
+# is that computation and fuses, an update that rounds to FLOAT16 midway is mixed precision and is refused.
+
+
+def _float16_state_float_math(weights: str) -> onnx.ModelProto:
+    """FLOAT16 p, g, buf; buf_out = Cast16(m*Cast32(buf) + Cast32(g)). The weights' step:
+
+    - ``"float"``: p_out = Cast16(Cast32(p) - lr*buf32_out), all FLOAT (one rounding at the end);
+    - ``"rounded-buffer"``: as "float" but reading Cast32(buf_out), the buffer already rounded to FLOAT16;
+    - ``"float16"``: p_out = p - lr16*buf_out computed in FLOAT16.
+    """
+    buffer = [
+        node("Cast", ["g"], ["g32"], to=F32),
+        node("Cast", ["buf"], ["buf32"], to=F32),
+        node("Mul", ["buf32", "m"], ["buf_scaled"]),
+        node("Add", ["buf_scaled", "g32"], ["buf32_out"]),
+        node("Cast", ["buf32_out"], ["buf_out"], to=F16),
+    ]
+    initializers = [scalar("m", 0.9), scalar("lr", 0.1)]
+    if weights == "float16":
+        initializers.append(scalar("lr16", 0.1, F16))
+        steps = [node("Mul", ["buf_out", "lr16"], ["step"]), node("Sub", ["p", "step"], ["p_out"])]
+    else:
+        read = "buf32_out"
+        if weights == "rounded-buffer":
+            buffer.append(node("Cast", ["buf_out"], ["buf_out32"], to=F32))
+            read = "buf_out32"
+        steps = [
+            node("Cast", ["p"], ["p32"], to=F32),
+            node("Mul", [read, "lr"], ["step"]),
+            node("Sub", ["p32", "step"], ["p32_out"]),
+            node("Cast", ["p32_out"], ["p_out"], to=F16),
+        ]
+    return _momentum_step(
+        buffer=buffer,
+        weights=steps,
+        inputs=[value("p", F16), value("g", F16), value("buf", F16)],
+        initializers=initializers,
+        dtype=F16,
+    )
+
+
+def test_float16_update_that_rounds_to_float16_midway_is_refused_as_mixed_precision():
+    # The buffer is computed in FLOAT and rounded to FLOAT16; the weights' step then runs in FLOAT16.
+    refusal = _refusal(_float16_state_float_math("float16"))
+    assert refusal.reason == "mixed-precision", refusal
+    assert "FLOAT" in refusal.detail, refusal.detail
+    assert any(_names(refusal.detail, v) for v in ("step", "buf_scaled", "buf32_out", "buf_out")), refusal.detail
+
+
+def test_float16_update_reading_the_rounded_buffer_back_in_float_is_refused_as_mixed_precision():
+    # p_out = Cast16(Cast32(p) - lr*Cast32(Cast16(buf32_out))): the buffer is rounded to FLOAT16 midway
+    # (at buf_out) between FLOAT computations, which the contract (one rounding at the end) does not do.
+    refusal = _refusal(_float16_state_float_math("rounded-buffer"))
+    assert refusal.reason == "mixed-precision", refusal
+    assert "FLOAT" in refusal.detail and _names(refusal.detail, "buf_out"), refusal.detail
+
+
+def test_float16_update_computed_wholly_in_float_between_casts_fuses_and_agrees():
+    # The contract's own computation: FLOAT intermediates, one round-to-nearest-even at the end.
+    model = _float16_state_float_math("float")
+    result = api.optimize(model)
+    [fused] = result.report.fused
+    assert (fused.parameters, fused.gradient, fused.accum, fused.dtype) == ("p", "g", "buf", "FLOAT16")
+    feeds = random_feeds(model, seed=5)
+    names = ["p_out", "buf_out"]
+    want = _session(model).run(names, feeds)
+    have = _session(result.model).run(names, feeds)
+    for name, w, h in zip(names, want, have):
+        # lr and momentum are fed to the operator in the parameters' dtype (the contract's rule), so 0.1 and
+        # 0.9 become FLOAT16 constants (relative change < 2.5e-4): agreement within two FLOAT16 ulps.
+        np.testing.assert_allclose(h.astype(np.float64), w.astype(np.float64), rtol=2e-3, atol=2e-3, err_msg=name)
+
+
+# -- shape-mismatch -------------------------------------------------------------------------------------
+
+
+def test_gradient_of_another_shape_than_the_parameters_is_refused_as_shape_mismatch():
+    # g is [3], broadcast against p and buf of [2, 3]: the operator needs one shape.
+    model = _momentum_step(
+        buffer=PLAIN_BUFFER,
+        weights=PLAIN_WEIGHTS,
+        inputs=[value("p"), value("g", shape=[3]), value("buf")],
+        initializers=[scalar("m", 0.9), scalar("lr", 0.1)],
+    )
+    refusal = _refusal(model)
+    assert refusal.reason == "shape-mismatch", refusal
+    assert _names(refusal.detail, "g"), refusal.detail
+
+
+# -- soundness: roles and values read outside the update ------------------------------------------------
+
+
+def _session(model: onnx.ModelProto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _assert_same_outputs(original: onnx.ModelProto, fused: onnx.ModelProto) -> None:
+    # FLOAT: the fused function computes the same formula in FLOAT, rounding in another order: a few ulps.
+    feeds = random_feeds(original, seed=3)
+    names = [o.name for o in original.graph.output]
+    assert names == [o.name for o in fused.graph.output]
+    want = _session(original).run(names, feeds)
+    have = _session(fused).run(names, feeds)
+    for name, w, h in zip(names, want, have):
+        np.testing.assert_allclose(h, w, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def _fused_once(model: onnx.ModelProto):
+    result = api.optimize(model)
+    assert len(result.report.fused) == 1, result.report
+    onnx.checker.check_model(result.model, full_check=True)
+    return result
+
+
+def test_new_buffer_read_by_a_reduction_that_is_a_graph_output_is_still_computed():
+    model = momentum_sgd(
+        extra_nodes=[node("ReduceSum", ["buf_out"], ["buf_sum"], keepdims=0)],
+        extra_outputs=[value("buf_sum", shape=[])],
+    )
+    result = _fused_once(model)
+    _assert_same_outputs(model, result.model)
+
+
+def test_intermediate_step_that_is_a_graph_output_is_still_computed():
+    # step = lr*buf_out is matched inside the update and is also a graph output.
+    model = momentum_sgd(extra_outputs=[value("step")])
+    result = _fused_once(model)
+    assert "step" in {o for n in result.model.graph.node for o in n.output}
+    _assert_same_outputs(model, result.model)
+
+
+def test_intermediate_read_by_another_node_is_still_computed():
+    # buf_scaled = m*buf is matched inside the update and read by a node outside it.
+    model = momentum_sgd(
+        extra_nodes=[node("Abs", ["buf_scaled"], ["buf_scaled_abs"])],
+        extra_outputs=[value("buf_scaled_abs")],
+    )
+    result = _fused_once(model)
+    _assert_same_outputs(model, result.model)
+
+
+def test_new_parameters_read_downstream_are_still_computed():
+    model = momentum_sgd(
+        extra_nodes=[node("Mul", ["p_out", "p_out"], ["p_out_squared"])],
+        extra_outputs=[value("p_out_squared")],
+    )
+    result = _fused_once(model)
+    _assert_same_outputs(model, result.model)
+
+
+def _rename(model: onnx.ModelProto, names: dict[str, str]) -> onnx.ModelProto:
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(model)
+    for n in renamed.graph.node:
+        n.input[:] = [names.get(x, x) for x in n.input]
+        n.output[:] = [names.get(x, x) for x in n.output]
+    for o in renamed.graph.output:
+        o.name = names.get(o.name, o.name)
+    onnx.checker.check_model(renamed, full_check=True)
+    return renamed
+
+
+@pytest.mark.parametrize(
+    "output_names",
+    [{}, {"p_out": "output_0", "buf_out": "output_1"}],
+    ids=["outputs_named_after_inputs", "outputs_named_output_N"],
+)
+@pytest.mark.parametrize("gradient_first", [False, True], ids=["buf_first", "gradient_first"])
+@pytest.mark.parametrize("one_minus_dampening", [1.0, 0.75], ids=["no_dampening", "dampening_0.25"])
+def test_commuted_buffer_add_never_fuses_the_gradient_as_the_buffer(gradient_first, one_minus_dampening, output_names):
+    # buf_out = Add(m*buf, (1-d)*g) or Add((1-d)*g, m*buf), m = 0.9. DESIGN.md promises commuted operands
+    # fuse alike. The accum port is written in place (SGD-OPERATOR.md), so it must be the buffer buf, never
+    # the gradient g: otherwise the lowered op overwrites the gradient, leaves buf stale, and the report's
+    # momentum/dampening are not the graph's.
+    # One step's algebra alone cannot tell them apart: (accum=buf, m=0.9, d) and (accum=g, m=1-d,
+    # dampening 1-0.9) both solve it. When the output names pair buf_out with buf, the update must fuse with
+    # accum=buf; when they do not (outputs named output_N), it must fuse that way or be refused.
+    gradient_term = "g"
+    nodes = [node("Mul", ["buf", "m"], ["buf_scaled"])]
+    initializers = [scalar("m", 0.9), scalar("lr", 0.1)]
+    if one_minus_dampening != 1.0:
+        nodes.append(node("Mul", ["g", "one_minus_d"], ["g_damped"]))
+        initializers.append(scalar("one_minus_d", one_minus_dampening))
+        gradient_term = "g_damped"
+    operands = [gradient_term, "buf_scaled"] if gradient_first else ["buf_scaled", gradient_term]
+    nodes.append(node("Add", operands, ["buf_out"]))
+    model = _momentum_step(buffer=nodes, weights=PLAIN_WEIGHTS, inputs=STATE, initializers=initializers)
+    model = _rename(model, output_names)
+
+    result = api.optimize(model)
+    if not output_names:
+        assert len(result.report.fused) == 1, result.report
+    for fused in result.report.fused:
+        assert (fused.parameters, fused.gradient, fused.accum) == ("p", "g", "buf"), fused
+        assert fused.momentum == pytest.approx(0.9, rel=1e-6), fused
+        assert fused.dampening == pytest.approx(1.0 - one_minus_dampening, abs=1e-6), fused
+    for sgd in (n for n in result.model.graph.node if n.domain == "ai.sgdfuse"):
+        assert sgd.input[3] == "buf", sgd
