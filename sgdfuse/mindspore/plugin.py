@@ -1,0 +1,366 @@
+"""Build, cache and register the MindSpore custom pass plugin (``sgdfuse_pass.cc``, shipped as package data).
+
+The plugin is a C++ shared library compiled against the headers that the installed MindSpore wheel ships
+under ``mindspore/include``. It is built on first use with the system C++ compiler and cached per MindSpore
+version, compiler and source (``$SGDFUSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/sgdfuse``, else
+``~/.cache/sgdfuse``), then registered with ``mindspore.graph.register_custom_pass`` as a FULL_GRAPH pass.
+
+Why FULL_GRAPH and not PATTERN: a PATTERN pass runs in the backend on kernel graphs, where the two branches
+of mint's ``step_t == 0`` Switch already live in separate kernel graphs; no pattern can see both branches,
+the condition and the parameter update at once. A FULL_GRAPH pass runs in the frontend (after
+``cse_after_recomputation``, before ``auto_monad_reorder``) on the whole FuncGraph, branches included.
+
+The pass reports every candidate it fused or refused as JSON lines in ``$SGDFUSE_MINDSPORE_REPORT``;
+:meth:`Registration.report` turns them into the same :class:`~sgdfuse.report.Report` the ONNX side uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+from sgdfuse.mindspore.errors import MindSporeMissingError, PluginBuildError, PluginRegisterError
+from sgdfuse.report import FusedUpdate, Refusal, Report
+
+__all__ = [
+    "PASS_NAME",
+    "PluginBuild",
+    "Registration",
+    "build_plugin",
+    "register",
+    "paused",
+    "report_from_records",
+]
+
+logger = logging.getLogger(__name__)
+
+PASS_NAME = "sgdfuse_mint_sgd"
+REPORT_ENV = "SGDFUSE_MINDSPORE_REPORT"
+DISABLE_ENV = "SGDFUSE_MINDSPORE_DISABLE"
+CACHE_ENV = "SGDFUSE_CACHE_DIR"
+_SOURCE = Path(__file__).with_name("sgdfuse_pass.cc")
+_DEVICES = ("cpu", "ascend", "all")
+
+# Relative to the installed ``mindspore`` package. The wheel's headers include each other through all of these.
+_INCLUDE_DIRS = (
+    "include",
+    "include/mindspore",
+    "include/mindspore/core/include",
+    "include/mindspore/core",
+    "include/mindspore/ccsrc",
+    "include/mindspore/ccsrc/include",
+    "include/mindspore/ops",
+    "include/mindspore/ops/include",
+    "include/mindspore/ops/kernel/include",
+    "include/mindapi",
+    "include/third_party",
+    "include/third_party/robin_hood_hashing",
+)
+_LIBRARIES = ("mindspore_core", "mindspore_common", "mindspore_backend_common")
+# The wheel's libraries are built with the old libstdc++ string ABI (without it loading fails on an undefined
+# ``Base::ToString[abi:cxx11]``) and with robin_hood hash maps: without ENABLE_FAST_HASH_TABLE the headers
+# declare std::unordered_map members, FuncGraph's layout differs from the library's and inline accessors
+# such as ``get_return()`` read garbage (seen: null returns and segfaults).
+_DEFINES = ("_GLIBCXX_USE_CXX11_ABI=0", "ENABLE_FAST_HASH_TABLE=1")
+_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-w")
+_HEADER_PROBE = "include/mindspore/include/custom_pass_api.h"
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginBuild:
+    """A built plugin.
+
+    Attributes:
+        path: the shared library.
+        mindspore_version: the MindSpore version it was built against.
+        compiler: the compiler command; compiler_version: the first line of its ``--version``.
+        cached: True when an earlier build was reused.
+        seconds: compile time (0 when cached).
+    """
+
+    path: Path
+    mindspore_version: str
+    compiler: str
+    compiler_version: str
+    cached: bool
+    seconds: float
+
+
+def _mindspore_dir() -> tuple[Path, str]:
+    spec = importlib.util.find_spec("mindspore")
+    if spec is None or spec.origin is None:
+        raise MindSporeMissingError("MindSpore is not installed here; install it with `pip install 'sgdfuse[mindspore]'`")
+    try:
+        version = importlib.metadata.version("mindspore")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return Path(spec.origin).parent, version
+
+
+def _compiler() -> tuple[str, str]:
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    for candidate in candidates:
+        found = shutil.which(candidate)
+        if found is None:
+            continue
+        try:
+            out = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        return found, (out.splitlines() or ["?"])[0].strip()
+    raise PluginBuildError(
+        "no-compiler",
+        f"no C++ compiler found (tried {', '.join(candidates)}); the MindSpore plugin is built from source on first "
+        "use: install g++ (e.g. `apt-get install g++`) or set CXX",
+    )
+
+
+def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sgdfuse"
+
+
+def _command(compiler: str, ms_dir: Path, source: Path, output: Path) -> list[str]:
+    command = [compiler, *_FLAGS]
+    command += [f"-D{d}" for d in _DEFINES]
+    command += [f"-I{ms_dir / d}" for d in _INCLUDE_DIRS]
+    command += [str(source), "-o", str(output), f"-L{ms_dir / 'lib'}"]
+    command += [f"-l{lib}" for lib in _LIBRARIES]
+    command += [f"-Wl,-rpath,{ms_dir / 'lib'}"]
+    return command
+
+
+def build_plugin(*, cache_dir: str | os.PathLike | None = None, force: bool = False) -> PluginBuild:
+    """Build the plugin for the installed MindSpore, or reuse the cached build.
+
+    The cache key covers the MindSpore version, the compiler and its version, the flags and the source, so a
+    changed toolchain or source builds anew. Concurrent builders serialise on a lock file; the library is
+    written to a temporary name and renamed, so a reader never sees a partial file.
+
+    Raises:
+        MindSporeMissingError: MindSpore is not installed.
+        PluginBuildError: no compiler (``reason="no-compiler"``), the wheel ships no plugin headers
+            (``"no-headers"``), or the compile failed (``"compile-failed"``, with the compiler's output).
+    """
+    ms_dir, ms_version = _mindspore_dir()
+    if not (ms_dir / _HEADER_PROBE).is_file():
+        raise PluginBuildError(
+            "no-headers",
+            f"MindSpore {ms_version} at {ms_dir} ships no custom pass headers ({_HEADER_PROBE} is missing); "
+            "the plugin needs a wheel with mindspore/include (MindSpore 2.10 or later)",
+        )
+    compiler, compiler_version = _compiler()
+    key = hashlib.sha256(
+        "\0".join([ms_version, compiler_version, *_FLAGS, *_DEFINES, *_LIBRARIES, _SOURCE.read_text()]).encode()
+    ).hexdigest()[:16]
+    directory = _cache_root(cache_dir) / f"mindspore-{ms_version}" / key
+    library = directory / "libsgdfuse_mindspore.so"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise PluginBuildError("compile-failed", f"cannot create the plugin cache {directory}: {error}") from error
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.is_file() and not force:
+            return PluginBuild(library, ms_version, compiler, compiler_version, True, 0.0)
+        descriptor, temporary = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=directory)
+        os.close(descriptor)
+        command = _command(compiler, ms_dir, _SOURCE, Path(temporary))
+        logger.info("building the MindSpore plugin: %s", " ".join(command))
+        start = time.perf_counter()
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+        except (OSError, subprocess.SubprocessError) as error:
+            os.unlink(temporary)
+            raise PluginBuildError("compile-failed", f"{compiler} could not run: {error}") from error
+        seconds = time.perf_counter() - start
+        if result.returncode != 0:
+            os.unlink(temporary)
+            log = result.stdout + result.stderr
+            tail = "\n".join(log.strip().splitlines()[-15:])
+            raise PluginBuildError(
+                "compile-failed",
+                f"building the MindSpore plugin with {compiler} ({compiler_version}) failed; last lines:\n{tail}",
+                log,
+            )
+        os.replace(temporary, library)
+        (directory / "build.json").write_text(
+            json.dumps(
+                {"mindspore": ms_version, "compiler": compiler, "compiler_version": compiler_version,
+                 "command": command, "seconds": round(seconds, 2)},
+                indent=2,
+            )
+        )
+        return PluginBuild(library, ms_version, compiler, compiler_version, False, seconds)
+
+
+@dataclasses.dataclass
+class Registration:
+    """A registered plugin and where its pass writes what it did.
+
+    Attributes:
+        plugin: the build that was registered.
+        device: ``"cpu"``, ``"ascend"`` or ``"all"``.
+        report_path: the JSON-lines file the pass appends to (one record per candidate and per graph).
+    """
+
+    plugin: PluginBuild
+    device: str
+    report_path: Path
+
+    def records(self) -> list[dict]:
+        """Every record the pass wrote so far (all graphs compiled since the file was created)."""
+        try:
+            text = self.report_path.read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    def report(self, graph: str | None = None) -> Report:
+        """What the pass fused and refused, as a :class:`~sgdfuse.report.Report` (one graph, or all)."""
+        records = self.records()
+        if graph is not None:
+            records = [r for r in records if r.get("graph") == graph]
+        return report_from_records(records, source=f"mindspore:{graph or 'all compiled graphs'}")
+
+    def graphs(self) -> list[str]:
+        """Names of the graphs the pass has run on, in compile order."""
+        return [r["graph"] for r in self.records() if r.get("event") == "graph"]
+
+
+# register_custom_pass returns True for a repeated registration and then runs the pass once per
+# registration; remember what this process registered so that register() is idempotent.
+_registered: dict[tuple[str, str], Registration] = {}
+
+
+def register(
+    device: str = "cpu",
+    *,
+    report_path: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> Registration:
+    """Build (first use, cached) and register the pass that fuses ``mindspore.mint.optim.SGD`` updates.
+
+    Graphs compiled afterwards (``@mindspore.jit`` functions, GRAPH_MODE cells) on ``device`` have each
+    per-parameter ``mint.optim.SGD`` update -- both ``step_t == 0`` branches, the condition, the weight decay
+    and the parameter update -- replaced by one ``SGD`` op. Registration cannot be undone in a process; use
+    :func:`paused` around the first call of a function that must compile without the pass.
+
+    Args:
+        device: ``"cpu"``, ``"ascend"`` or ``"all"``.
+        report_path: the JSON-lines file the pass appends its records to (default: a new temporary file;
+            an earlier registration's file is kept).
+        cache_dir: where built plugins are cached (see :func:`build_plugin`).
+
+    Raises:
+        ValueError: unknown ``device``.
+        MindSporeMissingError, PluginBuildError: see :func:`build_plugin`.
+        PluginRegisterError: MindSpore refused the plugin.
+    """
+    if device not in _DEVICES:
+        raise ValueError(f"device must be one of {', '.join(_DEVICES)}, not {device!r}")
+    build = build_plugin(cache_dir=cache_dir)
+    if report_path is not None:
+        path = Path(report_path)
+    elif os.environ.get(REPORT_ENV):
+        path = Path(os.environ[REPORT_ENV])
+    else:
+        descriptor, name = tempfile.mkstemp(prefix="sgdfuse-mindspore-", suffix=".jsonl")
+        os.close(descriptor)
+        path = Path(name)
+    os.environ[REPORT_ENV] = str(path)
+    key = (str(build.path), device)
+    if key in _registered:
+        registration = dataclasses.replace(_registered[key], report_path=path)
+        _registered[key] = registration
+        return registration
+    try:
+        import mindspore.graph as ms_graph
+    except ImportError as error:
+        raise MindSporeMissingError(f"MindSpore cannot be imported: {error}") from error
+    ok = ms_graph.register_custom_pass(PASS_NAME, str(build.path), device, ms_graph.CustomPassType.FULL_GRAPH)
+    if not ok:
+        raise PluginRegisterError(
+            f"{build.path}: mindspore.graph.register_custom_pass refused pass {PASS_NAME!r} for device {device!r} "
+            "(MindSpore's log above says why)"
+        )
+    registration = Registration(build, device, path)
+    _registered[key] = registration
+    return registration
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Graphs *compiled* inside this block keep their unfused updates (the pass reads the switch at
+    compile time, so wrap the first call of a jit function)."""
+    previous = os.environ.get(DISABLE_ENV)
+    os.environ[DISABLE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(DISABLE_ENV, None)
+        else:
+            os.environ[DISABLE_ENV] = previous
+
+
+def report_from_records(records: list[dict], source: str) -> Report:
+    """Turn the pass's (or the MindIR rewriter's) records into a :class:`~sgdfuse.report.Report`."""
+    report = Report(source=source)
+    for record in records:
+        event = record.get("event")
+        if event == "fused":
+            report.fused.append(_fused(record))
+        elif event == "refused":
+            report.refused.append(Refusal(record["candidate"], record["reason"], record["detail"]))
+        elif event == "error":
+            report.refused.append(
+                Refusal(record.get("graph", "?"), "pass-error", f"the pass stopped and left the graph as it was: {record['detail']}")
+            )
+        elif event == "graph":
+            report.nodes_before += int(record.get("nodes_before", 0))
+            report.nodes_after += int(record.get("nodes_after", 0))
+    return report
+
+
+def _fused(record: dict) -> FusedUpdate:
+    name = record["parameters"]
+    return FusedUpdate(
+        node=record.get("node", f"sgdfuse/SGD/{name}"),
+        parameters=name,
+        gradient=record["gradient"],
+        accum=record["accum"],
+        parameters_out=name,  # written in place
+        accum_out=record["accum"],  # written in place
+        learning_rate=float(record["learning_rate"]),
+        momentum=float(record["momentum"]),
+        learning_rate_input="constant",
+        momentum_input="constant",
+        dampening=float(record["dampening"]),
+        weight_decay=float(record["weight_decay"]),
+        nesterov=bool(record["nesterov"]),
+        maximize=bool(record["maximize"]),
+        stat=f"BroadcastTo(Cast({record['step']} == 0)): 1 on the first step, 0 after",
+        dtype=record["dtype"],
+        shape=list(record["shape"]),
+        parameter_equation=record["parameter_equation"],
+        accum_equation=record["accum_equation"],
+        matched_nodes=int(record.get("matched_nodes", 0)),
+    )

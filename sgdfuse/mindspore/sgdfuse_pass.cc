@@ -1,0 +1,850 @@
+// sgdfuse: a MindSpore FULL_GRAPH custom pass that fuses mindspore.mint.optim.SGD updates into one SGD op.
+//
+// What mint.optim.SGD compiles to, per parameter w with momentum buffer buf and gradient g (frontend IR,
+// after type inference and before auto_monad_reorder, which is where FULL_GRAPH passes run):
+//
+//   g'   = AddExt(g, Load(w, U), wd)                       only when weight_decay != 0
+//   cond = EqScalar(Load(step_t, U), 0)                    shared by every parameter of the optimizer
+//   call = Switch(cond, Partial(first, buf, g', u), Partial(later, buf, g', u))()
+//          first: InplaceCopy(buf, g') [InplaceCopy(buf, buf)]           -> buf = g'
+//          later: InplaceMuls(buf, m); InplaceAddExt(buf, g', 1 - d)       -> buf = m*buf + (1-d)*g'
+//          nesterov: both branches return AddExt(g', Load(buf), m) instead of buf
+//   U1   = UpdateState(u, call)
+//   P    = InplaceAddExt(w, call, -lr, U1)
+//   U2   = UpdateState(U1, P)
+//
+// The branches are not matched as fixed op lists: each branch is evaluated symbolically, in the order of its
+// monad chain, to a pair of linear forms over (old buf, g') -- the new buffer and the returned value -- and
+// those are solved for momentum, dampening and nesterov (shared/DESIGN.md: matching is algebraic).
+//
+// The rewrite, per matched update:
+//   stat = BroadcastTo(Cast(cond, dtype(w)), shape(w))     1 on the first step (step_t == 0), else 0
+//   S    = SGD(w, g, lr, buf, m, stat, U1')  {dampening=d, weight_decay=wd, nesterov}
+// S takes P's place in the monad chain (U2 = UpdateState(U1', S)), so every read of w or buf that was
+// ordered after P is ordered after S. The Switch, both branch graphs, the Partials and the weight-decay
+// AddExt (folded into the weight_decay attribute) become dead.
+//
+// stat derivation, and why it is exact: with stat = 1 the Ascend contract computes accum*m + grad with no
+// dampening, which equals mint's first-step buf = grad because mint zero-initialises every momentum buffer
+// and step_t == 0 only before the first update; MindSpore's CPU kernel sets accum = grad outright where
+// stat > 0. With stat = 0 both compute m*accum + (1-d)*grad.
+//
+// Results go to the JSON-lines file named by SGDFUSE_MINDSPORE_REPORT (one record per candidate, see
+// sgdfuse/mindspore/plugin.py); SGDFUSE_MINDSPORE_DISABLE=1 makes the pass a no-op for graphs compiled
+// while it is set. The pass never throws into MindSpore: every match is planned before anything is edited,
+// and an exception during analysis leaves the graph untouched and is reported as an error record.
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mindspore/include/custom_pass_api.h"
+#include "ir/func_graph.h"
+#include "ir/graph_utils.h"
+#include "ir/manager.h"
+#include "ir/tensor_new.h"
+#include "abstract/abstract_value.h"
+
+namespace sgdfuse_ms {
+using mindspore::AnfNodePtr;
+using mindspore::CNode;
+using mindspore::CNodePtr;
+using mindspore::FuncGraphManagerPtr;
+using mindspore::FuncGraphPtr;
+using mindspore::Parameter;
+using mindspore::ParameterPtr;
+using mindspore::PrimitivePtr;
+using mindspore::ShapeVector;
+using mindspore::TypeId;
+using mindspore::ValueNode;
+using mindspore::ValuePtr;
+
+constexpr char kPassName[] = "sgdfuse_mint_sgd";
+constexpr char kPluginName[] = "SgdfusePlugin";
+
+// ---------------------------------------------------------------------------------------------------------
+// Small helpers over the IR.
+
+std::string PrimName(const AnfNodePtr &node) {
+  auto prim = mindspore::GetCNodePrimitive(node);
+  return prim == nullptr ? std::string() : prim->name();
+}
+
+bool IsPrim(const AnfNodePtr &node, const char *name) { return PrimName(node) == name; }
+
+CNodePtr AsCNode(const AnfNodePtr &node) { return node == nullptr ? nullptr : node->cast<CNodePtr>(); }
+
+// A compile-time scalar: an immediate (float, int, bool) or a 0-d/1-element constant tensor.
+bool ScalarValue(const AnfNodePtr &node, double *out) {
+  if (node == nullptr || !node->isa<ValueNode>()) return false;
+  ValuePtr v = node->cast<mindspore::ValueNodePtr>()->value();
+  if (v == nullptr) return false;
+  if (v->isa<mindspore::FP32Imm>()) {
+    *out = static_cast<double>(v->cast<mindspore::FP32ImmPtr>()->value());
+  } else if (v->isa<mindspore::FP64Imm>()) {
+    *out = v->cast<mindspore::FP64ImmPtr>()->value();
+  } else if (v->isa<mindspore::Int64Imm>()) {
+    *out = static_cast<double>(v->cast<mindspore::Int64ImmPtr>()->value());
+  } else if (v->isa<mindspore::Int32Imm>()) {
+    *out = static_cast<double>(v->cast<mindspore::Int32ImmPtr>()->value());
+  } else if (v->isa<mindspore::BoolImm>()) {
+    *out = v->cast<mindspore::BoolImmPtr>()->value() ? 1.0 : 0.0;
+  } else if (v->isa<mindspore::tensor::Tensor>()) {
+    auto t = v->cast<mindspore::tensor::TensorPtr>();
+    if (t->DataSize() != 1) return false;
+    auto cpu = t->cpu();
+    if (cpu == nullptr || cpu->data_c() == nullptr) return false;
+    switch (cpu->data_type()) {
+      case mindspore::kNumberTypeFloat32: *out = *static_cast<const float *>(cpu->data_c()); break;
+      case mindspore::kNumberTypeFloat64: *out = *static_cast<const double *>(cpu->data_c()); break;
+      case mindspore::kNumberTypeInt32: *out = *static_cast<const int32_t *>(cpu->data_c()); break;
+      case mindspore::kNumberTypeInt64: *out = static_cast<double>(*static_cast<const int64_t *>(cpu->data_c())); break;
+      default: return false;
+    }
+  } else {
+    return false;
+  }
+  return true;
+}
+
+bool IsUMonad(const AnfNodePtr &node) { return node != nullptr && mindspore::HasAbstractUMonad(node); }
+
+// A weight-like Parameter: a graph parameter holding a default value (a Ref in the IR).
+ParameterPtr AsWeight(const AnfNodePtr &node) {
+  if (node == nullptr || !node->isa<Parameter>()) return nullptr;
+  auto p = node->cast<ParameterPtr>();
+  return p->has_default() ? p : nullptr;
+}
+
+bool TensorInfo(const AnfNodePtr &node, TypeId *dtype, ShapeVector *shape) {
+  auto abs = node == nullptr ? nullptr : node->abstract();
+  if (abs == nullptr || !abs->isa<mindspore::abstract::AbstractTensor>()) return false;
+  auto t = abs->cast<mindspore::abstract::AbstractTensorPtr>();
+  auto elem = t->element();
+  if (elem == nullptr || elem->BuildType() == nullptr) return false;
+  *dtype = elem->BuildType()->type_id();
+  auto s = t->GetShape();
+  if (s == nullptr || s->IsDynamic()) return false;
+  *shape = s->GetShapeVector();
+  return true;
+}
+
+std::string DtypeName(TypeId t) {
+  switch (t) {
+    case mindspore::kNumberTypeFloat32: return "FLOAT";
+    case mindspore::kNumberTypeFloat16: return "FLOAT16";
+    case mindspore::kNumberTypeBFloat16: return "BFLOAT16";
+    case mindspore::kNumberTypeFloat64: return "DOUBLE";
+    default: return "type#" + std::to_string(static_cast<int>(t));
+  }
+}
+
+std::string NodeName(const AnfNodePtr &node) {
+  if (node == nullptr) return "?";
+  if (node->isa<Parameter>()) return node->cast<ParameterPtr>()->name();
+  if (node->isa<CNode>()) {
+    auto name = PrimName(node);
+    return (name.empty() ? std::string("call") : name) + "@" + node->fullname_with_scope();
+  }
+  return node->ToString();
+}
+
+std::string Json(const std::string &s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out += buf;
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+std::string Num(double v) {
+  char buf[40];
+  // Shortest round-trip of the float32 the value is stored as (attributes and scalars are FLOAT).
+  float f = static_cast<float>(v);
+  for (int precision = 6; precision <= 9; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, static_cast<double>(f));
+    if (std::strtof(buf, nullptr) == f) break;
+  }
+  return buf;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Symbolic evaluation of one branch graph to linear forms over (old buffer, gradient).
+
+struct Lin {
+  double b = 0.0;  // coefficient of the buffer's value on entry
+  double g = 0.0;  // coefficient of the gradient
+};
+
+Lin Add(const Lin &x, const Lin &y, double alpha) { return Lin{x.b + alpha * y.b, x.g + alpha * y.g}; }
+Lin Scale(const Lin &x, double s) { return Lin{x.b * s, x.g * s}; }
+
+bool Close(double x, double y) { return std::fabs(x - y) <= 1e-12 * std::max(1.0, std::max(std::fabs(x), std::fabs(y))); }
+bool Same(const Lin &x, const Lin &y) { return Close(x.b, y.b) && Close(x.g, y.g); }
+
+struct BranchEffect {
+  Lin buf;               // the buffer after the branch
+  Lin ret;               // what the branch returns
+  int inplace_ops = 0;   // writes to the buffer
+  int nodes = 0;         // CNodes in the branch
+};
+
+class BranchEvaluator {
+ public:
+  BranchEvaluator(const AnfNodePtr &buf, const AnfNodePtr &grad, const AnfNodePtr &monad)
+      : buf_(buf), grad_(grad) {
+    state_[monad.get()] = Lin{1.0, 0.0};
+  }
+
+  // Returns "" on success, else why the branch is not a momentum-buffer update.
+  std::string Run(const FuncGraphPtr &fg, BranchEffect *out) {
+    auto ret = fg->get_return();
+    if (ret == nullptr) return "branch graph has no return";
+    for (auto &node : mindspore::TopoSort(ret)) {
+      auto cnode = AsCNode(node);
+      if (cnode == nullptr) continue;
+      out->nodes++;
+      auto err = Step(cnode, out);
+      if (!err.empty()) return err;
+    }
+    auto ret_cnode = ret->cast<CNodePtr>();
+    if (ret_cnode->size() != 2) return "unexpected return";
+    AnfNodePtr result = ret_cnode->input(1);
+    AnfNodePtr final_monad = nullptr;
+    if (IsPrim(result, "Depend")) {
+      auto dep = result->cast<CNodePtr>();
+      final_monad = dep->input(2);
+      result = dep->input(1);
+    }
+    if (final_monad == nullptr || state_.count(final_monad.get()) == 0) {
+      return "the branch's writes are not all ordered before its result";
+    }
+    out->buf = state_[final_monad.get()];
+    if (chained_writes_ != out->inplace_ops) return "a write to the buffer is not on the branch's monad chain";
+    if (result == buf_) {
+      out->ret = out->buf;
+    } else if (values_.count(result.get())) {
+      out->ret = values_[result.get()];
+    } else {
+      return "the branch returns a value that is not a linear form of the buffer and gradient";
+    }
+    return "";
+  }
+
+ private:
+  // The value of a pure operand: the gradient, a Load of the buffer, or a pure node already evaluated.
+  bool Value(const AnfNodePtr &node, Lin *out) {
+    if (node == grad_) {
+      *out = Lin{0.0, 1.0};
+      return true;
+    }
+    auto it = values_.find(node.get());
+    if (it == values_.end()) return false;
+    *out = it->second;
+    return true;
+  }
+
+  std::string Step(const CNodePtr &node, BranchEffect *out) {
+    const std::string op = PrimName(node);
+    const size_t n = node->size();
+    auto monad_state = [&](const AnfNodePtr &u, Lin *s) {
+      auto it = state_.find(u.get());
+      if (it == state_.end()) return false;
+      *s = it->second;
+      return true;
+    };
+    if (op == "InplaceCopy" || op == "InplaceMuls" || op == "InplaceAddExt" || op == "InplaceSubExt" ||
+        op == "InplaceMul" || op == "InplaceAdd" || op == "InplaceSub") {
+      if (node->input(1) != buf_) return op + " writes something other than the momentum buffer";
+      Lin before;
+      if (!monad_state(node->input(n - 1), &before)) return op + " is not ordered on the branch's monad chain";
+      auto operand = [&](const AnfNodePtr &x, Lin *v) {
+        if (x == buf_) {
+          *v = before;  // a Ref read by an in-place op reads the value at that op's place in the chain
+          return true;
+        }
+        return Value(x, v);
+      };
+      Lin after;
+      if (op == "InplaceCopy") {
+        Lin src;
+        if (n != 5 || !operand(node->input(2), &src)) return "InplaceCopy of an unsupported source";
+        after = src;
+      } else if (op == "InplaceMuls") {
+        double s;
+        if (n != 4 || !ScalarValue(node->input(2), &s)) return "InplaceMuls by a non-constant";
+        after = Scale(before, s);
+      } else if (op == "InplaceAddExt" || op == "InplaceSubExt") {
+        Lin x;
+        double alpha;
+        if (n != 5 || !operand(node->input(2), &x) || !ScalarValue(node->input(3), &alpha)) {
+          return op + " with an unsupported operand or a non-constant alpha";
+        }
+        after = Add(before, x, op == "InplaceAddExt" ? alpha : -alpha);
+      } else {
+        return op + " on the buffer is not part of mint.optim.SGD's update";
+      }
+      effects_[node.get()] = after;
+      out->inplace_ops++;
+      return "";
+    }
+    if (op == "UpdateState") {
+      Lin s;
+      if (!monad_state(node->input(1), &s)) return "UpdateState off the branch's monad chain";
+      int writes = 0;
+      for (size_t i = 2; i < n; ++i) {
+        auto it = effects_.find(node->input(i).get());
+        if (it != effects_.end()) {
+          s = it->second;
+          writes++;
+        }
+      }
+      if (writes > 1) return "two buffer writes attached to one UpdateState";
+      chained_writes_ += writes;
+      state_[node.get()] = s;
+      return "";
+    }
+    if (op == "Load") {
+      if (node->input(1) != buf_) return "Load of something other than the momentum buffer";
+      Lin s;
+      if (!monad_state(node->input(2), &s)) return "Load off the branch's monad chain";
+      values_[node.get()] = s;
+      return "";
+    }
+    if (op == "Depend" || op == "Return") return "";  // handled by Run
+    // Pure arithmetic over linear forms. A raw Ref operand (no Load) has no defined read point: refuse.
+    if (op == "AddExt" || op == "SubExt") {
+      Lin x, y;
+      double alpha;
+      if (n != 4 || !Value(node->input(1), &x) || !Value(node->input(2), &y) || !ScalarValue(node->input(3), &alpha)) {
+        return op + " over unsupported operands";
+      }
+      values_[node.get()] = Add(x, y, op == "AddExt" ? alpha : -alpha);
+      return "";
+    }
+    if (op == "Muls") {
+      Lin x;
+      double s;
+      if (n != 3 || !Value(node->input(1), &x) || !ScalarValue(node->input(2), &s)) return "Muls over unsupported operands";
+      values_[node.get()] = Scale(x, s);
+      return "";
+    }
+    if (op == "Neg") {
+      Lin x;
+      if (n != 2 || !Value(node->input(1), &x)) return "Neg over an unsupported operand";
+      values_[node.get()] = Scale(x, -1.0);
+      return "";
+    }
+    return "op " + (op.empty() ? std::string("call") : op) + " in a branch is not part of mint.optim.SGD's update";
+  }
+
+  AnfNodePtr buf_;
+  AnfNodePtr grad_;
+  std::map<const mindspore::AnfNode *, Lin> state_;    // buffer value after each monad
+  std::map<const mindspore::AnfNode *, Lin> effects_;  // buffer value written by each in-place op
+  std::map<const mindspore::AnfNode *, Lin> values_;   // pure values
+  int chained_writes_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------------------------
+// Matching one Switch call in the top graph.
+
+struct Plan {
+  FuncGraphPtr graph;
+  CNodePtr call;                  // Switch(...)()
+  CNodePtr update;                // InplaceAddExt(w, ...)
+  CNodePtr outer_nesterov;        // AddExt(g, call, m) between call and update, or null
+  AnfNodePtr weight, buf, grad, cond, step;
+  double lr = 0, momentum = 0, dampening = 0, weight_decay = 0;
+  bool nesterov = false, maximize = false;
+  TypeId dtype = mindspore::kTypeUnknown;
+  ShapeVector shape;
+  int matched_nodes = 0;
+};
+
+struct Refusal {
+  std::string candidate, reason, detail;
+};
+
+class Matcher {
+ public:
+  Matcher(const FuncGraphManagerPtr &manager, const std::string &device) : manager_(manager), device_(device) {}
+
+  // Returns true and fills plan, or false and fills refusal (refusal.reason empty: not a candidate at all).
+  bool Match(const FuncGraphPtr &fg, const CNodePtr &call, Plan *plan, Refusal *refusal) {
+    auto sw = AsCNode(call->input(0));
+    if (sw == nullptr || !IsPrim(sw, "Switch") || call->size() != 1 || sw->size() != 4) return false;
+    auto pt = AsCNode(sw->input(2)), pf = AsCNode(sw->input(3));
+    if (!IsPrim(pt, "Partial") || !IsPrim(pf, "Partial")) return false;
+    auto ft = mindspore::GetValueNode<FuncGraphPtr>(pt->input(1));
+    auto ff = mindspore::GetValueNode<FuncGraphPtr>(pf->input(1));
+    if (ft == nullptr || ff == nullptr) return false;
+    // Only switches whose branches write a Ref passed in are optimizer-like candidates worth a report.
+    if (!WritesFirstArgument(ft) && !WritesFirstArgument(ff)) return false;
+
+    refusal->candidate = NodeName(call);
+    auto refuse = [&](const std::string &reason, const std::string &detail) {
+      refusal->reason = reason;
+      refusal->detail = detail;
+      return false;
+    };
+    if (pt->size() != pf->size()) return refuse("branch-arguments", "the two branches take different arguments");
+    for (size_t i = 2; i < pt->size(); ++i) {
+      if (pt->input(i) != pf->input(i)) return refuse("branch-arguments", "the two branches take different arguments");
+    }
+    // Arguments: the momentum buffer (a weight Parameter), the gradient (a tensor), the monad.
+    AnfNodePtr buf, grad, monad;
+    int buf_index = -1, grad_index = -1, monad_index = -1;
+    for (size_t i = 2; i < pt->size(); ++i) {
+      auto a = pt->input(i);
+      if (IsUMonad(a)) {
+        monad = a;
+        monad_index = static_cast<int>(i) - 2;
+      } else if (AsWeight(a) != nullptr && buf == nullptr) {
+        buf = a;
+        buf_index = static_cast<int>(i) - 2;
+      } else if (grad == nullptr) {
+        grad = a;
+        grad_index = static_cast<int>(i) - 2;
+      } else {
+        return refuse("branch-arguments", "the branches capture more than a buffer, a gradient and a monad");
+      }
+    }
+    if (buf == nullptr || grad == nullptr || monad == nullptr) {
+      return refuse("branch-arguments", "the branches do not take a buffer Parameter, a gradient and a monad");
+    }
+    refusal->candidate = AsWeight(buf)->name();
+
+    // The condition: step_t == 0.
+    auto cond = AsCNode(sw->input(1));
+    double zero = -1;
+    AnfNodePtr step;
+    if (cond != nullptr && (IsPrim(cond, "EqScalar") || IsPrim(cond, "Equal")) && cond->size() == 3 &&
+        ScalarValue(cond->input(2), &zero) && zero == 0.0 && IsPrim(cond->input(1), "Load")) {
+      step = cond->input(1)->cast<CNodePtr>()->input(1);
+    }
+    if (step == nullptr || AsWeight(step) == nullptr) {
+      return refuse("condition", "the branch condition is not `step_t == 0` over a step counter Parameter");
+    }
+
+    // Which branch is which is decided by the algebra, not by the Switch's operand order alone:
+    // the true branch must be the first step (buf = g) and the false one the momentum step.
+    BranchEffect first, later;
+    std::string err = Evaluate(ft, buf_index, grad_index, monad_index, &first);
+    if (!err.empty()) return refuse("branch-form", "first-step branch: " + err);
+    err = Evaluate(ff, buf_index, grad_index, monad_index, &later);
+    if (!err.empty()) return refuse("branch-form", "momentum branch: " + err);
+    if (!Same(first.buf, Lin{0.0, 1.0})) {
+      return refuse("first-step", "the step_t == 0 branch does not set buf = grad (found buf = " + Form(first.buf) + ")");
+    }
+    const double m = later.buf.b;
+    const double one_minus_d = later.buf.g;
+    if (!(m > 0.0)) {
+      return refuse("momentum", "momentum " + Num(m) + " is not > 0; the contract's momentum path needs m > 0");
+    }
+    bool nesterov;
+    if (Same(first.ret, first.buf) && Same(later.ret, later.buf)) {
+      nesterov = false;
+    } else if (Same(first.ret, Add(Lin{0.0, 1.0}, first.buf, m)) && Same(later.ret, Add(Lin{0.0, 1.0}, later.buf, m))) {
+      nesterov = true;
+    } else {
+      return refuse("update-form", "the branches return " + Form(first.ret) + " / " + Form(later.ret) +
+                                       ", neither the new buffer nor grad + m*buffer (Nesterov)");
+    }
+
+    // Users of the call: UpdateStates (ordering only) and the one value path to the parameter update.
+    CNodePtr update, outer_nesterov;
+    auto &users = manager_->node_users();
+    for (auto &use : users[call]) {
+      auto user = AsCNode(use.first);
+      if (IsPrim(user, "UpdateState")) continue;
+      if (IsPrim(user, "InplaceAddExt") && use.second == 2 && update == nullptr) {
+        update = user;
+      } else if (IsPrim(user, "AddExt") && use.second == 2 && outer_nesterov == nullptr && !nesterov) {
+        outer_nesterov = user;
+      } else {
+        return refuse("extra-consumer", "the updated buffer is also read by " + NodeName(user));
+      }
+    }
+    if (outer_nesterov != nullptr) {
+      double m2;
+      if (update != nullptr || outer_nesterov->input(1) != grad || !ScalarValue(outer_nesterov->input(3), &m2) ||
+          !Close(m2, m)) {
+        return refuse("update-form", "the buffer feeds an AddExt that is not grad + m*buffer");
+      }
+      for (auto &use : users[outer_nesterov]) {
+        auto user = AsCNode(use.first);
+        if (IsPrim(user, "InplaceAddExt") && use.second == 2 && update == nullptr) {
+          update = user;
+        } else {
+          return refuse("extra-consumer", "the Nesterov step is also read by " + NodeName(user));
+        }
+      }
+      nesterov = true;
+    }
+    if (update == nullptr) return refuse("no-parameter-update", "no InplaceAddExt(w, buffer, -lr) consumes the buffer");
+    double alpha;
+    if (update->size() != 5 || !ScalarValue(update->input(3), &alpha)) {
+      return refuse("learning-rate", "the parameter update's alpha (-lr) is not a compile-time constant");
+    }
+    auto weight = update->input(1);
+    if (AsWeight(weight) == nullptr || weight == buf) {
+      return refuse("no-parameter-update", "the updated tensor is not a Parameter distinct from the buffer");
+    }
+    refusal->candidate = AsWeight(weight)->name();
+    for (auto &use : users[update]) {
+      if (!IsPrim(use.first, "UpdateState")) {
+        return refuse("extra-consumer", "the updated parameter's value is read by " + NodeName(use.first));
+      }
+    }
+    if (WrittenElsewhere(weight, update) || WrittenElsewhere(buf, nullptr)) {
+      return refuse("other-writes", "the parameter or its buffer is written by another op of the graph");
+    }
+
+    // Weight decay: fold AddExt(g0, Load(w), wd) into the attribute when nothing else reads it.
+    AnfNodePtr gradient = grad;
+    double wd = 0.0;
+    if (IsPrim(grad, "AddExt")) {
+      auto add = grad->cast<CNodePtr>();
+      double c;
+      auto load = AsCNode(add->input(2));
+      if (add->size() == 4 && ScalarValue(add->input(3), &c) && c > 0.0 && IsPrim(load, "Load") &&
+          load->input(1) == weight && OnlyReadByMatch(grad, pt, pf, outer_nesterov)) {
+        gradient = add->input(1);
+        wd = c;
+      }
+    }
+
+    TypeId dtype, gdtype, bdtype;
+    ShapeVector shape, gshape, bshape;
+    if (!TensorInfo(weight, &dtype, &shape) || !TensorInfo(gradient, &gdtype, &gshape) || !TensorInfo(buf, &bdtype, &bshape)) {
+      return refuse("shape", "the parameter, gradient or buffer has no static tensor shape");
+    }
+    if (gdtype != dtype || bdtype != dtype || gshape != shape || bshape != shape) {
+      return refuse("shape", "parameter, gradient and buffer differ in dtype or shape");
+    }
+    bool dtype_ok = dtype == mindspore::kNumberTypeFloat32 || dtype == mindspore::kNumberTypeFloat16 ||
+                    (dtype == mindspore::kNumberTypeBFloat16 && device_ != "CPU");
+    if (!dtype_ok) {
+      return refuse("dtype", DtypeName(dtype) + " is not supported by the SGD kernel on " + device_ +
+                                 " (contract: FLOAT, FLOAT16, BFLOAT16; MindSpore's CPU kernel: FLOAT, FLOAT16)");
+    }
+    if (shape.empty() || shape.size() > 8) return refuse("shape", "the contract needs rank 1..8");
+    for (auto d : shape) {
+      if (d <= 0) return refuse("shape", "the contract does not support empty tensors");
+    }
+    const double d = 1.0 - one_minus_d;
+    if (nesterov && !Close(d, 0.0)) {
+      return refuse("nesterov-dampening", "Nesterov with dampening " + Num(d) + " (contract: dampening must be 0)");
+    }
+
+    plan->graph = fg;
+    plan->call = call;
+    plan->update = update;
+    plan->outer_nesterov = outer_nesterov;
+    plan->weight = weight;
+    plan->buf = buf;
+    plan->grad = gradient;
+    plan->cond = cond;
+    plan->step = step;
+    plan->lr = -alpha;
+    plan->momentum = m;
+    plan->dampening = d;
+    plan->weight_decay = wd;
+    plan->nesterov = nesterov;
+    plan->maximize = IsPrim(gradient, "Neg");
+    plan->dtype = dtype;
+    plan->shape = shape;
+    plan->matched_nodes = first.nodes + later.nodes + 5 + (outer_nesterov ? 1 : 0) + (wd > 0 ? 1 : 0);
+    return true;
+  }
+
+ private:
+  static std::string Form(const Lin &x) { return Num(x.b) + "*buf + " + Num(x.g) + "*grad"; }
+
+  bool WritesFirstArgument(const FuncGraphPtr &fg) {
+    if (fg->get_return() == nullptr || fg->parameters().empty()) return false;
+    for (auto &node : mindspore::TopoSort(fg->get_return())) {
+      auto c = AsCNode(node);
+      if (c == nullptr || c->size() < 2) continue;
+      auto name = PrimName(c);
+      if (name.rfind("Inplace", 0) != 0) continue;
+      for (auto &param : fg->parameters()) {
+        if (c->input(1) == param) return true;
+      }
+    }
+    return false;
+  }
+
+  std::string Evaluate(const FuncGraphPtr &fg, int buf_index, int grad_index, int monad_index, BranchEffect *out) {
+    auto &params = fg->parameters();
+    int need = std::max(buf_index, std::max(grad_index, monad_index)) + 1;
+    if (static_cast<int>(params.size()) != need) return "unexpected parameter count";
+    BranchEvaluator eval(params[buf_index], params[grad_index], params[monad_index]);
+    return eval.Run(fg, out);
+  }
+
+  // Another side-effecting op of any graph takes `ref` as its written (first) operand.
+  bool WrittenElsewhere(const AnfNodePtr &ref, const CNodePtr &except) {
+    for (auto &use : manager_->node_users()[ref]) {
+      auto user = AsCNode(use.first);
+      if (user == nullptr || user == except || use.second != 1) continue;
+      auto prim = mindspore::GetCNodePrimitive(user);
+      if (prim == nullptr) continue;
+      auto name = prim->name();
+      if (name == "Partial" || name == "Load" || name == "UpdateState" || name == "Depend") continue;
+      if (prim->HasAttr("side_effect_mem") || name.rfind("Inplace", 0) == 0 || name == "Assign") return true;
+    }
+    return false;
+  }
+
+  bool OnlyReadByMatch(const AnfNodePtr &value, const CNodePtr &pt, const CNodePtr &pf, const CNodePtr &outer) {
+    for (auto &use : manager_->node_users()[value]) {
+      auto user = use.first;
+      if (user == pt || user == pf || (outer != nullptr && user == outer) || IsPrim(user, "UpdateState")) continue;
+      return false;
+    }
+    return true;
+  }
+
+  FuncGraphManagerPtr manager_;
+  std::string device_;
+};
+
+// ---------------------------------------------------------------------------------------------------------
+// The rewrite.
+
+mindspore::abstract::AbstractBasePtr TensorAbstract(TypeId dtype, const ShapeVector &shape) {
+  return std::make_shared<mindspore::abstract::AbstractTensor>(mindspore::TypeIdToType(dtype), shape);
+}
+
+AnfNodePtr ScalarTensorNode(double value, TypeId dtype) {
+  float v = static_cast<float>(value);
+  auto tensor = mindspore::tensor::from_buffer(dtype, ShapeVector{}, &v, mindspore::kNumberTypeFloat32);
+  auto node = mindspore::NewValueNode(tensor);
+  node->set_abstract(tensor->ToAbstract());
+  return node;
+}
+
+AnfNodePtr ImmNode(const ValuePtr &value) {
+  auto node = mindspore::NewValueNode(value);
+  node->set_abstract(value->ToAbstract());
+  return node;
+}
+
+class Rewriter {
+ public:
+  explicit Rewriter(const FuncGraphManagerPtr &manager) : manager_(manager) {}
+
+  void Apply(const Plan &p) {
+    auto fg = p.graph;
+    // stat = BroadcastTo(Cast(step_t == 0, dtype), shape); the Cast is shared per condition and dtype.
+    auto key = std::make_pair(p.cond.get(), static_cast<int>(p.dtype));
+    AnfNodePtr stat_scalar = casts_[key];
+    if (stat_scalar == nullptr) {
+      auto cast = fg->NewCNode({mindspore::NewValueNode(std::make_shared<mindspore::Primitive>("Cast")), p.cond,
+                                ImmNode(mindspore::MakeValue(static_cast<int64_t>(p.dtype)))});
+      cast->set_abstract(TensorAbstract(p.dtype, ShapeVector{}));
+      stat_scalar = cast;
+      casts_[key] = cast;
+    }
+    std::vector<ValuePtr> dims;
+    for (auto d : p.shape) dims.push_back(mindspore::MakeValue(static_cast<int64_t>(d)));
+    auto stat = fg->NewCNode({mindspore::NewValueNode(std::make_shared<mindspore::Primitive>("BroadcastTo")), stat_scalar,
+                              ImmNode(std::make_shared<mindspore::ValueTuple>(dims))});
+    stat->set_abstract(TensorAbstract(p.dtype, p.shape));
+
+    // Detach the call from every UpdateState that carried it (the buffer write now happens in SGD, which
+    // takes the parameter update's place in the chain).
+    auto users = manager_->node_users()[p.call];  // copy: edited below
+    for (auto &use : users) {
+      auto us = AsCNode(use.first);
+      if (!IsPrim(us, "UpdateState")) continue;
+      if (us->size() == 3) {
+        manager_->Replace(us, us->input(1));
+      } else {
+        std::vector<AnfNodePtr> inputs;
+        for (size_t i = 0; i < us->size(); ++i) {
+          if (static_cast<int>(i) != use.second) inputs.push_back(us->input(i));
+        }
+        auto replacement = fg->NewCNode(inputs);
+        replacement->set_abstract(us->abstract());
+        manager_->Replace(us, replacement);
+      }
+    }
+
+    auto prim = std::make_shared<mindspore::Primitive>("SGD");
+    prim->AddAttr("dampening", mindspore::MakeValue(static_cast<float>(p.dampening)));
+    prim->AddAttr("weight_decay", mindspore::MakeValue(static_cast<float>(p.weight_decay)));
+    prim->AddAttr("nesterov", mindspore::MakeValue(p.nesterov));
+    prim->AddAttr("side_effect_mem", mindspore::MakeValue(true));
+    prim->AddAttr("input_names", mindspore::MakeValue(std::vector<std::string>{
+                                     "parameters", "gradient", "learning_rate", "accum", "momentum", "stat"}));
+    prim->AddAttr("output_names", mindspore::MakeValue(std::vector<std::string>{"output"}));
+    auto monad = p.update->input(4);  // the parameter update's monad, already detached from the call
+    auto sgd = fg->NewCNode({mindspore::NewValueNode(prim), p.weight, p.grad, ScalarTensorNode(p.lr, p.dtype), p.buf,
+                             ScalarTensorNode(p.momentum, p.dtype), stat, monad});
+    sgd->set_abstract(TensorAbstract(p.dtype, p.shape));
+    sgd->set_fullname_with_scope("sgdfuse/SGD/" + AsWeight(p.weight)->name());
+    manager_->Replace(p.update, sgd);
+  }
+
+ private:
+  FuncGraphManagerPtr manager_;
+  std::map<std::pair<const mindspore::AnfNode *, int>, AnfNodePtr> casts_;
+};
+
+// ---------------------------------------------------------------------------------------------------------
+// Reporting.
+
+class ReportWriter {
+ public:
+  ReportWriter() {
+    const char *path = std::getenv("SGDFUSE_MINDSPORE_REPORT");
+    if (path != nullptr && *path != '\0') out_.open(path, std::ios::app);
+  }
+  void Fused(const std::string &graph, const Plan &p, const std::string &device) {
+    if (!out_.is_open()) return;
+    std::ostringstream s;
+    std::string shape = "[";
+    for (size_t i = 0; i < p.shape.size(); ++i) shape += (i ? ", " : "") + std::to_string(p.shape[i]);
+    shape += "]";
+    const std::string m = Num(p.momentum), d = Num(p.dampening), lr = Num(p.lr);
+    std::string accum_eq = "accum <- " + m + "*accum + " + Num(1.0 - p.dampening) + "*grad (first step: accum <- grad)";
+    std::string param_eq = p.nesterov ? "p <- p - " + lr + "*(grad + " + m + "*accum)" : "p <- p - " + lr + "*accum";
+    if (p.weight_decay > 0) {
+      accum_eq += ", grad = gradient + " + Num(p.weight_decay) + "*p";
+    }
+    s << "{\"event\": \"fused\", \"graph\": " << Json(graph) << ", \"device\": " << Json(device)
+      << ", \"parameters\": " << Json(NodeName(p.weight)) << ", \"gradient\": " << Json(NodeName(p.grad))
+      << ", \"accum\": " << Json(NodeName(p.buf)) << ", \"step\": " << Json(NodeName(p.step))
+      << ", \"learning_rate\": " << lr << ", \"momentum\": " << m << ", \"dampening\": " << d
+      << ", \"weight_decay\": " << Num(p.weight_decay) << ", \"nesterov\": " << (p.nesterov ? "true" : "false")
+      << ", \"maximize\": " << (p.maximize ? "true" : "false") << ", \"dtype\": " << Json(DtypeName(p.dtype))
+      << ", \"shape\": " << shape << ", \"parameter_equation\": " << Json(param_eq)
+      << ", \"accum_equation\": " << Json(accum_eq) << ", \"matched_nodes\": " << p.matched_nodes << "}\n";
+    out_ << s.str();
+    out_.flush();
+  }
+  void Refused(const std::string &graph, const Refusal &r) {
+    if (!out_.is_open()) return;
+    out_ << "{\"event\": \"refused\", \"graph\": " << Json(graph) << ", \"candidate\": " << Json(r.candidate)
+         << ", \"reason\": " << Json(r.reason) << ", \"detail\": " << Json(r.detail) << "}\n";
+    out_.flush();
+  }
+  void Summary(const std::string &graph, size_t fused, size_t refused, std::pair<size_t, size_t> before,
+               std::pair<size_t, size_t> after) {
+    if (!out_.is_open()) return;
+    out_ << "{\"event\": \"graph\", \"graph\": " << Json(graph) << ", \"fused\": " << fused << ", \"refused\": " << refused
+         << ", \"switch_calls_before\": " << before.first << ", \"switch_calls_after\": " << after.first
+         << ", \"nodes_before\": " << before.second << ", \"nodes_after\": " << after.second << "}\n";
+    out_.flush();
+  }
+  void Error(const std::string &graph, const std::string &what) {
+    if (!out_.is_open()) return;
+    out_ << "{\"event\": \"error\", \"graph\": " << Json(graph) << ", \"detail\": " << Json(what) << "}\n";
+    out_.flush();
+  }
+
+ private:
+  std::ofstream out_;
+};
+
+// Switch calls and CNodes over every graph the manager holds (the top graph and its branch graphs).
+std::pair<size_t, size_t> CountNodes(const FuncGraphManagerPtr &manager) {
+  size_t switches = 0, cnodes = 0;
+  for (auto &g : manager->func_graphs()) {
+    if (g->get_return() == nullptr) continue;
+    for (auto &node : mindspore::TopoSort(g->get_return())) {
+      auto c = AsCNode(node);
+      if (c == nullptr) continue;
+      cnodes++;
+      if (IsPrim(c->input(0), "Switch")) switches++;
+    }
+  }
+  return {switches, cnodes};
+}
+
+class FuseMintSgdPass : public mindspore::opt::Pass {
+ public:
+  FuseMintSgdPass() : Pass(kPassName) {}
+
+  bool Run(const FuncGraphPtr &root) override {
+    const char *off = std::getenv("SGDFUSE_MINDSPORE_DISABLE");
+    if (off != nullptr && std::string(off) == "1") return false;
+    ReportWriter report;
+    const std::string graph_name = root == nullptr ? "?" : root->ToString();
+    try {
+      if (root == nullptr || root->get_return() == nullptr) return false;
+      auto manager = root->manager();
+      if (manager == nullptr) {
+        manager = mindspore::Manage(root, true);
+      }
+      auto device = mindspore::MsContext::GetInstance()->get_param<std::string>(mindspore::MS_CTX_DEVICE_TARGET);
+      Matcher matcher(manager, device);
+      std::vector<Plan> plans;
+      std::vector<Refusal> refusals;
+      std::vector<FuncGraphPtr> graphs(manager->func_graphs().begin(), manager->func_graphs().end());
+      for (auto &g : graphs) {
+        if (g->get_return() == nullptr) continue;
+        for (auto &node : mindspore::TopoSort(g->get_return())) {
+          auto call = AsCNode(node);
+          if (call == nullptr) continue;
+          Plan plan;
+          Refusal refusal;
+          if (matcher.Match(g, call, &plan, &refusal)) {
+            plans.push_back(plan);
+          } else if (!refusal.reason.empty()) {
+            refusals.push_back(refusal);
+          }
+        }
+      }
+      const auto before = CountNodes(manager);
+      Rewriter rewriter(manager);
+      for (auto &p : plans) rewriter.Apply(p);
+      const auto after = CountNodes(manager);
+      for (auto &p : plans) report.Fused(graph_name, p, device);
+      for (auto &r : refusals) report.Refused(graph_name, r);
+      report.Summary(graph_name, plans.size(), refusals.size(), before, after);
+      return !plans.empty();
+    } catch (const std::exception &e) {
+      report.Error(graph_name, e.what());
+      return false;
+    }
+  }
+};
+
+class SgdfusePlugin : public mindspore::opt::CustomPassPlugin {
+ public:
+  std::string GetPluginName() const override { return kPluginName; }
+  std::vector<std::string> GetAvailablePassNames() const override { return {kPassName}; }
+  std::shared_ptr<mindspore::opt::Pass> CreatePass(const std::string &pass_name) const override {
+    if (pass_name == kPassName) return std::make_shared<FuseMintSgdPass>();
+    return nullptr;
+  }
+};
+
+}  // namespace sgdfuse_ms
+
+EXPORT_CUSTOM_PASS_PLUGIN(sgdfuse_ms::SgdfusePlugin)
