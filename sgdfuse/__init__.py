@@ -16,6 +16,9 @@ from sgdfuse.errors import (  # noqa: E402
     OutputWriteError,
     SgdfuseError,
 )
+from sgdfuse.api import OptimizeResult, inspect, load_model, optimize, save_model  # noqa: E402
+from sgdfuse.report import FusedUpdate, Refusal, Report, Verification  # noqa: E402
+from sgdfuse.lowering import GEModel, lower  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -23,4 +26,15 @@ __all__ = [
     "ContractError",
     "ModelLoadError",
     "OutputWriteError",
+    "optimize",
+    "inspect",
+    "load_model",
+    "save_model",
+    "OptimizeResult",
+    "Report",
+    "FusedUpdate",
+    "Refusal",
+    "Verification",
+    "lower",
+    "GEModel",
 ]

@@ -53,6 +53,9 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         raise ModelLoadError(path, f"cannot load: {error}") from error
     if not model.HasField("graph") or model.ir_version == 0:
         raise ModelLoadError(path, "not an ONNX model (no graph or no IR version); is this the right file?")
+    if not model.opset_import:
+        # Every exporter writes opset_import, after the graph: a model without one is truncated or broken.
+        raise ModelLoadError(path, "the model declares no opset_import; the file is truncated or not a complete ONNX model")
     return model
 
 
@@ -77,12 +80,43 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
+        _give_default_permissions(temporary)
         os.replace(temporary, path)
     except OSError as error:
         try:
             os.unlink(temporary)
         except OSError:
             pass
+        raise OutputWriteError(path, f"write failed: {error.strerror or error}") from error
+
+
+def _give_default_permissions(path: str) -> None:
+    # mkstemp creates 0600 files; the result should be an ordinary new file (0666 less the umask).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def write_text_atomically(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (temporary file in the same directory, then rename).
+
+    Raises:
+        OutputWriteError: the directory does not exist or the write failed; nothing is left at ``path``.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise OutputWriteError(path, f"directory {directory} does not exist")
+    temporary = None
+    try:
+        descriptor, temporary = tempfile.mkstemp(prefix=".sgdfuse-", suffix=".tmp", dir=directory)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        _give_default_permissions(temporary)
+        os.replace(temporary, path)
+    except OSError as error:
+        if temporary is not None and os.path.exists(temporary):
+            os.unlink(temporary)
         raise OutputWriteError(path, f"write failed: {error.strerror or error}") from error
 
 
@@ -182,7 +216,7 @@ def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, s
             )
         matches = []
 
-    planner = Planner(index)
+    planner = Planner(index, opset)
     plans = [planner.plan(match) for match in matches]
     if verify and plans:
         checks = verification.verify_plans(base, index, plans, steps=steps, seed=seed)

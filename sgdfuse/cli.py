@@ -137,6 +137,7 @@ def optimize_command(
     """Fuse every momentum-SGD update of MODEL into one ai.sgdfuse::SGD node each, verify, and write the result."""
     result = api.optimize(model, verify=verify, steps=steps)
     destination = output or _default_output(model)
+    _check_writable(destination)
     if report_path is not None:
         _check_writable(report_path)
     result.save(destination)
@@ -189,24 +190,75 @@ def check_command(
     _out.print("All outputs agree.")
 
 
+@app.command("lower")
+def lower_command(
+    model: Path = typer.Argument(..., help="Fused ONNX model (an unfused one is optimised first)."),
+    soc: str = typer.Option(..., "--soc", help="ATC SoC version, e.g. Ascend910B2, Ascend310P3, Ascend950PR_9599."),
+    output: Optional[Path] = typer.Option(
+        None, "-o", "--output", help="Output file (default: MODEL.air, or MODEL.atc.onnx with --format onnx-atc)."
+    ),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the step graph as JSON (the layout of atc --mode=1)."),
+    output_format: str = typer.Option(
+        "air",
+        "--format",
+        help="air: the GE IR step graph (.air) and its init graph (.init.air); "
+        "onnx-atc: ONNX for ATC's own parser (SGD as ai.sgdfuse::1::SGD) and the op plugin source beside it.",
+    ),
+) -> None:
+    """Lower MODEL to the Ascend Graph Engine for one SoC (GE IR .air, or ONNX prepared for ATC)."""
+    from sgdfuse import lowering
+    from sgdfuse.lowering import onnx_atc
+    from sgdfuse.lowering.ge_model import write_atomically
+
+    if output_format not in ("air", "onnx-atc"):
+        raise typer.BadParameter(f"{output_format!r} is not one of 'air', 'onnx-atc'", param_hint="--format")
+    if output_format == "onnx-atc" and json_path is not None:
+        raise typer.BadParameter("--json describes a GE graph; use it with --format air", param_hint="--json")
+    stem = model.name[: -len(".onnx")] if model.name.endswith(".onnx") else model.name
+    if output_format == "onnx-atc":
+        destination = output or model.with_name(stem + ".atc.onnx")
+        for path in (destination, onnx_atc.plugin_path_for(destination)):
+            if not path.resolve().parent.is_dir():
+                raise OutputWriteError(str(path), f"directory {path.resolve().parent} does not exist")
+        written, plugin = onnx_atc.write_onnx_atc(model, destination, soc=soc)
+        _out.print(f"Wrote {written} (SGD nodes as {onnx_atc.ATC_OP_KEY}, standard nodes in domain ai.onnx)")
+        _out.print(f"Wrote {plugin} (ATC op plugin source mapping {onnx_atc.ATC_OP_KEY} to GE SGD)")
+        return
+    destination = output or model.with_name(stem + ".air")
+    init_destination = destination.with_name(
+        (destination.name[: -len(".air")] if destination.name.endswith(".air") else destination.name) + ".init.air"
+    )
+    for path in (destination, init_destination, json_path):
+        if path is not None and not path.resolve().parent.is_dir():
+            raise OutputWriteError(str(path), f"directory {path.resolve().parent} does not exist")
+    lowered = lowering.lower(model, soc=soc)
+    lowered.save_air(destination)
+    lowered.save_init_air(init_destination)
+    if json_path is not None:
+        write_atomically(json_path, (lowered.to_json() + "\n").encode())
+    table = Table(title=f"GE graph for {soc} ({lowered.product_line.name})")
+    for column in ("ops", "SGD ops", "state variables", "inputs (Data)", "outputs"):
+        table.add_column(column)
+    table.add_row(
+        str(len(lowered.graph.op)), str(len(lowered.sgd_ops)), str(len(lowered.state)),
+        ", ".join(lowered.inputs) or "-", ", ".join(lowered.outputs) or "-",
+    )
+    _out.print(table)
+    _out.print(f"Wrote {destination} (step graph) and {init_destination} (init graph: assigns the state variables)")
+    if json_path is not None:
+        _out.print(f"Wrote {json_path}")
+
+
 def _check_writable(path: Path) -> None:
     directory = path.resolve().parent
     if not directory.is_dir():
         raise OutputWriteError(str(path), f"directory {directory} does not exist")
+    if path.is_dir():
+        raise OutputWriteError(str(path), "is a directory; give a file name")
 
 
 def _write_text(path: Path, text: str) -> None:
-    import os
-    import tempfile
-
-    _check_writable(path)
-    try:
-        descriptor, temporary = tempfile.mkstemp(prefix=".sgdfuse-", dir=path.resolve().parent)
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(text + "\n")
-        os.replace(temporary, path)
-    except OSError as error:
-        raise OutputWriteError(str(path), f"write failed: {error.strerror or error}") from error
+    api.write_text_atomically(path, text + "\n")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -238,7 +238,7 @@ def _verify_batch(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Pla
         for plan in plans:
             match = plan.match
             lr = _learning_rate_value(plan, feeds)
-            gradient = got_original[match.gradient] if match.gradient in got_original else feeds[match.gradient]
+            gradient = _value(match.gradient, got_original, feeds, index)
             bound_w, bound_v = error_bound(plan, feeds[match.parameters], gradient, feeds[match.accum], lr, match.dtype)
             entry = checks[match.parameters_out]
             for name, bound in ((match.parameters_out, bound_w), (match.accum_out, bound_v)):
@@ -274,6 +274,15 @@ def _verify_batch(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Pla
         UpdateCheck(name, steps, passed, max_abs, ratio, message)
         for name, (max_abs, ratio, passed, message) in checks.items()
     ]
+
+
+def _value(name: str, computed: dict, feeds: dict, index: GraphIndex) -> np.ndarray:
+    """A tensor's value in this step: computed by the slice, fed, or a (small) initializer."""
+    if name in computed:
+        return computed[name]
+    if name in feeds:
+        return feeds[name]
+    return onnx.numpy_helper.to_array(index.initializers[name])
 
 
 def _learning_rate_value(plan: Plan, feeds: dict[str, np.ndarray]) -> float:
@@ -365,7 +374,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
             if name in by_output:
                 plan, role = by_output[name]
                 match = plan.match
-                gradient = want_all[match.gradient] if match.gradient in want_all else feeds[match.gradient]
+                gradient = _value(match.gradient, want_all, feeds, index)
                 lr = _learning_rate_value(plan, feeds)
                 bounds = error_bound(plan, feeds[match.parameters], gradient, feeds[match.accum], lr, match.dtype)
                 bound = bounds[0] if role == "weights" else bounds[1]

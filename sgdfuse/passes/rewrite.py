@@ -33,7 +33,8 @@ __all__ = ["Plan", "Planner", "apply_plans"]
 logger = logging.getLogger(__name__)
 
 STAT_DESCRIPTION = (
-    "zeros of the parameters' shape, computed in the graph (ConstantOfShape(Shape(parameters))): the original "
+    "zeros of the parameters' shape, computed in the graph (ConstantOfShape(Shape(parameters)), in FLOAT then Cast "
+    "for BFLOAT16): the original "
     "graph applies dampening on every step it computes, which is the contract with stat = 0; stat_out is unused"
 )
 
@@ -69,8 +70,9 @@ class Planner:
     initializer.
     """
 
-    def __init__(self, index: GraphIndex) -> None:
+    def __init__(self, index: GraphIndex, opset: int = 18) -> None:
         self.index = index
+        self.opset = opset
         self._taken: set[str] = set(index.producer) | set(index.initializers) | set(index.graph_inputs)
         self._taken |= {n.name for n in index.graph.node if n.name}
         self._taken |= set(index.consumers)
@@ -102,9 +104,14 @@ class Planner:
         stat = self._fresh(f"{base}/stat")
         nodes.append(helper.make_node("Shape", [match.parameters], [shape], name=self._fresh(f"{base}/Shape")))
         accum = match.accum
+        # onnxruntime's CPU kernels lack BFLOAT16 Expand and Where: for BFLOAT16 the flag is built in FLOAT
+        # and cast (exact: 0 and 1 are BFLOAT16 values).
+        low = match.dtype == onnx.TensorProto.BFLOAT16
+        work_dtype = onnx.TensorProto.FLOAT if low else match.dtype
         if match.first_step is None:
-            zero = numpy_helper.from_array(np.zeros((1,), dtype=onnx_to_numpy_dtype(match.dtype)), name="value")
-            nodes.append(helper.make_node("ConstantOfShape", [shape], [stat], name=self._fresh(f"{base}/ConstantOfShape"), value=zero))
+            zero = numpy_helper.from_array(np.zeros((1,), dtype=onnx_to_numpy_dtype(work_dtype)), name="value")
+            stat_work = self._fresh(f"{base}/stat_float") if low else stat
+            nodes.append(helper.make_node("ConstantOfShape", [shape], [stat_work], name=self._fresh(f"{base}/ConstantOfShape"), value=zero))
             stat_text = STAT_DESCRIPTION
         else:
             # stat = 1 on the first step (no dampening), 0 after: the condition the graph selects with.
@@ -113,8 +120,9 @@ class Planner:
                 first = self._fresh(f"{base}/first_step")
                 nodes.append(helper.make_node("Not", [match.first_step.condition], [first], name=self._fresh(f"{base}/Not")))
             flag = self._fresh(f"{base}/first_step_flag")
-            nodes.append(helper.make_node("Cast", [first], [flag], to=match.dtype, name=self._fresh(f"{base}/Cast")))
-            nodes.append(helper.make_node("Expand", [flag, shape], [stat], name=self._fresh(f"{base}/Expand")))
+            nodes.append(helper.make_node("Cast", [first], [flag], to=work_dtype, name=self._fresh(f"{base}/Cast")))
+            stat_work = self._fresh(f"{base}/stat_float") if low else stat
+            nodes.append(helper.make_node("Expand", [flag, shape], [stat_work], name=self._fresh(f"{base}/Expand")))
             stat_text = (
                 f"1 where {match.first_step.condition} is {match.first_step.when_true} (the first step: no dampening), "
                 "else 0; Expand(Cast(condition), Shape(parameters)); stat_out is unused"
@@ -122,10 +130,19 @@ class Planner:
             if match.first_step.zero_accum:
                 # The graph's first step ignores the old buffer (buf = grad); the contract computes
                 # accum*m + grad, so the buffer is fed as zero on that step.
-                zero_value = self._scalar(Poly.const(0.0), match.dtype, f"{base}/zero", "zero", nodes, initializers)
+                zero_value = self._scalar(Poly.const(0.0), work_dtype, f"{base}/zero", "zero", nodes, initializers)
+                source = match.accum
+                if low:
+                    source = self._fresh(f"{base}/accum_float")
+                    nodes.append(helper.make_node("Cast", [match.accum], [source], to=work_dtype, name=self._fresh(f"{base}/Cast")))
                 accum = self._fresh(f"{base}/accum_first_step_zeroed")
-                nodes.append(helper.make_node("Where", [first, zero_value, match.accum], [accum], name=self._fresh(f"{base}/Where")))
+                zeroed = self._fresh(f"{base}/accum_zeroed_float") if low else accum
+                nodes.append(helper.make_node("Where", [first, zero_value, source], [zeroed], name=self._fresh(f"{base}/Where")))
+                if low:
+                    nodes.append(helper.make_node("Cast", [zeroed], [accum], to=match.dtype, name=self._fresh(f"{base}/Cast")))
                 stat_text += "; on the first step the buffer is fed as 0 (the graph ignores the old buffer then)"
+        if low:
+            nodes.append(helper.make_node("Cast", [stat_work], [stat], to=match.dtype, name=self._fresh(f"{base}/Cast")))
         stat_out = self._fresh(f"{base}/stat_out")
 
         sgd = make_sgd_node(

@@ -123,6 +123,7 @@ REASONS = {
     "buffer-not-own-previous": "the buffer update reads a different tensor than the buffer it replaces",
     "parameters-not-own-previous": "the parameter update reads a different tensor than the parameters it replaces",
     "opset": "the model's opset is too old for the fused op's function body",
+    "ambiguous-roles": "the algebra admits more than one choice of buffer and gradient, and nothing names the buffer",
 }
 
 
@@ -157,18 +158,30 @@ def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tup
     matches: list[Match] = []
     misses: list[Miss] = []
     tried_buffers: set[str] = set()
+    # Outputs by leaf, so that a parameter update written without reading the new buffer (p - lr*m*buf -
+    # lr*g beside buf_new = m*buf + g) still finds it: the algebra, not the wiring, decides.
+    by_leaf: dict[str, list[str]] = {}
+    for o in float_outputs:
+        for leaf in normaliser.form(o):
+            if leaf != ONE:
+                by_leaf.setdefault(leaf, []).append(o)
     for w in float_outputs:
         form_w = normaliser.form(w)
         if not _looks_like_update(index, w, form_w):
             continue
         _, values_w = normaliser.cone(w)
         buffers = [v for v in float_outputs if v != w and canonical[v] in values_w and canonical[v] != canonical[w]]
+        leaves_w = set(form_w)
+        for leaf in sorted(leaves_w - {ONE}):
+            for v in by_leaf.get(leaf, ()):
+                if v != w and v not in buffers and canonical[v] != canonical[w] and set(normaliser.form(v)) - {ONE} <= leaves_w:
+                    buffers.append(v)
         if not buffers:
             misses.append(_no_buffer_miss(index, normaliser, w, form_w, canonical))
             continue
         best: Miss | None = None
         found: Match | None = None
-        tried_buffers.update(buffers)
+        tried_buffers.update(v for v in buffers if canonical[v] in values_w)
         for v in buffers:
             result = _solve(index, normaliser, w, v, canonical[v])
             if isinstance(result, Match):
@@ -200,6 +213,7 @@ def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tup
         claimed |= state
         accepted.append(match)
     # A buffer output is reported through the parameter update that reads it, not as a candidate itself.
+    tried_buffers |= {m.accum_out for m in accepted}
     misses = [miss for miss in misses if miss.candidate not in tried_buffers or miss.reason == "shared-state"]
     return accepted, misses
 
@@ -323,14 +337,48 @@ def _solve_pair(
 ) -> Match | Miss:
     equation = f"{w} = {format_form(form_w)};  {v} = {format_form(form_v)}"
     best = Miss(w, "extra-term", f"{w} is not a momentum-SGD update of buffer {v}.", equation=equation, score=1)
+    named_buffer = _previous_by_name(index, v)
+    named_parameters = _previous_by_name(index, w)
+    if named_buffer is not None and named_buffer not in form_v:
+        # buf_out = g: the buffer's own previous value has coefficient 0.
+        return Miss(
+            w,
+            "no-momentum-buffer",
+            f"{w}: its buffer update {v} = {format_form(form_v)} does not read {named_buffer}, the buffer it replaces: momentum is 0, "
+            "which is plain SGD (and the contract's momentum == 0 rule would keep the old buffer).",
+            equation=equation,
+            score=3,
+        )
+    solutions: list[Match] = []
     for a in [leaf for leaf in form_v if leaf != ONE]:
         m = form_v[a]
+        if named_buffer is not None and a != named_buffer:
+            continue  # the names say which input this buffer replaces
         for p in [leaf for leaf in form_w if leaf not in (ONE, a)]:
+            if named_parameters is not None and p != named_parameters:
+                continue
             result = _solve_roles(index, normaliser, w, v, form_w, form_v, p, a, m, rel, equation, selection)
             if isinstance(result, Match):
-                return result
-            if result.score > best.score:
+                solutions.append(result)
+            elif result.score > best.score:
                 best = result
+    if len(solutions) == 1:
+        return solutions[0]
+    if solutions:
+        # One step's algebra cannot tell the buffer from the gradient when both are inputs: buf' = 0.9*buf + g
+        # is also "accum = g, momentum 1, dampening 0.1". The in-place write must hit the real buffer, so
+        # without evidence (names pairing the output with its input) the update is left alone.
+        readings = "; ".join(
+            f"buffer {s.accum}, gradient {s.gradient}, momentum {format_poly(s.momentum)}, dampening {s.dampening:g}" for s in solutions
+        )
+        return Miss(
+            w,
+            "ambiguous-roles",
+            f"{v} = {format_form(form_v)} reads as more than one momentum-SGD update ({readings}); name the buffer "
+            f"output after its input (e.g. <buffer>_out) so the in-place buffer is known.",
+            equation=equation,
+            score=9,
+        )
     return best
 
 
@@ -353,7 +401,14 @@ def _solve_roles(
     # What V holds besides the buffer and parameter terms: (1-d)·s·G.
     rest_v = add_forms(add_forms(form_v, {a: m}, Poly.const(-1)), {p: vp}, Poly.const(-1))
     if not rest_v:
-        return Miss(w, "no-gradient", f"buffer update {v} = {format_form(form_v)} has no gradient term.", equation=equation, score=2)
+        return Miss(
+            w,
+            "no-momentum-buffer",
+            f"{v} = {format_form(form_v)} reads a single tensor: either momentum is 0 or no gradient enters; "
+            "neither is a momentum update.",
+            equation=equation,
+            score=2,
+        )
     if ONE in rest_v:
         return Miss(
             w,
@@ -369,7 +424,15 @@ def _solve_roles(
     pivot = sorted(rest_v)[0]
     inverse = form_v[pivot].inverse()
     if inverse is None:
-        return Miss(w, "extra-term", f"coefficient {format_poly(form_v[pivot])} of {pivot} is not a single term.", equation=equation, score=2)
+        # Only runtime values make a coefficient a sum of terms (constants fold to one number).
+        return Miss(
+            w,
+            "runtime-hyperparameter",
+            f"the coefficient {format_poly(form_v[pivot])} of {pivot} in {v} depends on runtime values; dampening and "
+            "weight decay must be compile-time constants (the contract's attributes).",
+            equation=equation,
+            score=6,
+        )
     alpha = delta.get(pivot, Poly.const(0)) * inverse
     if alpha.is_zero:
         return Miss(
@@ -498,7 +561,9 @@ def _solve_roles(
 
     state_problem = _state_problem(index, w, v, p, a)
     if state_problem is not None:
-        return dataclasses.replace(state_problem, equation=equation, score=8)
+        # A constant or computed state is the graph's own fact; a name mismatch may just be a wrong reading.
+        score = 8 if state_problem.reason in ("constant-state", "computed-state") else 7
+        return dataclasses.replace(state_problem, equation=equation, score=score)
     typing_problem = _typing_problem(index, normaliser, w, v, p, a, g)
     if typing_problem is not None:
         return dataclasses.replace(typing_problem, equation=equation, score=8)
@@ -630,7 +695,7 @@ _STATE_PREFIXES = ("new_", "next_", "updated_", "out_")
 
 def _previous_by_name(index: GraphIndex, output: str) -> str | None:
     """The graph input whose name marks ``output`` as its next value (``buf`` for ``buf_out``), if any."""
-    inputs = set(index.graph_inputs)
+    inputs = set(index.graph_inputs) | set(index.initializers)
     for suffix in _STATE_SUFFIXES:
         if output.endswith(suffix) and output[: -len(suffix)] in inputs:
             return output[: -len(suffix)]
@@ -667,12 +732,13 @@ def _typing_problem(
     # dtype, or wholly in FLOAT between Casts of FLOAT16/BFLOAT16 state, is that computation (up to the
     # rounding the verification bound covers); a mix rounds to the low precision midway, and is refused.
     intermediate_dtypes: dict[int, str] = {}
-    boundary = {p, g, a, w, v}
+    # The parameter update's cone includes the buffer output when it reads the rounded buffer back: that is
+    # a rounding midway, so only each cone's own root is exempt.
     for root in (w, v):
         _, values = normaliser.cone(root)
         for value in sorted(values):
             spec = index.spec(value)
-            if value in boundary or value == ONE or spec.num_elements() == 1 or index.producer.get(value) is None:
+            if value in (p, g, a, root) or value == ONE or spec.num_elements() == 1 or index.producer.get(value) is None:
                 continue
             if spec.dtype:
                 intermediate_dtypes.setdefault(spec.dtype, value)
