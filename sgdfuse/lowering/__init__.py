@@ -1,0 +1,22 @@
+"""Lowering fused ONNX models to the Ascend Graph Engine (GE IR ``ModelDef``, the ``.air`` file ATC reads).
+
+Entry point: :func:`lower` (also ``sgdfuse.lower``). Modules, one concept each:
+
+- ``ge_ir.proto`` / :mod:`.ge_ir` — our wire-compatible GE IR schema and its message classes;
+- :mod:`.graph_builder` — ops, ports, descriptors, edges of one ``GraphDef``;
+- :mod:`.registry`, :mod:`.context` — the ONNX → GE rule table and what a rule sees;
+- :mod:`.rules_elementwise`, :mod:`.rules_linalg`, :mod:`.rules_tensor` — the rules;
+- :mod:`.state` — the ``SGD`` op, its state ``Variable`` s and the ordering of in-place writes;
+- :mod:`.soc` — product-line limits for the chosen SoC;
+- :mod:`.lower` — the driver; :mod:`.ge_model` — the result (``save_air``, ``to_json``);
+- :mod:`.atc_json` — ATC's model-to-JSON layout; :mod:`.executor` — the numpy reference executor;
+- :mod:`.onnx_atc` — ONNX prepared for ATC's own parser, and the op plugin source.
+"""
+
+from __future__ import annotations
+
+from sgdfuse.lowering.errors import InPlaceStateError, LoweringError, UnsupportedOpError
+from sgdfuse.lowering.ge_model import GEModel
+from sgdfuse.lowering.lower import lower
+
+__all__ = ["lower", "GEModel", "LoweringError", "UnsupportedOpError", "InPlaceStateError"]

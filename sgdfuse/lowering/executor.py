@@ -1,0 +1,532 @@
+"""A reference executor for sgdfuse's GE graphs, in numpy, with GE's ref (in-place) semantics.
+
+It exists to check lowering numerically: the step graph run here must compute what onnxruntime computes on
+the fused ONNX model. It is a reference, not an emulator of Ascend kernels: each op transcribes its GE
+prototype's documented meaning; FLOAT16/BFLOAT16 arithmetic is done in FLOAT and rounded back once per op
+(what onnxruntime's CPU kernels and the SGD contract do), matrix products accumulate in FLOAT.
+
+GE semantics it keeps, because lowering depends on them:
+
+- ``Variable`` values persist across runs and across graphs (the init graph and the step graph share them
+  by name), and a ``Variable`` op outputs *the* stored array, not a copy.
+- ``SGD`` (via :func:`sgdfuse.reference.sgd`) writes ``parameters``, ``accum`` and ``stat`` into its input
+  arrays in place; its output is its ``parameters`` input array (a ref). ``Assign`` writes its ``ref`` input
+  in place.
+- ``Identity``, ``Reshape``, ``Squeeze``, ``Unsqueeze`` return views (they may alias in GE); ``TensorMove``
+  copies; ``NetOutput`` copies its inputs out when the run ends, ``Data`` copies its feed in.
+- Order: an op runs when its data and control predecessors have run; among ready ops the in-place writers
+  (``SGD``, ``Assign``) go first and the readers of variable memory last. So a read of an old value that
+  lowering forgot to order before the write sees the new value and the comparison with onnxruntime fails,
+  as it could on the device.
+
+Every output is checked against its descriptor (dtype, and every static dimension).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import ml_dtypes
+import numpy as np
+from onnx import TensorProto
+
+from sgdfuse import reference
+from sgdfuse.errors import SgdfuseError
+from sgdfuse.lowering import ge_ir
+from sgdfuse.lowering.state import ALIAS_OP_TYPES
+from sgdfuse.runtime import onnx_to_numpy_dtype
+
+__all__ = ["ExecutorError", "GEExecutor", "GEModelRunner", "KERNELS", "kernel", "numpy_dtype"]
+
+WRITERS = frozenset({"SGD", "Assign"})
+
+
+class ExecutorError(SgdfuseError):
+    """The executor cannot run a graph: unknown op types, missing feeds, an uninitialised variable, or an
+    op result that contradicts its descriptor."""
+
+
+_GE_TO_ONNX = {ge: onnx for onnx, ge in ge_ir.ONNX_TO_GE_DTYPE.items()}
+_CPP_TO_ONNX = {cpp: onnx for onnx, cpp in ge_ir.ONNX_TO_GE_CPP_DTYPE.items()}
+_SMALL_FLOATS = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def numpy_dtype(ge_dtype: int) -> np.dtype:
+    """numpy dtype of a proto ``DataType`` number."""
+    if ge_dtype not in _GE_TO_ONNX:
+        raise ExecutorError(f"no numpy dtype for GE {ge_ir.GE_DTYPE_NAMES.get(ge_dtype, ge_dtype)}")
+    return onnx_to_numpy_dtype(_GE_TO_ONNX[ge_dtype])
+
+
+@dataclasses.dataclass
+class Op:
+    """One ``OpDef`` decoded for running: data inputs (``(op, index)`` or None), control predecessors,
+    attributes as Python values, output dtypes and shapes from the descriptors."""
+
+    name: str
+    type: str
+    inputs: list[tuple[str, int] | None]
+    controls: list[str]
+    attrs: dict[str, object]
+    output_dtypes: list[np.dtype | None]
+    output_shapes: list[list[int]]
+    position: int
+
+
+def _attr(value) -> object:
+    kind = value.WhichOneof("value")
+    if kind == "list":
+        items = value.list
+        for field in ("s", "i", "f", "b", "dt"):
+            if len(getattr(items, field)):
+                values = list(getattr(items, field))
+                return [v.decode() for v in values] if field == "s" else values
+        return []
+    if kind == "s":
+        return value.s.decode()
+    if kind == "t":
+        return _tensor(value.t)
+    return getattr(value, kind) if kind else None
+
+
+def _tensor(tensor) -> np.ndarray:
+    dtype = numpy_dtype(tensor.desc.dtype)
+    shape = tuple(tensor.desc.shape.dim)
+    return np.frombuffer(tensor.data, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape).copy()
+
+
+def _decode(op, position: int) -> Op:
+    inputs: list[tuple[str, int] | None] = []
+    controls: list[str] = []
+    for entry in op.input:
+        if not entry:
+            inputs.append(None)
+            continue
+        source, _, index = entry.rpartition(":")
+        if index == "-1":
+            controls.append(source)
+        else:
+            inputs.append((source, int(index)))
+    return Op(
+        name=op.name,
+        type=op.type,
+        inputs=inputs,
+        controls=controls,
+        attrs={key: _attr(value) for key, value in op.attr.items()},
+        output_dtypes=[numpy_dtype(d.dtype) if d.dtype else None for d in op.output_desc],
+        output_shapes=[list(d.shape.dim) for d in op.output_desc],
+        position=position,
+    )
+
+
+Kernel = Callable[[Op, list], list]
+KERNELS: dict[str, Kernel] = {}
+
+
+def kernel(*op_types: str) -> Callable[[Kernel], Kernel]:
+    """Decorator: register a numpy kernel ``(op, inputs) -> outputs`` for GE op types."""
+
+    def decorate(function: Kernel) -> Kernel:
+        for op_type in op_types:
+            KERNELS[op_type] = function
+        return function
+
+    return decorate
+
+
+class _Uninitialised:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class GEExecutor:
+    """Runs GE ``GraphDef`` s; :attr:`variables` (name → array) persist across :meth:`run` calls."""
+
+    def __init__(self) -> None:
+        self.variables: dict[str, np.ndarray] = {}
+
+    def run(self, graph, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Run ``graph`` once with ``feeds`` (``Data`` op name → array); return ``NetOutput``'s inputs, copied.
+
+        Raises:
+            ExecutorError: unknown op types (all listed), a missing or mistyped feed, a variable read before
+                it was assigned, an output contradicting its descriptor.
+        """
+        ops = {op.name: _decode(op, k) for k, op in enumerate(graph.op)}
+        unknown = sorted({op.type for op in ops.values()} - set(KERNELS) - {"Data", "Variable", "NetOutput", "Assign"})
+        if unknown:
+            raise ExecutorError(f"graph {graph.name}: no executor kernel for op type(s) {', '.join(unknown)}")
+        values: dict[tuple[str, int], object] = {}
+        results: list[np.ndarray] = []
+        for op in _schedule(ops):
+            inputs = [values[source] if source is not None else None for source in op.inputs]
+            if op.type == "NetOutput":
+                results = [np.array(_checked(x, op.name), copy=True) for x in inputs]
+                continue
+            if op.type == "Data":
+                outputs = [self._feed(op, feeds)]
+            elif op.type == "Variable":
+                outputs = [self.variables.get(op.name, _Uninitialised(op.name))]
+            elif op.type == "Assign":
+                outputs = [self._assign(op, ops, inputs)]
+            else:
+                outputs = KERNELS[op.type](op, [_checked(x, op.name) if x is not None else None for x in inputs])
+            for index, value in enumerate(outputs):
+                if not isinstance(value, _Uninitialised):
+                    _check_output(op, index, value)
+                values[(op.name, index)] = value
+        return results
+
+    def _feed(self, op: Op, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
+        if op.name not in feeds:
+            raise ExecutorError(f"no feed for Data op {op.name}")
+        value = np.asarray(feeds[op.name])
+        expected = op.output_dtypes[0]
+        if expected is not None and value.dtype != expected:
+            raise ExecutorError(f"feed {op.name}: dtype {value.dtype}, the graph declares {expected}")
+        return np.array(value, copy=True)
+
+    def _assign(self, op: Op, ops: Mapping[str, Op], inputs: list) -> np.ndarray:
+        ref, value = inputs
+        source = op.inputs[0]
+        if source is None or ops[source[0]].type != "Variable":
+            raise ExecutorError(f"Assign {op.name}: its ref input is not a Variable")
+        name = source[0]
+        value = np.asarray(value)
+        if isinstance(ref, _Uninitialised) or ref.shape != value.shape:
+            if op.attrs.get("validate_shape") and not isinstance(ref, _Uninitialised):
+                raise ExecutorError(f"Assign {op.name}: shape {value.shape} differs from variable {name} {ref.shape}")
+            self.variables[name] = np.array(value, copy=True)
+        else:
+            ref[...] = value
+        return self.variables[name]
+
+
+def _checked(value, reader: str):
+    if isinstance(value, _Uninitialised):
+        raise ExecutorError(f"op {reader} reads variable {value.name} before it was assigned; run the init graph first")
+    return value
+
+
+def _check_output(op: Op, index: int, value: np.ndarray) -> None:
+    if index >= len(op.output_dtypes):
+        return
+    expected = op.output_dtypes[index]
+    if expected is not None and value.dtype != expected:
+        raise ExecutorError(f"op {op.name} ({op.type}) output {index}: dtype {value.dtype}, descriptor says {expected}")
+    dims = op.output_shapes[index]
+    if dims == [-2]:
+        return
+    if len(dims) != value.ndim or any(d >= 0 and d != s for d, s in zip(dims, value.shape)):
+        raise ExecutorError(f"op {op.name} ({op.type}) output {index}: shape {list(value.shape)}, descriptor says {dims}")
+
+
+def _schedule(ops: Mapping[str, Op]) -> list[Op]:
+    waiting = {name: 0 for name in ops}
+    dependants: dict[str, list[str]] = {}
+    for op in ops.values():
+        for source in {s[0] for s in op.inputs if s is not None} | set(op.controls):
+            if source not in ops:
+                raise ExecutorError(f"op {op.name} reads {source}, which is not in the graph")
+            waiting[op.name] += 1
+            dependants.setdefault(source, []).append(op.name)
+
+    # Adversarial among ready ops: in-place writers first, readers of variable memory (directly or through
+    # ops that may alias it) last. A read that lowering did not order before a write then sees the write.
+    state: set[tuple[str, int]] = {(name, 0) for name, op in ops.items() if op.type == "Variable"}
+    for op in sorted(ops.values(), key=lambda o: o.position):
+        if op.type in ALIAS_OP_TYPES and op.inputs and op.inputs[0] in state:
+            state.add((op.name, 0))
+    reads_state = {op.name for op in ops.values() if any(s in state for s in op.inputs if s is not None)}
+
+    def key(name: str) -> tuple[int, int, str]:
+        rank = 0 if ops[name].type in WRITERS else 2 if name in reads_state else 1
+        return (rank, ops[name].position, name)
+
+    ready = [key(n) for n, count in waiting.items() if count == 0]
+    heapq.heapify(ready)
+    order: list[Op] = []
+    while ready:
+        name = heapq.heappop(ready)[2]
+        order.append(ops[name])
+        for dependant in dependants.get(name, ()):
+            waiting[dependant] -= 1
+            if waiting[dependant] == 0:
+                heapq.heappush(ready, key(dependant))
+    if len(order) != len(ops):
+        raise ExecutorError("the graph has a cycle")
+    return order
+
+
+# ---- kernels ------------------------------------------------------------------------------------------
+
+
+def _in_float(function: Callable[..., np.ndarray], out_dtype: np.dtype | None, *arrays: np.ndarray) -> np.ndarray:
+    """Apply ``function``; FLOAT16/BFLOAT16 operands are computed in FLOAT and the result rounded once."""
+    small = any(np.asarray(a).dtype in _SMALL_FLOATS for a in arrays)
+    with np.errstate(all="ignore"):
+        if small:
+            result = function(*(np.asarray(a).astype(np.float32) if np.asarray(a).dtype in _SMALL_FLOATS else a for a in arrays))
+        else:
+            result = function(*arrays)
+    result = np.asarray(result)
+    if out_dtype is not None and result.dtype != out_dtype:
+        result = result.astype(out_dtype)
+    return result
+
+
+def _elementwise(function: Callable[..., np.ndarray]) -> Kernel:
+    def run(op: Op, inputs: list) -> list:
+        return [_in_float(function, op.output_dtypes[0], *inputs)]
+
+    return run
+
+
+def _truncate_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    quotient = np.floor_divide(a, b)
+    inexact = (np.remainder(a, b) != 0) & ((a < 0) != (b < 0))
+    return quotient + inexact
+
+
+def _exp(op: Op, inputs: list) -> list:
+    base, scale, shift = (float(op.attrs.get(k, d)) for k, d in (("base", -1.0), ("scale", 1.0), ("shift", 0.0)))
+    log_base = 1.0 if base == -1.0 else math.log(base)
+    return [_in_float(lambda x: np.exp((x * scale + shift) * log_base), op.output_dtypes[0], inputs[0])]
+
+
+def _log(op: Op, inputs: list) -> list:
+    base, scale, shift = (float(op.attrs.get(k, d)) for k, d in (("base", -1.0), ("scale", 1.0), ("shift", 0.0)))
+    log_base = 1.0 if base == -1.0 else math.log(base)
+    return [_in_float(lambda x: np.log(x * scale + shift) / log_base, op.output_dtypes[0], inputs[0])]
+
+
+for _types, _function in (
+    (("Add",), np.add),
+    (("Sub",), np.subtract),
+    (("Mul",), np.multiply),
+    (("RealDiv",), np.divide),
+    (("TruncateDiv",), _truncate_div),
+    (("Pow",), np.power),
+    (("Maximum",), np.maximum),
+    (("Minimum",), np.minimum),
+    (("Neg",), np.negative),
+    (("Abs",), np.abs),
+    (("Sqrt",), np.sqrt),
+    (("Reciprocal",), np.reciprocal),
+    (("Relu",), lambda x: np.maximum(x, np.zeros((), dtype=np.asarray(x).dtype))),
+    (("Sigmoid",), lambda x: 1 / (1 + np.exp(-x))),
+    (("Tanh",), np.tanh),
+    (("Equal",), np.equal),
+    (("Less",), np.less),
+    (("LessEqual",), np.less_equal),
+    (("Greater",), np.greater),
+    (("GreaterEqual",), np.greater_equal),
+    (("LogicalNot",), np.logical_not),
+    (("LogicalAnd",), np.logical_and),
+    (("LogicalOr",), np.logical_or),
+    (("SelectV2",), np.where),
+):
+    kernel(*_types)(_elementwise(_function))
+kernel("Exp")(_exp)
+kernel("Log")(_log)
+
+
+@kernel("Const")
+def _const(op: Op, inputs: list) -> list:
+    return [np.array(op.attrs["value"], copy=True)]
+
+
+@kernel("Identity")
+def _identity(op: Op, inputs: list) -> list:
+    return [inputs[0]]  # may alias: GE may hand out the same memory
+
+
+@kernel("TensorMove")
+def _tensor_move(op: Op, inputs: list) -> list:
+    return [np.array(inputs[0], copy=True)]
+
+
+@kernel("Reshape")
+def _reshape(op: Op, inputs: list) -> list:
+    x, shape = inputs
+    return [np.reshape(x, tuple(int(d) for d in np.ravel(shape)))]
+
+
+@kernel("Squeeze")
+def _squeeze(op: Op, inputs: list) -> list:
+    axes = op.attrs.get("axis") or None
+    return [np.squeeze(inputs[0], axis=tuple(axes) if axes else None)]
+
+
+@kernel("Unsqueeze")
+def _unsqueeze(op: Op, inputs: list) -> list:
+    value = inputs[0]
+    for axis in sorted(op.attrs.get("axes", [])):
+        value = np.expand_dims(value, axis)
+    return [value]
+
+
+@kernel("Transpose")
+def _transpose(op: Op, inputs: list) -> list:
+    return [np.ascontiguousarray(np.transpose(inputs[0], tuple(int(p) for p in np.ravel(inputs[1]))))]
+
+
+def _matmul(a: np.ndarray, b: np.ndarray, out_dtype: np.dtype | None) -> np.ndarray:
+    if a.dtype in _SMALL_FLOATS or b.dtype in _SMALL_FLOATS:
+        a, b = a.astype(np.float32), b.astype(np.float32)
+    result = np.matmul(a, b)
+    return result.astype(out_dtype) if out_dtype is not None and result.dtype != out_dtype else result
+
+
+@kernel("MatMulV2", "MatMul")
+def _mat_mul(op: Op, inputs: list) -> list:
+    a, b = inputs[0], inputs[1]
+    if op.attrs.get("transpose_x1"):
+        a = a.T
+    if op.attrs.get("transpose_x2"):
+        b = b.T
+    return [_matmul(a, b, op.output_dtypes[0])]
+
+
+@kernel("BatchMatMulV2")
+def _batch_mat_mul(op: Op, inputs: list) -> list:
+    a, b = inputs[0], inputs[1]
+    if op.attrs.get("adj_x1"):
+        a = np.swapaxes(a, -1, -2)
+    if op.attrs.get("adj_x2"):
+        b = np.swapaxes(b, -1, -2)
+    return [_matmul(a, b, op.output_dtypes[0])]
+
+
+def _reduce(function: Callable[..., np.ndarray]) -> Kernel:
+    def run(op: Op, inputs: list) -> list:
+        x, axes = inputs
+        axes = tuple(int(a) for a in np.ravel(axes))
+        if not axes and op.attrs.get("noop_with_empty_axes", True):
+            return [np.array(x, copy=True)]
+        keep = bool(op.attrs.get("keep_dims", False))
+        return [_in_float(lambda v: function(v, axis=axes or None, keepdims=keep), op.output_dtypes[0], x)]
+
+    return run
+
+
+kernel("ReduceSum")(_reduce(np.sum))
+kernel("ReduceMean")(_reduce(np.mean))
+
+
+@kernel("Cast")
+def _cast(op: Op, inputs: list) -> list:
+    target = onnx_to_numpy_dtype(_CPP_TO_ONNX[int(op.attrs["dst_type"])])
+    with np.errstate(all="ignore"):
+        return [np.asarray(inputs[0]).astype(target)]
+
+
+@kernel("Shape")
+def _shape(op: Op, inputs: list) -> list:
+    dtype = onnx_to_numpy_dtype(_CPP_TO_ONNX[int(op.attrs.get("dtype", ge_ir.ONNX_TO_GE_CPP_DTYPE[TensorProto.INT32]))])
+    return [np.array(np.shape(inputs[0]), dtype=dtype)]
+
+
+@kernel("Fill")
+def _fill(op: Op, inputs: list) -> list:
+    dims, value = inputs
+    return [np.full(tuple(int(d) for d in np.ravel(dims)), np.asarray(value).reshape(()), dtype=np.asarray(value).dtype)]
+
+
+@kernel("Expand")
+def _expand(op: Op, inputs: list) -> list:
+    x, shape = inputs
+    target = np.broadcast_shapes(np.shape(x), tuple(int(d) for d in np.ravel(shape)))
+    return [np.array(np.broadcast_to(x, target), copy=True)]
+
+
+@kernel("ConcatV2")
+def _concat(op: Op, inputs: list) -> list:
+    count = int(op.attrs.get("N", len(inputs) - 1))
+    return [np.concatenate(inputs[:count], axis=int(np.asarray(inputs[count])))]
+
+
+@kernel("GatherV2")
+def _gather(op: Op, inputs: list) -> list:
+    x, indices, axis = inputs
+    return [np.take(x, np.asarray(indices), axis=int(np.asarray(axis)))]
+
+
+def _softmax(log: bool) -> Kernel:
+    def run(op: Op, inputs: list) -> list:
+        axes = tuple(op.attrs.get("axes", [-1]))
+
+        def compute(x: np.ndarray) -> np.ndarray:
+            shifted = x - np.max(x, axis=axes, keepdims=True)
+            total = np.sum(np.exp(shifted), axis=axes, keepdims=True)
+            return shifted - np.log(total) if log else np.exp(shifted) / total
+
+        return [_in_float(compute, op.output_dtypes[0], inputs[0])]
+
+    return run
+
+
+kernel("SoftmaxV2")(_softmax(False))
+kernel("LogSoftmaxV2")(_softmax(True))
+
+
+@kernel("SGD")
+def _sgd(op: Op, inputs: list) -> list:
+    parameters, gradient, learning_rate, accum, momentum, stat = inputs
+    new_parameters, new_accum, new_stat = reference.sgd(
+        parameters,
+        gradient,
+        learning_rate,
+        accum,
+        momentum,
+        stat,
+        dampening=float(op.attrs.get("dampening", 0.0)),
+        weight_decay=float(op.attrs.get("weight_decay", 0.0)),
+        nesterov=bool(op.attrs.get("nesterov", False)),
+    )
+    # In place, as the kernel does: the arrays are the variables' own storage.
+    parameters[...] = new_parameters
+    accum[...] = new_accum
+    stat[...] = new_stat
+    return [parameters]
+
+
+class GEModelRunner:
+    """Runs a :class:`~sgdfuse.lowering.ge_model.GEModel`: the init graph once, then training steps.
+
+    Names are the ONNX model's: :meth:`initialise` takes initial values of the state inputs (``w``,
+    ``buf_w``...), :meth:`step` the runtime inputs and returns the ONNX outputs by name.
+    """
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.executor = GEExecutor()
+
+    @property
+    def variables(self) -> dict[str, np.ndarray]:
+        return self.executor.variables
+
+    def initialise(self, values: Mapping[str, np.ndarray]) -> None:
+        """Run the init graph: state variables get ``values`` (ONNX graph input name → array), or their
+        initializer, or zeros.
+
+        Raises:
+            ExecutorError: a state input's value is missing.
+        """
+        feeds = {}
+        for data_op, onnx_name in self.model.init_inputs.items():
+            if onnx_name not in values:
+                raise ExecutorError(f"no initial value for state input {onnx_name}")
+            feeds[data_op] = values[onnx_name]
+        self.executor.run(self.model.init_model.graph[0], feeds)
+
+    def step(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One run of the step graph; ``feeds`` by ONNX input name (extra names, e.g. state, are ignored)."""
+        missing: Sequence[str] = [name for name in self.model.inputs if name not in feeds]
+        if missing:
+            raise ExecutorError(f"no value for input(s) {', '.join(missing)}")
+        results = self.executor.run(self.model.graph, {name: feeds[name] for name in self.model.inputs})
+        return dict(zip(self.model.outputs, results))
