@@ -14,6 +14,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from sgdfuse.runtime import make_session, run
+
 SHAPE = [3, 2]
 SCALAR_STYLES = ("initializer", "initializer1", "constant", "expand", "reshape", "unsqueeze", "gather", "cast", "castlike")
 
@@ -125,3 +127,33 @@ class Builder:
         model.ir_version = 9
         onnx.checker.check_model(model)
         return model
+
+
+def outputs_agree(original: onnx.ModelProto, fused: onnx.ModelProto, rtol: float, steps: int = 3, lr: float = 0.01, momentum: float = 0.9) -> None:
+    """Run both in onnxruntime on seeded inputs, feeding the original's new state back for 3 steps."""
+    rng = np.random.default_rng(1)
+    names = [i.name for i in original.graph.input]
+    types = {i.name: i.type.tensor_type for i in original.graph.input}
+    feeds = {}
+    for name in names:
+        t = types[name]
+        shape = [d.dim_value for d in t.shape.dim]
+        dtype = np_dtype(t.elem_type) if t.elem_type != TensorProto.INT64 else np.int64
+        if t.elem_type == TensorProto.INT64:
+            feeds[name] = np.zeros(shape, dtype=np.int64)
+        elif name in ("lr", "m"):
+            feeds[name] = np.full(shape, lr if name == "lr" else momentum, dtype=np.float32).astype(dtype)
+        else:
+            feeds[name] = rng.standard_normal(shape).astype(np.float32).astype(dtype)
+    a, b = make_session(original), make_session(fused)
+    outputs = [o.name for o in original.graph.output]
+    for step in range(steps):
+        want, have = run(a, feeds, outputs), run(b, feeds, outputs)
+        for name in outputs:
+            np.testing.assert_allclose(
+                np.asarray(have[name], np.float64), np.asarray(want[name], np.float64), rtol=rtol, atol=rtol, err_msg=f"{name} step {step}"
+            )
+        feeds["p"], feeds["buf"] = want["p_new"], want["buf_new"]
+        feeds["g"] = rng.standard_normal(feeds["g"].shape).astype(np.float32).astype(feeds["g"].dtype)
+        if "step" in feeds:
+            feeds["step"] = np.full(feeds["step"].shape, step + 1, dtype=np.int64)

@@ -11,43 +11,13 @@ from onnx import TensorProto
 
 import sgdfuse
 from sgdfuse.runtime import make_session, run
-from forms import SCALAR_STYLES, Builder, np_dtype
+from forms import SCALAR_STYLES, Builder, np_dtype, outputs_agree
 
 LR, M, D, WD = 0.01, 0.9, 0.25, 1e-3
 
 
 def _state(b: Builder):
     return b.tensor_input("p"), b.tensor_input("g"), b.tensor_input("buf")
-
-
-def _outputs_agree(original: onnx.ModelProto, fused: onnx.ModelProto, rtol: float, steps: int = 3) -> None:
-    """Run both in onnxruntime on seeded inputs, feeding the original's new state back for 3 steps."""
-    rng = np.random.default_rng(1)
-    names = [i.name for i in original.graph.input]
-    types = {i.name: i.type.tensor_type for i in original.graph.input}
-    feeds = {}
-    for name in names:
-        t = types[name]
-        shape = [d.dim_value for d in t.shape.dim]
-        dtype = np_dtype(t.elem_type) if t.elem_type != TensorProto.INT64 else np.int64
-        if t.elem_type == TensorProto.INT64:
-            feeds[name] = np.zeros(shape, dtype=np.int64)
-        elif name in ("lr", "m"):
-            feeds[name] = np.full(shape, LR if name == "lr" else M, dtype=np.float32).astype(dtype)
-        else:
-            feeds[name] = rng.standard_normal(shape).astype(np.float32).astype(dtype)
-    a, b = make_session(original), make_session(fused)
-    outputs = [o.name for o in original.graph.output]
-    for step in range(steps):
-        want, have = run(a, feeds, outputs), run(b, feeds, outputs)
-        for name in outputs:
-            np.testing.assert_allclose(
-                np.asarray(have[name], np.float64), np.asarray(want[name], np.float64), rtol=rtol, atol=rtol, err_msg=f"{name} step {step}"
-            )
-        feeds["p"], feeds["buf"] = want["p_new"], want["buf_new"]
-        feeds["g"] = rng.standard_normal(feeds["g"].shape).astype(np.float32).astype(feeds["g"].dtype)
-        if "step" in feeds:
-            feeds["step"] = np.full(feeds["step"].shape, step + 1, dtype=np.int64)
 
 
 def _fuses_as(model, *, lr=LR, momentum=M, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, rtol=2e-5, gradient="g"):
@@ -67,7 +37,7 @@ def _fuses_as(model, *, lr=LR, momentum=M, dampening=0.0, weight_decay=0.0, nest
     assert (f.nesterov, f.maximize) == (nesterov, maximize)
     assert [n.op_type for n in result.model.graph.node].count("SGD") == 1
     onnx.checker.check_model(result.model, full_check=True)
-    _outputs_agree(model, result.model, rtol)
+    outputs_agree(model, result.model, rtol)
     return result
 
 

@@ -99,6 +99,7 @@ class Miss:
     nearest: str = ""
     differing: str = ""
     score: int = 0
+    buffer: str = ""
 
 
 REASONS = {
@@ -188,11 +189,11 @@ def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tup
                 found = result
                 break
             if best is None or result.score > best.score:
-                best = result
+                best = dataclasses.replace(result, buffer=v)
         if found is not None:
             matches.append(found)
         elif best is not None:
-            misses.append(best)
+            misses.append(best if best.buffer else dataclasses.replace(best, buffer=v if len(buffers) == 1 else best.buffer))
 
     # One parameter, one buffer, one update: a second claim on the same state is refused.
     claimed: set[str] = set()
@@ -215,6 +216,13 @@ def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tup
     # A buffer output is reported through the parameter update that reads it, not as a candidate itself.
     tried_buffers |= {m.accum_out for m in accepted}
     misses = [miss for miss in misses if miss.candidate not in tried_buffers or miss.reason == "shared-state"]
+    # (W, V) and (V, W) are one pair read two ways: report the reading that got further.
+    best_of_pair: dict[frozenset, Miss] = {}
+    for miss in misses:
+        key = frozenset((miss.candidate, miss.buffer)) if miss.buffer else frozenset((miss.candidate,))
+        if key not in best_of_pair or miss.score > best_of_pair[key].score:
+            best_of_pair[key] = miss
+    misses = [miss for miss in misses if best_of_pair[frozenset((miss.candidate, miss.buffer)) if miss.buffer else frozenset((miss.candidate,))] is miss]
     return accepted, misses
 
 
@@ -445,7 +453,12 @@ def _solve_roles(
         )
     beta = delta.get(a, Poly.const(0)) - alpha * m
     predicted = add_forms(scale_form(form_v, alpha), {a: beta})
-    residual = {leaf: c for leaf, c in add_forms(delta, predicted, Poly.const(-1)).items() if not _close(delta.get(leaf, Poly.const(0)), predicted.get(leaf, Poly.const(0)), rel)}
+    # Compared relative to W's own coefficient too: a folded constant (1 - lr*wd) rounds relative to 1.
+    residual = {
+        leaf: c
+        for leaf, c in add_forms(delta, predicted, Poly.const(-1)).items()
+        if not _close(delta.get(leaf, Poly.const(0)), predicted.get(leaf, Poly.const(0)), rel, scale=form_w.get(leaf))
+    }
     lr_plain = -alpha
     if residual:
         # Say it in terms of the new buffer: W = P + α·V (+ β·A) + the terms that do not fit.
