@@ -217,16 +217,23 @@ def test_float_learning_rate_input_cast_to_float16_parameters_fuses():
     _fuses_as(b.model(["p_new", "buf_new"]), lr="lr", momentum=float(np.float16(M)), rtol=4e-3)
 
 
-def test_momentum_graph_input_is_refused_with_reason():
+@pytest.mark.parametrize("momentum", [M, 0.0])
+@pytest.mark.parametrize("dampening", [0.0, D])
+def test_momentum_graph_input_fuses_and_keeps_the_graphs_momentum_zero_behaviour(momentum, dampening):
+    # With momentum 0 the contract keeps the old buffer, while this graph writes (1-d)*g: the fused model
+    # must still output what the graph outputs, for a non-zero and for a zero momentum fed at run time.
     b = Builder()
     p, g, buf = _state(b)
     m = b.scalar_input("m")
-    b.add(b.mul(buf, m), g, out="buf_new")
+    b.add(b.mul(buf, m), b.mul(g, b.scalar(1 - dampening)), out="buf_new")
     b.sub(p, b.mul(b.scalar(LR), "buf_new"), out="p_new")
-    result = sgdfuse.optimize(b.model(["p_new", "buf_new"]))
-    assert not result.report.fused
-    assert [r.reason for r in result.report.refused] == ["runtime-momentum"]
-    assert "m" in result.report.refused[0].detail
+    model = b.model(["p_new", "buf_new"])
+    result = sgdfuse.optimize(model)
+    assert len(result.report.fused) == 1, result.report
+    assert result.report.fused[0].momentum == "m"
+    assert "If" in [n.op_type for n in result.model.graph.node]
+    onnx.checker.check_model(result.model, full_check=True)
+    outputs_agree(model, result.model, rtol=2e-5, momentum=momentum)
 
 
 @pytest.mark.parametrize("dtype", [TensorProto.FLOAT16, TensorProto.BFLOAT16])

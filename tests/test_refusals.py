@@ -189,7 +189,7 @@ def test_nesterov_with_the_buffer_momentum_fuses():
     assert fused.nesterov and fused.momentum == pytest.approx(0.9) and fused.accum == "buf"
 
 
-# -- runtime-hyperparameter / runtime-momentum ----------------------------------------------------------
+# -- runtime-hyperparameter / runtime momentum ----------------------------------------------------------
 
 
 def test_dampening_fed_as_a_graph_input_is_refused_as_runtime_hyperparameter():
@@ -228,17 +228,18 @@ def test_weight_decay_fed_as_a_graph_input_is_refused_as_runtime_hyperparameter(
     assert _names(refusal.detail, "wd"), refusal.detail
 
 
-def test_momentum_fed_as_a_graph_input_is_refused_as_runtime_momentum():
-    # A runtime momentum may be 0 at run time, where the contract keeps the old buffer.
+def test_momentum_fed_as_a_graph_input_fuses_with_the_momentum_zero_case_kept():
+    # A runtime momentum may be 0 at run time, where the contract keeps the old buffer: the rewrite keeps the
+    # graph's buffer output for that case (an If on momentum == 0) instead of refusing.
     model = _momentum_step(
         buffer=PLAIN_BUFFER,
         weights=PLAIN_WEIGHTS,
         inputs=[*STATE, value("m", shape=[])],
         initializers=[scalar("lr", 0.1)],
     )
-    refusal = _refusal(model)
-    assert refusal.reason == "runtime-momentum", refusal
-    assert _names(refusal.detail, "m"), refusal.detail
+    result = api.optimize(model)
+    assert [f.momentum for f in result.report.fused] == ["m"], result.report
+    assert "If" in [n.op_type for n in result.model.graph.node]
 
 
 # -- mixed-precision ------------------------------------------------------------------------------------

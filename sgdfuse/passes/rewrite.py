@@ -145,14 +145,89 @@ class Planner:
             nodes.append(helper.make_node("Cast", [stat_work], [stat], to=match.dtype, name=self._fresh(f"{base}/Cast")))
         stat_out = self._fresh(f"{base}/stat_out")
 
+        accum_out = match.accum_out
+        if not match.momentum.is_constant:
+            # A runtime momentum may be 0, where the contract keeps the old buffer but this graph writes
+            # m*buf + (1-d)*grad: the buffer output then comes from an If that recomputes it for m == 0 only.
+            accum_out = self._fresh(f"{base}/accum_out")
         sgd = make_sgd_node(
             (match.parameters, gradient, learning_rate, accum, momentum, stat),
-            (match.parameters_out, match.accum_out, stat_out),
+            (match.parameters_out, accum_out, stat_out),
             SgdAttributes(match.dampening, match.weight_decay, match.nesterov),
             name=self._fresh(f"{base}/SGD"),
         )
         nodes.append(sgd)
+        if accum_out != match.accum_out:
+            nodes.extend(self._momentum_zero_buffer(match, base, (match.parameters, gradient, accum, momentum, stat), accum_out))
+            stat_text += (
+                f"; momentum is the runtime value {momentum}: where it is 0 the buffer output is recomputed "
+                "(If node) as the graph does, since the contract would keep the old buffer"
+            )
         return Plan(match, nodes, initializers, sgd, gradient, learning_rate, momentum, stat_text)
+
+    def _momentum_zero_buffer(self, match: Match, base: str, inputs: tuple[str, str, str, str, str], fused_accum: str) -> list[onnx.NodeProto]:
+        """``If(momentum == 0)``: then the contract's accum_t (accum*m + grad - grad*(1-stat)*d in FLOAT,
+        cast back), which the graph writes; else the fused node's buffer output."""
+        parameters, gradient, accum, momentum, stat = inputs
+        f = onnx.TensorProto.FLOAT
+        zero = self._fresh(f"{base}/momentum_zero_value")
+        is_zero = self._fresh(f"{base}/momentum_is_zero")
+        nodes: list[onnx.NodeProto] = []
+        zero_float = self._const_node_value(0.0, f"{base}/zero_float", nodes)
+        nodes.append(helper.make_node("CastLike", [zero_float, momentum], [zero], name=self._fresh(f"{base}/CastLike")))
+        nodes.append(helper.make_node("Equal", [momentum, zero], [is_zero], name=self._fresh(f"{base}/Equal")))
+
+        body: list[onnx.NodeProto] = []
+        t = lambda tag: self._fresh(f"{base}/m0/{tag}")  # noqa: E731
+        a, m, g = t("a"), t("m"), t("g")
+        body += [
+            helper.make_node("Cast", [accum], [a], to=f),
+            helper.make_node("Cast", [momentum], [m], to=f),
+            helper.make_node("Cast", [gradient], [g], to=f),
+        ]
+        grad = g
+        if match.weight_decay != 0:
+            pf, pwd, grad = t("p"), t("p_wd"), t("grad")
+            body += [
+                helper.make_node("Cast", [parameters], [pf], to=f),
+                helper.make_node("Mul", [pf, self._const_node_value(match.weight_decay, f"{base}/m0/wd", body)], [pwd]),
+                helper.make_node("Add", [g, pwd], [grad]),
+            ]
+        am, accum_t = t("a_m"), t("accum_t")
+        body += [helper.make_node("Mul", [a, m], [am]), helper.make_node("Add", [am, grad], [accum_t])]
+        if match.dampening != 0:
+            sf, oms, gs, damp, damped = t("s"), t("one_minus_s"), t("grad_1ms"), t("damp"), t("accum_t_damped")
+            body += [
+                helper.make_node("Cast", [stat], [sf], to=f),
+                helper.make_node("Sub", [self._const_node_value(1.0, f"{base}/m0/one", body), sf], [oms]),
+                helper.make_node("Mul", [grad, oms], [gs]),
+                helper.make_node("Mul", [gs, self._const_node_value(match.dampening, f"{base}/m0/d", body)], [damp]),
+                helper.make_node("Sub", [accum_t, damp], [damped]),
+            ]
+            accum_t = damped
+        then_out, else_out = t("then"), t("else")
+        body.append(helper.make_node("CastLike", [accum_t, accum], [then_out]))
+        shape = None if match.shape is None else list(match.shape)
+        then_branch = helper.make_graph(body, f"{base}/momentum_zero", [], [helper.make_tensor_value_info(then_out, match.dtype, shape)])
+        else_branch = helper.make_graph(
+            [helper.make_node("Identity", [fused_accum], [else_out])], f"{base}/momentum_nonzero", [],
+            [helper.make_tensor_value_info(else_out, match.dtype, shape)],
+        )
+        nodes.append(
+            helper.make_node("If", [is_zero], [match.accum_out], name=self._fresh(f"{base}/If"), then_branch=then_branch, else_branch=else_branch)
+        )
+        return nodes
+
+    def _const_node_value(self, value: float, base: str, nodes: list[onnx.NodeProto]) -> str:
+        """Append a FLOAT scalar ``Constant`` node to ``nodes``; returns its output name."""
+        name = self._fresh(base)
+        nodes.append(
+            helper.make_node(
+                "Constant", [], [name], name=self._fresh(f"{base}/Constant"),
+                value=numpy_helper.from_array(np.array(value, dtype=np.float32), name="value"),
+            )
+        )
+        return name
 
     def _scalar(
         self,

@@ -111,7 +111,6 @@ REASONS = {
     "gradient-not-a-value": "the gradient term is a sum that no single tensor in the graph computes",
     "nesterov-momentum-mismatch": "the Nesterov look-ahead uses a different momentum than the buffer",
     "runtime-hyperparameter": "dampening or weight decay is computed at run time; the contract needs constants",
-    "runtime-momentum": "momentum is a runtime value that may be 0, where the contract's momentum == 0 rule differs",
     "contract": "the solved hyper-parameters break the operator contract",
     "shape-mismatch": "parameters, gradient and buffers do not share one shape",
     "dtype-mismatch": "parameters, gradient and buffers do not share one dtype",
@@ -540,16 +539,6 @@ def _solve_roles(
         check_attributes(dampening, weight_decay, nesterov, subject=w)
     except ContractError as error:
         return Miss(w, "contract", str(error), equation=equation, score=7)
-    if not m.is_constant:
-        return Miss(
-            w,
-            "runtime-momentum",
-            f"momentum {format_poly(m)} of {v} is a runtime value; with momentum 0 the contract keeps the old "
-            "buffer where this graph overwrites it, so the update is left alone.",
-            equation=equation,
-            score=7,
-        )
-
     first_step = None
     if selection is not None:
         condition, first_branch, when_true, _ = selection
