@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -32,11 +33,16 @@ __all__ = ["OptimizeResult", "optimize", "inspect", "load_model", "save_model"]
 logger = logging.getLogger(__name__)
 
 
-def load_model(path: str | os.PathLike) -> onnx.ModelProto:
-    """Read an ONNX model file (external data loaded from beside it).
+def load_model(path: str | os.PathLike, *, load_external_data: bool = False) -> onnx.ModelProto:
+    """Read an ONNX model file.
+
+    Tensor data stored outside the file (ONNX external data, ``TensorProto.data_location == EXTERNAL``) is
+    left on disk unless ``load_external_data``: the pass reads only shapes and small scalars, so a model far
+    past protobuf's 2 GB limit costs no more memory than its graph. Every external file is checked to exist.
 
     Raises:
-        ModelLoadError: the file is missing, unreadable, empty, truncated or not an ONNX ``ModelProto``.
+        ModelLoadError: the file is missing, unreadable, empty, truncated or not an ONNX ``ModelProto``, or an
+            external data file it references is missing.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -44,32 +50,74 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     if os.path.isdir(path):
         raise ModelLoadError(path, "is a directory, not an ONNX model file")
     try:
-        model = onnx.load(path)
+        model = onnx.load(path, load_external_data=False)
     except (DecodeError, RuntimeWarning) as error:
         raise ModelLoadError(path, f"not an ONNX model, or truncated (protobuf parse failed: {error})") from error
     except OSError as error:
         raise ModelLoadError(path, f"cannot read: {error.strerror or error}") from error
-    except Exception as error:  # onnx raises ValueError/RuntimeError for bad external data references
+    except Exception as error:  # onnx raises ValueError/RuntimeError for malformed files
         raise ModelLoadError(path, f"cannot load: {error}") from error
     if not model.HasField("graph") or model.ir_version == 0:
         raise ModelLoadError(path, "not an ONNX model (no graph or no IR version); is this the right file?")
     if not model.opset_import:
         # Every exporter writes opset_import, after the graph: a model without one is truncated or broken.
         raise ModelLoadError(path, "the model declares no opset_import; the file is truncated or not a complete ONNX model")
+    base = os.path.dirname(os.path.abspath(path))
+    for tensor in _external_tensors(model):
+        location = _external_location(tensor)
+        if not os.path.isfile(os.path.join(base, location)):
+            raise ModelLoadError(
+                path,
+                f"external data file {location!r} of tensor {tensor.name!r} is missing (looked in {base}); "
+                "keep the data files beside the model",
+            )
+    if load_external_data:
+        try:
+            onnx.load_external_data_for_model(model, base)
+        except Exception as error:
+            raise ModelLoadError(path, f"cannot read external data: {error}") from error
     return model
 
 
-def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+def _external_tensors(model: onnx.ModelProto):
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            yield tensor
+    for node in model.graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_location == onnx.TensorProto.EXTERNAL:
+                yield attribute.t
+
+
+def _external_location(tensor: onnx.TensorProto) -> str:
+    for entry in tensor.external_data:
+        if entry.key == "location":
+            return entry.value
+    return ""
+
+
+def save_model(model: onnx.ModelProto, path: str | os.PathLike, *, source_dir: str | None = None) -> None:
     """Write ``model`` to ``path`` atomically: a temporary file in the same directory, then a rename.
 
+    Tensors whose data is external keep their ``location``; when the model is written to another directory
+    than ``source_dir`` (the one it was read from), each data file is copied there, since ONNX resolves
+    external data only inside the model's directory (and refuses hard links). An existing different file at a
+    data file's destination is never overwritten.
+
     Raises:
-        OutputWriteError: the directory does not exist or is not writable, or the write failed; nothing is
-            left at ``path`` (an existing file there is untouched).
+        OutputWriteError: the directory does not exist or is not writable, a data file's destination is
+            taken by another file, or a write failed; the model file is not left half-written.
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise OutputWriteError(path, f"directory {directory} does not exist")
+    if os.path.isdir(path):
+        raise OutputWriteError(path, "is a directory; give a file name")
+    if source_dir and os.path.abspath(source_dir) != directory:
+        locations = sorted({_external_location(t) for t in _external_tensors(model)})
+        for location in locations:
+            _place_data_file(os.path.join(source_dir, location), os.path.join(directory, location), path)
     data = model.SerializeToString()
     try:
         descriptor, temporary = tempfile.mkstemp(prefix=".sgdfuse-", suffix=".tmp", dir=directory)
@@ -88,6 +136,40 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
         except OSError:
             pass
         raise OutputWriteError(path, f"write failed: {error.strerror or error}") from error
+
+
+def _place_data_file(source: str, destination: str, model_path: str) -> None:
+    """Make ``destination`` hold the external data file ``source``: a copy written to a temporary name, then
+    renamed (the kernel copies it; the bytes never pass through Python)."""
+    if os.path.exists(destination):
+        if os.path.samefile(source, destination) or _same_bytes(source, destination):
+            return
+        raise OutputWriteError(
+            model_path, f"external data file {destination} already exists with other contents; write the model elsewhere"
+        )
+    os.makedirs(os.path.dirname(destination), exist_ok=True)
+    # A copy, not a link: onnx refuses external data outside the model's directory and files with several
+    # hard links (its hardlink-attack check), so the written model would not load.
+    temporary = destination + ".sgdfuse-tmp"
+    try:
+        shutil.copyfile(source, temporary)
+        os.replace(temporary, destination)
+    except OSError as error:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise OutputWriteError(model_path, f"cannot place external data file {destination}: {error.strerror or error}") from error
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    if os.path.getsize(a) != os.path.getsize(b):
+        return False
+    with open(a, "rb") as x, open(b, "rb") as y:
+        while True:
+            chunk = x.read(1 << 20)
+            if chunk != y.read(1 << 20):
+                return False
+            if not chunk:
+                return True
 
 
 def _give_default_permissions(path: str) -> None:
@@ -131,16 +213,19 @@ class OptimizeResult:
 
     model: onnx.ModelProto
     report: Report
+    source_dir: str | None = None
+    """Directory the input was read from: external data locations are relative to it."""
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write :attr:`model` atomically to ``path`` (see :func:`save_model`)."""
-        save_model(self.model, path)
+        """Write :attr:`model` atomically to ``path``, external data referenced from the new location (see
+        :func:`save_model`)."""
+        save_model(self.model, path, source_dir=self.source_dir)
 
 
-def _as_model(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str]:
+def _as_model(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str, str | None]:
     if isinstance(model, onnx.ModelProto):
-        return model, "<ModelProto>"
-    return load_model(model), os.fspath(model)
+        return model, "<ModelProto>", None
+    return load_model(model), os.fspath(model), os.path.dirname(os.path.abspath(os.fspath(model)))
 
 
 def optimize(model: str | os.PathLike | onnx.ModelProto, *, verify: bool = True, steps: int = 3, seed: int = 0) -> OptimizeResult:
@@ -160,17 +245,17 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, *, verify: bool = True,
     Raises:
         ModelLoadError: ``model`` is a path that cannot be loaded as ONNX.
     """
-    source_model, source = _as_model(model)
+    source_model, source, source_dir = _as_model(model)
     report, plans, index, base = _analyse(source_model, source, verify=verify, steps=steps, seed=seed)
     new_model = apply_plans(base, index, plans)
     report.nodes_after = len(new_model.graph.node)
-    return OptimizeResult(new_model, report)
+    return OptimizeResult(new_model, report, source_dir)
 
 
 def inspect(model: str | os.PathLike | onnx.ModelProto, *, verify: bool = False, steps: int = 3, seed: int = 0) -> Report:
     """The analysis of :func:`optimize` with nothing rewritten (a dry run): which updates would fuse,
     which candidates are refused and why. ``verify`` runs the differential check as well."""
-    source_model, source = _as_model(model)
+    source_model, source, _ = _as_model(model)
     report, plans, _, _ = _analyse(source_model, source, verify=verify, steps=steps, seed=seed)
     report.written = False
     report.nodes_after = report.nodes_before

@@ -135,7 +135,13 @@ def optimize_command(
     steps: int = typer.Option(3, "--steps", min=1, help="Chained steps of the check."),
 ) -> None:
     """Fuse every momentum-SGD update of MODEL into one ai.sgdfuse::SGD node each, verify, and write the result."""
-    result = api.optimize(model, verify=verify, steps=steps)
+    if model.name.endswith(".mindir"):  # a MindSpore MindIR train step (sgdfuse.mindspore)
+        from sgdfuse.mindspore.mindir import MindIRResult, optimize_mindir_file
+
+        result = optimize_mindir_file(model, verify=verify, steps=steps)
+        output = output or Path(MindIRResult.default_output(model))
+    else:
+        result = api.optimize(model, verify=verify, steps=steps)
     destination = output or _default_output(model)
     _check_writable(destination)
     if report_path is not None:
@@ -171,7 +177,9 @@ def check_command(
     from sgdfuse.verify import check_models
 
     try:
-        result = check_models(api.load_model(original), api.load_model(fused), steps=steps, seed=seed)
+        result = check_models(
+            api.load_model(original, load_external_data=True), api.load_model(fused, load_external_data=True), steps=steps, seed=seed
+        )
     except ValueError as error:
         raise SgdfuseError(f"{fused}: {error}") from error
     table = Table(title=f"{original.name} vs {fused.name}: {steps} chained steps")

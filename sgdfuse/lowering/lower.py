@@ -49,7 +49,7 @@ def fused_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
     Raises:
         ModelLoadError: ``model`` is a path that cannot be loaded as ONNX.
     """
-    proto = model if isinstance(model, onnx.ModelProto) else api.load_model(model)
+    proto = model if isinstance(model, onnx.ModelProto) else api.load_model(model, load_external_data=True)
     if any(is_sgd_node(node) for node in proto.graph.node):
         return proto
     result = api.optimize(proto)
