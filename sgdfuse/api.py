@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 import os
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ from sgdfuse.fused_op import MIN_OPSET, function_opset
 from sgdfuse.passes.index import build_index
 from sgdfuse.passes.linear import Normaliser
 from sgdfuse.passes.onnx_momentum import TRAINING_DOMAIN, convert_momentum_nodes
+from sgdfuse.passes import traffic
 from sgdfuse.passes.rewrite import Planner, apply_plans, describe_scalar
 from sgdfuse.passes.sgd_match import Match, Miss, find_updates
 from sgdfuse.report import FusedUpdate, Refusal, Report, Verification
@@ -228,7 +230,14 @@ def _as_model(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelPro
     return load_model(model), os.fspath(model), os.path.dirname(os.path.abspath(os.fspath(model)))
 
 
-def optimize(model: str | os.PathLike | onnx.ModelProto, *, verify: bool = True, steps: int = 3, seed: int = 0) -> OptimizeResult:
+def optimize(
+    model: str | os.PathLike | onnx.ModelProto,
+    *,
+    verify: bool = True,
+    steps: int = 3,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> OptimizeResult:
     """Fuse every momentum-SGD update of an ONNX model into ``ai.sgdfuse::SGD`` nodes.
 
     Args:
@@ -238,6 +247,8 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, *, verify: bool = True,
             (:mod:`sgdfuse.verify`).
         steps: chained steps of the check (at least 1).
         seed: seed of the check's random inputs.
+        progress: called with the name of each stage as it starts (``"load"``, ``"index"``, ``"match"``,
+            ``"verify"``, ``"rewrite"``), for progress display.
 
     Returns:
         :class:`OptimizeResult` with the new model and the report.
@@ -245,8 +256,11 @@ def optimize(model: str | os.PathLike | onnx.ModelProto, *, verify: bool = True,
     Raises:
         ModelLoadError: ``model`` is a path that cannot be loaded as ONNX.
     """
+    tell = progress or (lambda stage: None)
+    tell("load")
     source_model, source, source_dir = _as_model(model)
-    report, plans, index, base = _analyse(source_model, source, verify=verify, steps=steps, seed=seed)
+    report, plans, index, base = _analyse(source_model, source, verify=verify, steps=steps, seed=seed, tell=tell)
+    tell("rewrite")
     new_model = apply_plans(base, index, plans)
     report.nodes_after = len(new_model.graph.node)
     return OptimizeResult(new_model, report, source_dir)
@@ -262,7 +276,7 @@ def inspect(model: str | os.PathLike | onnx.ModelProto, *, verify: bool = False,
     return report
 
 
-def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, seed: int):
+def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, seed: int, tell: Callable[[str], None] = lambda stage: None):
     """Returns (report, plans, index, base): ``base`` is the model the plans apply to (``model`` with any
     ONNX ``Momentum`` nodes already converted)."""
     report = Report(source=source, nodes_before=len(model.graph.node))
@@ -270,6 +284,7 @@ def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, s
     misses: list[Miss] = []
 
     base = model
+    tell("index")
     index = build_index(model)
     if any(n.op_type == "Momentum" and n.domain == TRAINING_DOMAIN for n in model.graph.node):
         base, conversions, momentum_misses = convert_momentum_nodes(model, index, verify=verify, steps=steps, seed=seed)
@@ -284,6 +299,7 @@ def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, s
         if conversions:
             index = build_index(base)
 
+    tell("match")
     normaliser = Normaliser(index)
     matches, found_misses = find_updates(index, normaliser)
     misses.extend(found_misses)
@@ -304,6 +320,7 @@ def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, s
     planner = Planner(index, opset)
     plans = [planner.plan(match) for match in matches]
     if verify and plans:
+        tell("verify")
         checks = verification.verify_plans(base, index, plans, steps=steps, seed=seed)
         kept = []
         for plan, check in zip(plans, checks):
@@ -315,7 +332,7 @@ def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, s
         plans = kept
 
     for plan in plans:
-        report.fused.append(_fused_entry(plan))
+        report.fused.append(_fused_entry(plan, index))
         if plan.match.maximize:
             report.added_state.append(
                 {"name": plan.gradient_input, "what": f"Neg({plan.match.gradient}): maximize feeds the negated gradient", "initial": "-"}
@@ -349,9 +366,12 @@ def _momentum_entry(c) -> FusedUpdate:
     )
 
 
-def _fused_entry(plan) -> FusedUpdate:
+def _fused_entry(plan, index) -> FusedUpdate:
     match: Match = plan.match
+    after = traffic.fused_traffic(index, match.parameters, traffic.helper_passes([n.op_type for n in plan.nodes]))
     return FusedUpdate(
+        traffic_before_bytes=traffic.cone_traffic(index, match.nodes),
+        traffic_after_bytes=after,
         node=plan.sgd_node.name,
         parameters=match.parameters,
         gradient=match.gradient,

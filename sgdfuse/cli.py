@@ -111,6 +111,16 @@ def _print_report(report: Report) -> None:
                 why += f"\ndiffers: {r.differing}"
             table.add_row(r.candidate, r.reason, why)
         _out.print(table)
+    if report.fused:
+        from sgdfuse.passes.traffic import fmt_bytes
+
+        traffic = report.memory_traffic()
+        if traffic["before_bytes"]:
+            _out.print(
+                f"Memory traffic of the updates per step (estimate): {fmt_bytes(traffic['before_bytes'])} before, "
+                f"{fmt_bytes(traffic['after_bytes'])} after fusion"
+                + (f" ({traffic['unknown']} update(s) with dynamic shapes not counted)" if traffic["unknown"] else "")
+            )
     if report.verification.enabled:
         checked = len(report.verification.updates)
         failed = sum(1 for u in report.verification.updates if not u["passed"])
@@ -126,6 +136,38 @@ def _print_report(report: Report) -> None:
         _out.print("No momentum-SGD update candidates found.")
 
 
+PROGRESS_NODE_THRESHOLD = 20_000
+"""Graphs with more nodes than this (about a second of work) show a progress bar on stderr."""
+
+_STAGES = ("load", "index", "match", "verify", "rewrite", "save")
+
+
+def _progress(model: Path, quiet: bool):
+    """A rich progress bar over the pass's stages, on stderr; a no-op when quiet or the file is small."""
+    from contextlib import nullcontext
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    large = model.is_file() and model.stat().st_size > PROGRESS_NODE_THRESHOLD * 60  # ~60 bytes a node
+    if quiet or not large:
+        return nullcontext(lambda stage: None)
+
+    class _Bar:
+        def __enter__(self):
+            self.progress = Progress(TextColumn("{task.description:<8}"), BarColumn(), TimeElapsedColumn(), console=_err, transient=True)
+            self.progress.__enter__()
+            self.task = self.progress.add_task("load", total=len(_STAGES))
+            return self.advance
+
+        def advance(self, stage: str) -> None:
+            self.progress.update(self.task, description=stage, completed=_STAGES.index(stage) if stage in _STAGES else 0)
+
+        def __exit__(self, *exc):
+            return self.progress.__exit__(*exc)
+
+    return _Bar()
+
+
 @app.command("optimize")
 def optimize_command(
     model: Path = typer.Argument(..., help="ONNX training graph to optimise."),
@@ -133,22 +175,19 @@ def optimize_command(
     report_path: Optional[Path] = typer.Option(None, "--report", help="Also write the report as JSON here."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Check every rewrite in onnxruntime before writing it."),
     steps: int = typer.Option(3, "--steps", min=1, help="Chained steps of the check."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Fuse every momentum-SGD update of MODEL into one ai.sgdfuse::SGD node each, verify, and write the result."""
-    if model.name.endswith(".mindir"):  # a MindSpore MindIR train step (sgdfuse.mindspore)
-        from sgdfuse.mindspore.mindir import MindIRResult, optimize_mindir_file
-
-        result = optimize_mindir_file(model, verify=verify, steps=steps)
-        output = output or Path(MindIRResult.default_output(model))
-    else:
-        result = api.optimize(model, verify=verify, steps=steps)
     destination = output or _default_output(model)
     _check_writable(destination)
     if report_path is not None:
         _check_writable(report_path)
-    result.save(destination)
-    if report_path is not None:
-        _write_text(report_path, result.report.to_json())
+    with _progress(model, quiet) as tell:
+        result = api.optimize(model, verify=verify, steps=steps, progress=tell)
+        tell("save")
+        result.save(destination)
+        if report_path is not None:
+            _write_text(report_path, result.report.to_json())
     _print_report(result.report)
     _out.print(f"Wrote {destination} ({result.report.nodes_before} → {result.report.nodes_after} nodes)")
 

@@ -29,6 +29,8 @@ class FusedUpdate:
         dtype: ONNX element type name of the parameters; shape: their dims.
         parameter_equation, accum_equation: the normalised equations that were matched.
         matched_nodes: how many nodes of the original graph the matched update spans.
+        traffic_before_bytes, traffic_after_bytes: estimated bytes read and written per step by the update
+            before and after fusion (see :mod:`sgdfuse.passes.traffic`); None when a shape is not static.
         source: how it was found: ``"pattern"`` (algebraic matching), ``"pattern with first-step Where"``,
             ``"onnx-momentum"`` (an ``ai.onnx.preview.training::Momentum`` node converted).
     """
@@ -54,6 +56,8 @@ class FusedUpdate:
     accum_equation: str
     matched_nodes: int = 0
     source: str = "pattern"
+    traffic_before_bytes: int | None = None
+    traffic_after_bytes: int | None = None
 
 
 @dataclasses.dataclass
@@ -131,7 +135,25 @@ class Report:
             "verification": {**dataclasses.asdict(self.verification), "passed": self.verification.passed},
             "added_state": list(self.added_state),
             "model": {"source": self.source, "nodes_before": self.nodes_before, "nodes_after": self.nodes_after},
+            "memory_traffic": self.memory_traffic(),
         }
+
+    def memory_traffic(self) -> dict[str, Any]:
+        """Estimated bytes per step moved by the fused updates before and after fusion, in total and by
+        dtype (updates whose shapes are not static are counted in ``unknown``)."""
+        by_dtype: dict[str, dict[str, int]] = {}
+        unknown = 0
+        for f in self.fused:
+            if f.traffic_before_bytes is None or f.traffic_after_bytes is None:
+                unknown += 1
+                continue
+            entry = by_dtype.setdefault(f.dtype, {"before_bytes": 0, "after_bytes": 0, "updates": 0})
+            entry["before_bytes"] += f.traffic_before_bytes
+            entry["after_bytes"] += f.traffic_after_bytes
+            entry["updates"] += 1
+        before = sum(e["before_bytes"] for e in by_dtype.values())
+        after = sum(e["after_bytes"] for e in by_dtype.values())
+        return {"before_bytes": before, "after_bytes": after, "by_dtype": by_dtype, "unknown": unknown}
 
     def to_json(self, indent: int | None = 2) -> str:
         """The report as JSON text (keys sorted within each record for stable diffs)."""
