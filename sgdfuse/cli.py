@@ -131,7 +131,7 @@ def _print_report(report: Report) -> None:
             + (f", {failed} failed and were left unfused" if failed else "")
         )
     else:
-        _out.print("Verification: off")
+        _out.print("Verification: off" + ("" if report.written else " (inspect is a dry run; add --verify to run the check)"))
     if not report.fused and not report.refused:
         _out.print("No momentum-SGD update candidates found.")
 

@@ -263,12 +263,13 @@ def _no_buffer_miss(index: GraphIndex, normaliser: Normaliser, w: str, form_w: F
                     differing=leaf,
                     score=1,
                 )
+    order = [name for name in (_previous_by_name(index, w),) if name]
     return Miss(
         w,
         "no-momentum-buffer",
-        f"{w} = {format_form(form_w)} reads no momentum buffer that the graph outputs "
+        f"{w} = {format_form(form_w, order)} reads no momentum buffer that the graph outputs "
         "(momentum 0 or absent): plain SGD is left as it is.",
-        equation=f"{w} = {format_form(form_w)}",
+        equation=f"{w} = {format_form(form_w, order)}",
         score=0,
     )
 
