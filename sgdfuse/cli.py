@@ -178,12 +178,20 @@ def optimize_command(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Fuse every momentum-SGD update of MODEL into one ai.sgdfuse::SGD node each, verify, and write the result."""
+    mindir = model.name.endswith(".mindir")  # a MindSpore MindIR train step: sgdfuse.mindspore
+    if mindir:
+        from sgdfuse.mindspore.mindir import MindIRResult, optimize_mindir_file
+
+        output = output or Path(MindIRResult.default_output(model))
     destination = output or _default_output(model)
     _check_writable(destination)
     if report_path is not None:
         _check_writable(report_path)
     with _progress(model, quiet) as tell:
-        result = api.optimize(model, verify=verify, steps=steps, progress=tell)
+        if mindir:
+            result = optimize_mindir_file(model, verify=verify, steps=steps)
+        else:
+            result = api.optimize(model, verify=verify, steps=steps, progress=tell)
         tell("save")
         result.save(destination)
         if report_path is not None:
