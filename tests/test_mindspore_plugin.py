@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -176,7 +177,10 @@ import sgdfuse.mindspore as sm
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
 sm.register("cpu")
-net = nn.SequentialCell(nn.Dense(4, 3), nn.ReLU(), nn.Dense(3, 2))
+layers = []
+for _ in range(int(sys.argv[2])):
+    layers += [nn.Dense(4, 4), nn.ReLU()]
+net = nn.SequentialCell(layers + [nn.Dense(4, 2)])
 opt = mint.optim.SGD(net.trainable_params(), lr=0.1, momentum=0.9, dampening=0.25, weight_decay=1e-4)
 def forward(x, y):
     return ((net(x) - y) ** 2).mean()
@@ -196,7 +200,7 @@ print(",".join(p.name for p in opt.parameters))
 """
 
 
-def _dump(tmp_path: Path, mode: str) -> tuple[Path, list[str]]:
+def _dump(tmp_path: Path, mode: str, hidden_layers: int = 1) -> tuple[Path, list[str]]:
     import subprocess
     import sys
 
@@ -204,36 +208,73 @@ def _dump(tmp_path: Path, mode: str) -> tuple[Path, list[str]]:
     script.write_text(_DUMP_SCRIPT)
     dumps = tmp_path / mode
     env = dict(os.environ, MS_DEV_SAVE_GRAPHS="1", MS_DEV_SAVE_GRAPHS_PATH=str(dumps))
-    result = subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(script), mode, str(hidden_layers)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return dumps, result.stdout.strip().splitlines()[-1].split(",")
 
 
-def test_ir_after_the_pass_has_one_sgd_per_parameter_and_no_switch(registration, tmp_path):
-    dumps, params = _dump(tmp_path, "fused")
+@pytest.mark.slow
+@pytest.mark.parametrize("hidden_layers", [1, 20], ids=["inlined-updates", "shared-update-graphs"])
+def test_ir_after_the_pass_has_one_sgd_per_parameter_and_no_switch(registration, tmp_path, hidden_layers):
+    """With few parameters MindSpore inlines each update into the top graph; with many (here 42) it keeps
+    one update graph per parameter shape and calls it per parameter, which the pass rewrites and inlines."""
+    dumps, params = _dump(tmp_path, "fused", hidden_layers)
     after_files = sorted(dumps.rglob(f"*_custom_frontend_pass_{sm.PASS_NAME}_*.ir"))
     assert after_files, "MindSpore dumped no IR after the custom pass"
     after_text = after_files[0].read_text()
     after = _top_graph(after_text)
-    assert len(params) == 4 and _count(r"= SGD\(", after) == len(params)
+    assert len(params) == 2 * hidden_layers + 2 and _count(r"= SGD\(", after) == len(params)
     for name in params:  # each SGD updates one parameter with its own momentum buffer
         pattern = rf"= SGD\(%para\d+_{re.escape(name)}, [^\n]*%para\d+_momentum_buf\.{re.escape(name)},"
         assert _count(pattern, after) == 1, name
     assert "Switch(" not in after_text, "a Switch (or a branch graph) survived the pass"
     assert "InplaceCopy" not in after_text and "InplaceMuls" not in after_text
-    # The graph the pass was given had one Switch per parameter.
+    # The graph the pass was given had one Switch per parameter (or per shared update graph).
     before = sorted(dumps.rglob("*_cse_after_recomputation_*.ir"))[0].read_text()
-    assert _count(r"= Switch\(", _top_graph(before)) == len(params)
+    assert 0 < _count(r"= Switch\(", before) <= len(params)
     # And the kernel graph that runs holds the SGD kernels.
     built = sorted(dumps.rglob("graph_build_*.ir"))
     assert built and _count(r"= SGD\(", built[0].read_text()) == len(params)
 
 
+@pytest.mark.slow
 def test_paused_compiles_keep_the_unfused_graph(registration, tmp_path):
     dumps, params = _dump(tmp_path, "paused")
     validate = sorted(dumps.rglob("*_validate_*.ir"))[0].read_text()
     assert _count(r"= Switch\(", _top_graph(validate)) == len(params)
     assert "= SGD(" not in validate
+
+
+class _Deep(nn.Cell):
+    """Enough parameters (42) that MindSpore shares one update graph per parameter shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers = [nn.Dense(4, 4)]
+        for _ in range(19):
+            layers += [nn.ReLU(), nn.Dense(4, 4)]
+        self.body = nn.SequentialCell(layers + [nn.ReLU(), nn.Dense(4, 2)])
+
+    def construct(self, x):
+        return self.body(x)
+
+
+def test_many_parameters_sharing_an_update_graph_train_the_same_fused(registration, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "_Mlp", _Deep)
+    for nesterov in (False, True):
+        kw = {"nesterov": True} if nesterov else {"dampening": 0.25}
+        unfused, fused, report = _train_both(
+            registration, lambda net: mint.optim.SGD(net.trainable_params(), lr=0.05, momentum=0.9, weight_decay=1e-4, **kw)
+        )
+        _compare(unfused, fused)
+        assert len(report.fused) == 42 and not report.refused
+        assert {u.parameters for u in report.fused} == set(unfused["parameters"])
+        graph = [r for r in registration.records() if r.get("event") == "graph"][-1]
+        # 40 updates (20 weights of one shape, 20 biases of another) sat in shared graphs and were inlined;
+        # the last layer's two parameters have shapes of their own, which MindSpore inlines itself.
+        assert graph["switch_calls_after"] == 0 and graph["inlined_calls"] == 40
 
 
 def test_register_is_idempotent_and_checks_the_device(registration):

@@ -31,7 +31,7 @@ from sgdfuse.mindspore.errors import MindIRLoadError, MindSporeMissingError
 from sgdfuse.mindspore.plugin import report_from_records
 from sgdfuse.report import Refusal, Report, Verification
 
-__all__ = ["load_mindir", "save_mindir", "optimize_mindir", "TOLERANCE"]
+__all__ = ["load_mindir", "save_mindir", "optimize_mindir", "optimize_mindir_file", "MindIRResult", "TOLERANCE"]
 
 logger = logging.getLogger(__name__)
 
@@ -805,3 +805,32 @@ def _record(plan: _Plan) -> dict:
         "dtype": _DTYPE_NAME.get(plan.data_type, str(plan.data_type)), "shape": plan.dims,
         "parameter_equation": param_eq, "accum_equation": accum_eq, "matched_nodes": plan.matched_nodes,
     }
+
+
+@dataclasses.dataclass
+class MindIRResult:
+    """The outcome of :func:`optimize_mindir_file` (the shape of :class:`sgdfuse.api.OptimizeResult`, for the CLI).
+
+    Attributes:
+        model: the new ``mind_ir_pb2.ModelProto``; report: what was fused, refused and checked.
+    """
+
+    model: Any
+    report: Report
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write :attr:`model` atomically to ``path``."""
+        save_mindir(self.model, path)
+
+    @staticmethod
+    def default_output(source: str | os.PathLike) -> str:
+        """``NAME.mindir`` -> ``NAME.sgdfused.mindir`` beside it."""
+        path = os.fspath(source)
+        stem = path[: -len(".mindir")] if path.endswith(".mindir") else path
+        return stem + ".sgdfused.mindir"
+
+
+def optimize_mindir_file(source: str | os.PathLike, *, verify: bool = True, steps: int = 3) -> MindIRResult:
+    """:func:`optimize_mindir` on a file, packaged for ``sgdfuse optimize NAME.mindir``."""
+    model, report = optimize_mindir(source, verify=verify, steps=steps)
+    return MindIRResult(model, report)

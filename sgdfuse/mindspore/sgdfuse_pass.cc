@@ -48,6 +48,7 @@
 
 #include "mindspore/include/custom_pass_api.h"
 #include "ir/func_graph.h"
+#include "ir/func_graph_cloner.h"
 #include "ir/graph_utils.h"
 #include "ir/manager.h"
 #include "ir/tensor_new.h"
@@ -123,6 +124,18 @@ ParameterPtr AsWeight(const AnfNodePtr &node) {
   auto p = node->cast<ParameterPtr>();
   return p->has_default() ? p : nullptr;
 }
+
+// A Parameter carrying a Ref: a weight of the top graph, or a parameter of a graph that MindSpore shares
+// between several weights of one shape (with many parameters, hyper_map's per-parameter body is not
+// inlined: one graph per signature is called once per parameter with (step, w, buf, grad, u)).
+bool IsRefParam(const AnfNodePtr &node) {
+  if (node == nullptr || !node->isa<Parameter>()) return false;
+  if (AsWeight(node) != nullptr) return true;
+  auto abs = node->abstract();
+  return abs != nullptr && abs->isa<mindspore::abstract::AbstractRefTensor>();
+}
+
+using CallSites = std::map<const mindspore::FuncGraph *, std::vector<CNodePtr>>;
 
 bool TensorInfo(const AnfNodePtr &node, TypeId *dtype, ShapeVector *shape) {
   auto abs = node == nullptr ? nullptr : node->abstract();
@@ -381,6 +394,9 @@ struct Plan {
   TypeId dtype = mindspore::kTypeUnknown;
   ShapeVector shape;
   int matched_nodes = 0;
+  // What the update is applied to, per use: (parameter, gradient, buffer) names. One entry in the top graph;
+  // one per call site when the update sits in a graph MindSpore shares between same-shaped parameters.
+  std::vector<std::vector<std::string>> uses;
 };
 
 struct Refusal {
@@ -389,7 +405,8 @@ struct Refusal {
 
 class Matcher {
  public:
-  Matcher(const FuncGraphManagerPtr &manager, const std::string &device) : manager_(manager), device_(device) {}
+  Matcher(const FuncGraphManagerPtr &manager, const std::string &device, const CallSites &calls)
+      : manager_(manager), device_(device), calls_(calls) {}
 
   // Returns true and fills plan, or false and fills refusal (refusal.reason empty: not a candidate at all).
   bool Match(const FuncGraphPtr &fg, const CNodePtr &call, Plan *plan, Refusal *refusal) {
@@ -416,12 +433,13 @@ class Matcher {
     // Arguments: the momentum buffer (a weight Parameter), the gradient (a tensor), the monad.
     AnfNodePtr buf, grad, monad;
     int buf_index = -1, grad_index = -1, monad_index = -1;
+    const int written = WrittenArgument(ft, ff);
     for (size_t i = 2; i < pt->size(); ++i) {
       auto a = pt->input(i);
       if (IsUMonad(a)) {
         monad = a;
         monad_index = static_cast<int>(i) - 2;
-      } else if (AsWeight(a) != nullptr && buf == nullptr) {
+      } else if (static_cast<int>(i) - 2 == written && IsRefParam(a)) {
         buf = a;
         buf_index = static_cast<int>(i) - 2;
       } else if (grad == nullptr) {
@@ -434,17 +452,17 @@ class Matcher {
     if (buf == nullptr || grad == nullptr || monad == nullptr) {
       return refuse("branch-arguments", "the branches do not take a buffer Parameter, a gradient and a monad");
     }
-    refusal->candidate = AsWeight(buf)->name();
+    refusal->candidate = buf->cast<ParameterPtr>()->name();
 
     // The condition: step_t == 0.
     auto cond = AsCNode(sw->input(1));
     double zero = -1;
     AnfNodePtr step;
     if (cond != nullptr && (IsPrim(cond, "EqScalar") || IsPrim(cond, "Equal")) && cond->size() == 3 &&
-        ScalarValue(cond->input(2), &zero) && zero == 0.0 && IsPrim(cond->input(1), "Load")) {
-      step = cond->input(1)->cast<CNodePtr>()->input(1);
+        ScalarValue(cond->input(2), &zero) && zero == 0.0) {
+      step = StepCounter(fg, cond->input(1));
     }
-    if (step == nullptr || AsWeight(step) == nullptr) {
+    if (step == nullptr) {
       return refuse("condition", "the branch condition is not `step_t == 0` over a step counter Parameter");
     }
 
@@ -509,10 +527,10 @@ class Matcher {
       return refuse("learning-rate", "the parameter update's alpha (-lr) is not a compile-time constant");
     }
     auto weight = update->input(1);
-    if (AsWeight(weight) == nullptr || weight == buf) {
+    if (!IsRefParam(weight) || weight == buf) {
       return refuse("no-parameter-update", "the updated tensor is not a Parameter distinct from the buffer");
     }
-    refusal->candidate = AsWeight(weight)->name();
+    refusal->candidate = weight->cast<ParameterPtr>()->name();
     for (auto &use : users[update]) {
       if (!IsPrim(use.first, "UpdateState")) {
         return refuse("extra-consumer", "the updated parameter's value is read by " + NodeName(use.first));
@@ -577,11 +595,87 @@ class Matcher {
     plan->dtype = dtype;
     plan->shape = shape;
     plan->matched_nodes = first.nodes + later.nodes + 5 + (outer_nesterov ? 1 : 0) + (wd > 0 ? 1 : 0);
+    plan->uses = Uses(fg, {weight, gradient, buf});
     return true;
   }
 
  private:
   static std::string Form(const Lin &x) { return Num(x.b) + "*buf + " + Num(x.g) + "*grad"; }
+
+  // Names of (parameter, gradient, buffer): the nodes themselves, or what each call site passes for them.
+  std::vector<std::vector<std::string>> Uses(const FuncGraphPtr &fg, const std::vector<AnfNodePtr> &nodes) {
+    auto &params = fg->parameters();
+    auto index_of = [&](const AnfNodePtr &n) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (params[i] == n) return static_cast<int>(i);
+      }
+      return -1;
+    };
+    bool shared = false;
+    for (auto &n : nodes) shared = shared || index_of(n) >= 0;
+    auto it = calls_.find(fg.get());
+    if (!shared || it == calls_.end() || it->second.empty()) {
+      std::vector<std::string> names;
+      for (auto &n : nodes) names.push_back(NodeName(n));
+      return {names};
+    }
+    std::vector<std::vector<std::string>> uses;
+    for (auto &call : it->second) {
+      std::vector<std::string> names;
+      for (auto &n : nodes) {
+        int i = index_of(n);
+        names.push_back(i >= 0 && static_cast<size_t>(i) + 1 < call->size() ? NodeName(call->input(i + 1)) : NodeName(n));
+      }
+      uses.push_back(names);
+    }
+    return uses;
+  }
+
+  // The index of the branch parameter both branches write in place (the momentum buffer), or -1.
+  static int WrittenArgument(const FuncGraphPtr &ft, const FuncGraphPtr &ff) {
+    int found = -1;
+    for (auto &fg : {ft, ff}) {
+      if (fg->get_return() == nullptr) return -1;
+      auto &params = fg->parameters();
+      for (auto &node : mindspore::TopoSort(fg->get_return())) {
+        auto c = AsCNode(node);
+        if (c == nullptr || c->size() < 2 || PrimName(c).rfind("Inplace", 0) != 0) continue;
+        for (size_t i = 0; i < params.size(); ++i) {
+          if (c->input(1) != params[i]) continue;
+          if (found != -1 && found != static_cast<int>(i)) return -1;
+          found = static_cast<int>(i);
+        }
+      }
+    }
+    return found;
+  }
+
+  // The step counter Parameter whose Load `value` is: Load(step_t) in this graph, or a parameter of a
+  // shared graph that every call site feeds with a Load of the same counter. Null otherwise.
+  AnfNodePtr StepCounter(const FuncGraphPtr &fg, const AnfNodePtr &value) {
+    if (IsPrim(value, "Load")) {
+      auto ref = value->cast<CNodePtr>()->input(1);
+      return AsWeight(ref) != nullptr ? ref : nullptr;
+    }
+    if (value == nullptr || !value->isa<Parameter>()) return nullptr;
+    auto &params = fg->parameters();
+    size_t index = params.size();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i] == value) index = i;
+    }
+    auto it = calls_.find(fg.get());
+    if (index == params.size() || it == calls_.end() || it->second.empty()) return nullptr;
+    AnfNodePtr step;
+    for (auto &call : it->second) {
+      if (call->size() != params.size() + 1) return nullptr;
+      auto arg = call->input(index + 1);
+      if (!IsPrim(arg, "Load")) return nullptr;
+      auto ref = arg->cast<CNodePtr>()->input(1);
+      if (AsWeight(ref) == nullptr || (step != nullptr && ref != step)) return nullptr;
+      step = ref;
+    }
+    return step;
+  }
 
   bool WritesFirstArgument(const FuncGraphPtr &fg) {
     if (fg->get_return() == nullptr || fg->parameters().empty()) return false;
@@ -630,6 +724,7 @@ class Matcher {
 
   FuncGraphManagerPtr manager_;
   std::string device_;
+  const CallSites &calls_;
 };
 
 // ---------------------------------------------------------------------------------------------------------
@@ -706,7 +801,7 @@ class Rewriter {
     auto sgd = fg->NewCNode({mindspore::NewValueNode(prim), p.weight, p.grad, ScalarTensorNode(p.lr, p.dtype), p.buf,
                              ScalarTensorNode(p.momentum, p.dtype), stat, monad});
     sgd->set_abstract(TensorAbstract(p.dtype, p.shape));
-    sgd->set_fullname_with_scope("sgdfuse/SGD/" + AsWeight(p.weight)->name());
+    sgd->set_fullname_with_scope("sgdfuse/SGD/" + p.weight->cast<ParameterPtr>()->name());
     manager_->Replace(p.update, sgd);
   }
 
@@ -736,14 +831,17 @@ class ReportWriter {
     if (p.weight_decay > 0) {
       accum_eq += ", grad = gradient + " + Num(p.weight_decay) + "*p";
     }
+    for (auto &use : p.uses) {
     s << "{\"event\": \"fused\", \"graph\": " << Json(graph) << ", \"device\": " << Json(device)
-      << ", \"parameters\": " << Json(NodeName(p.weight)) << ", \"gradient\": " << Json(NodeName(p.grad))
-      << ", \"accum\": " << Json(NodeName(p.buf)) << ", \"step\": " << Json(NodeName(p.step))
+      << ", \"shared_graph\": " << (AsWeight(p.weight) == nullptr ? Json(p.graph->ToString()) : std::string("null"))
+      << ", \"parameters\": " << Json(use[0]) << ", \"gradient\": " << Json(use[1])
+      << ", \"accum\": " << Json(use[2]) << ", \"step\": " << Json(NodeName(p.step))
       << ", \"learning_rate\": " << lr << ", \"momentum\": " << m << ", \"dampening\": " << d
       << ", \"weight_decay\": " << Num(p.weight_decay) << ", \"nesterov\": " << (p.nesterov ? "true" : "false")
       << ", \"maximize\": " << (p.maximize ? "true" : "false") << ", \"dtype\": " << Json(DtypeName(p.dtype))
       << ", \"shape\": " << shape << ", \"parameter_equation\": " << Json(param_eq)
       << ", \"accum_equation\": " << Json(accum_eq) << ", \"matched_nodes\": " << p.matched_nodes << "}\n";
+    }
     out_ << s.str();
     out_.flush();
   }
@@ -754,11 +852,12 @@ class ReportWriter {
     out_.flush();
   }
   void Summary(const std::string &graph, size_t fused, size_t refused, std::pair<size_t, size_t> before,
-               std::pair<size_t, size_t> after) {
+               std::pair<size_t, size_t> after, size_t inlined) {
     if (!out_.is_open()) return;
     out_ << "{\"event\": \"graph\", \"graph\": " << Json(graph) << ", \"fused\": " << fused << ", \"refused\": " << refused
          << ", \"switch_calls_before\": " << before.first << ", \"switch_calls_after\": " << after.first
-         << ", \"nodes_before\": " << before.second << ", \"nodes_after\": " << after.second << "}\n";
+         << ", \"nodes_before\": " << before.second << ", \"nodes_after\": " << after.second
+         << ", \"inlined_calls\": " << inlined << "}\n";
     out_.flush();
   }
   void Error(const std::string &graph, const std::string &what) {
@@ -786,6 +885,81 @@ std::pair<size_t, size_t> CountNodes(const FuncGraphManagerPtr &manager) {
   return {switches, cnodes};
 }
 
+// A graph that MindSpore shares between same-shaped parameters stays a called subgraph after the rewrite;
+// MindSpore's own inlining ran before this pass, and the backend runs every call of a subgraph through its
+// control-flow actors (measured: a 100-parameter update stayed at 77 ms fused against 92 ms unfused, while
+// the same SGD ops inline run in 22 ms). Now that the rewrite removed the Switch, the shared graph is
+// straight-line code: inline it at every call site, then merge the step_t == 0 conditions and casts the
+// inlining duplicated (pure ops on the same inputs).
+bool IsStraightLine(const FuncGraphPtr &fg) {
+  if (fg->get_return() == nullptr) return false;
+  for (auto &node : mindspore::TopoSort(fg->get_return())) {
+    auto c = AsCNode(node);
+    if (c == nullptr) continue;
+    for (size_t i = 0; i < c->size(); ++i) {
+      if (mindspore::GetValueNode<FuncGraphPtr>(c->input(i)) != nullptr) return false;  // calls or closures
+      if (i == 0 && c->input(0)->isa<CNode>()) return false;  // a call of a computed function
+    }
+  }
+  return true;
+}
+
+std::string CseKey(const CNodePtr &c) {
+  std::ostringstream key;
+  key << PrimName(c);
+  for (size_t i = 1; i < c->size(); ++i) {
+    auto in = c->input(i);
+    if (in->isa<ValueNode>()) {
+      key << "|v:" << in->cast<mindspore::ValueNodePtr>()->value()->ToString();
+    } else {
+      key << "|n:" << in.get();
+    }
+  }
+  return key.str();
+}
+
+size_t InlineSharedGraphs(const FuncGraphManagerPtr &manager, const std::vector<Plan> &plans, const CallSites &calls) {
+  std::set<FuncGraphPtr> shared;
+  for (auto &p : plans) {
+    if (AsWeight(p.weight) == nullptr) shared.insert(p.graph);
+  }
+  size_t inlined = 0;
+  std::set<FuncGraphPtr> callers;
+  for (auto &fg : shared) {
+    if (!IsStraightLine(fg)) continue;
+    auto it = calls.find(fg.get());
+    if (it == calls.end()) continue;
+    for (auto &call : it->second) {
+      auto caller = call->func_graph();
+      if (caller == nullptr || caller == fg || shared.count(caller) > 0) continue;
+      if (call->size() != fg->parameters().size() + 1) continue;
+      mindspore::AnfNodePtrList args(call->inputs().begin() + 1, call->inputs().end());
+      auto result = mindspore::InlineClone(fg, caller, args, call);
+      manager->Replace(call, result);
+      callers.insert(caller);
+      inlined++;
+    }
+  }
+  // Merge the duplicated pure condition and cast nodes, first occurrence wins (topological order).
+  for (auto &caller : callers) {
+    std::map<std::string, AnfNodePtr> seen;
+    for (auto &node : mindspore::TopoSort(caller->get_return())) {
+      auto c = AsCNode(node);
+      if (c == nullptr || c->func_graph() != caller) continue;
+      auto name = PrimName(c);
+      if (name != "EqScalar" && name != "Cast") continue;
+      auto key = CseKey(c);
+      auto found = seen.find(key);
+      if (found == seen.end()) {
+        seen[key] = c;
+      } else {
+        manager->Replace(c, found->second);
+      }
+    }
+  }
+  return inlined;
+}
+
 class FuseMintSgdPass : public mindspore::opt::Pass {
  public:
   FuseMintSgdPass() : Pass(kPassName) {}
@@ -802,7 +976,17 @@ class FuseMintSgdPass : public mindspore::opt::Pass {
         manager = mindspore::Manage(root, true);
       }
       auto device = mindspore::MsContext::GetInstance()->get_param<std::string>(mindspore::MS_CTX_DEVICE_TARGET);
-      Matcher matcher(manager, device);
+      CallSites calls;
+      for (auto &g : manager->func_graphs()) {
+        if (g->get_return() == nullptr) continue;
+        for (auto &node : mindspore::TopoSort(g->get_return())) {
+          auto c = AsCNode(node);
+          if (c == nullptr || c->size() == 0) continue;
+          auto callee = mindspore::GetValueNode<FuncGraphPtr>(c->input(0));
+          if (callee != nullptr) calls[callee.get()].push_back(c);
+        }
+      }
+      Matcher matcher(manager, device, calls);
       std::vector<Plan> plans;
       std::vector<Refusal> refusals;
       std::vector<FuncGraphPtr> graphs(manager->func_graphs().begin(), manager->func_graphs().end());
@@ -823,10 +1007,15 @@ class FuseMintSgdPass : public mindspore::opt::Pass {
       const auto before = CountNodes(manager);
       Rewriter rewriter(manager);
       for (auto &p : plans) rewriter.Apply(p);
+      const size_t inlined = InlineSharedGraphs(manager, plans, calls);
       const auto after = CountNodes(manager);
-      for (auto &p : plans) report.Fused(graph_name, p, device);
+      size_t fused_uses = 0;
+      for (auto &p : plans) {
+        report.Fused(graph_name, p, device);
+        fused_uses += p.uses.size();
+      }
       for (auto &r : refusals) report.Refused(graph_name, r);
-      report.Summary(graph_name, plans.size(), refusals.size(), before, after);
+      report.Summary(graph_name, fused_uses, refusals.size(), before, after, inlined);
       return !plans.empty();
     } catch (const std::exception &e) {
       report.Error(graph_name, e.what());

@@ -1,0 +1,153 @@
+"""MindIR files (sgdfuse.mindspore.optimize_mindir) on the exported mint.optim.SGD train steps in
+testdata/mindspore/ (made by MindSpore's own export, see make_mindir.py). The oracle for what must fuse is
+testdata/mindspore/manifest.json, written from the export configuration; the oracle for the numbers is
+MindSpore running the original file (``mindspore.load`` + ``nn.GraphCell``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ms = pytest.importorskip("mindspore", reason="MindSpore is not installed here (CI installs .[test,mindspore])")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from sgdfuse.cli import app  # noqa: E402
+from sgdfuse.mindspore import check_mindir, load_mindir, optimize_mindir, save_mindir  # noqa: E402
+from sgdfuse.mindspore import mindir as mindir_module  # noqa: E402
+from sgdfuse.mindspore.errors import MindIRLoadError  # noqa: E402
+
+DATA = Path(__file__).resolve().parent.parent / "testdata" / "mindspore"
+MANIFEST = json.loads((DATA / "manifest.json").read_text())
+FILES = sorted(MANIFEST)
+
+
+def _ops(model) -> list[str]:
+    prims = {p.name: p.op_type for p in model.primitives}
+    return [prims.get(n.op_type[5:], "call") for n in model.graph.node if n.op_type.startswith("REF::")]
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_every_update_of_the_exported_train_step_fuses_as_the_manifest_says(name):
+    expected = MANIFEST[name]
+    model, report = optimize_mindir(DATA / name, steps=4)
+    assert not report.refused
+    assert sorted(u.parameters for u in report.fused) == sorted("opt." + p for p in expected["parameters"])
+    for update in report.fused:
+        param = update.parameters.removeprefix("opt.")
+        assert update.accum == "opt." + expected["buffers"][param]
+        assert update.learning_rate == pytest.approx(expected["lr"], rel=1e-7)
+        assert update.momentum == pytest.approx(expected["momentum"], rel=1e-7)
+        assert update.dampening == pytest.approx(expected["dampening"], abs=1e-7)
+        assert update.weight_decay == pytest.approx(expected["weight_decay"], rel=1e-7)
+        assert update.nesterov is expected["nesterov"]
+        assert update.dtype == "FLOAT"
+    assert report.verification.enabled and report.verification.passed and report.verification.steps == 4
+    ops = _ops(model)
+    assert ops.count("SGD") == len(expected["parameters"])
+    assert not {"Switch", "Partial", "call", "InplaceCopy", "InplaceMuls"} & set(ops)
+    assert ops.count("InplaceAddExt") == 1  # only the step counter's increment is left
+    assert len(model.functions) == 0, "the branch functions must be gone"
+    assert report.nodes_after < report.nodes_before
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_rewritten_file_trains_like_the_original_for_several_steps(name, tmp_path):
+    model, _ = optimize_mindir(DATA / name, verify=False)
+    out = tmp_path / "fused.mindir"
+    save_mindir(model, out)
+    result = check_mindir(DATA / name, out, steps=5, seed=3)
+    compared = {v["name"] for v in result.values}
+    params = MANIFEST[name]["parameters"]
+    assert compared >= {"output 0", "opt.step_t"} | {f"opt.{p}" for p in params} | {f"opt.momentum_buf.{p}" for p in params}
+    assert result.passed, [v for v in result.values if not v["passed"]]
+
+
+def test_the_check_catches_a_wrong_dampening(tmp_path):
+    """The check is sensitive: the rewritten file with a tampered SGD attribute must fail it."""
+    model, _ = optimize_mindir(DATA / "train_step_sgd.mindir", verify=False)
+    for prim in model.primitives:
+        if prim.op_type == "SGD":
+            for attribute in prim.attribute:
+                if attribute.name == "dampening":
+                    attribute.f = 0.5
+    result = check_mindir(DATA / "train_step_sgd.mindir", model, steps=3)
+    failed = {v["name"] for v in result.values if not v["passed"]}
+    assert not result.passed and "opt.momentum_buf.l1.weight" in failed and "output 0" in failed
+
+
+def test_a_rewrite_failing_its_check_returns_the_original_and_refuses(monkeypatch):
+    original_match = mindir_module._match
+
+    def wrong_dampening(*args, **kwargs):
+        outcome = original_match(*args, **kwargs)
+        if isinstance(outcome, mindir_module._Plan):
+            outcome.dampening = 0.5
+        return outcome
+
+    monkeypatch.setattr(mindir_module, "_match", wrong_dampening)
+    source, _ = load_mindir(DATA / "train_step_sgd.mindir")
+    model, report = optimize_mindir(source, steps=2)
+    assert not report.fused and len(report.refused) == 4
+    assert {r.reason for r in report.refused} == {"verification-failed"}
+    assert model.SerializeToString() == source.SerializeToString()
+
+
+def test_a_condition_other_than_step_t_equals_zero_is_refused_with_its_reason():
+    source, _ = load_mindir(DATA / "train_step_sgd.mindir")
+    index = mindir_module._Index(source.graph, source)
+    eq = next(n for n in source.graph.node if index.op(n) == "EqScalar")
+    one = source.graph.node.add(name="one", op_type="Constant")
+    one.output.append("one")
+    one.attribute.add(name="value", type=7, i=1)
+    eq.input[1] = "one"
+    model, report = optimize_mindir(source, verify=False)
+    assert not report.fused and len(report.refused) == 4
+    assert {r.reason for r in report.refused} == {"condition"}
+    assert "step_t == 0" in report.refused[0].detail
+    assert _ops(model).count("Switch") == 4
+
+
+def test_the_input_model_is_never_mutated():
+    source, _ = load_mindir(DATA / "train_step_nesterov.mindir")
+    before = source.SerializeToString()
+    optimize_mindir(source, verify=False)
+    assert source.SerializeToString() == before
+
+
+def test_bytes_in_give_the_same_rewrite_as_the_path():
+    by_path, _ = optimize_mindir(DATA / "train_step_sgd.mindir", verify=False)
+    by_bytes, report = optimize_mindir((DATA / "train_step_sgd.mindir").read_bytes(), verify=False)
+    assert by_bytes.SerializeToString() == by_path.SerializeToString() and report.source == "<bytes>"
+
+
+def test_a_file_that_is_not_mindir_is_a_clear_error(tmp_path):
+    junk = tmp_path / "junk.mindir"
+    junk.write_bytes(b"\x00\x01not a protobuf\xff" * 3)
+    with pytest.raises(MindIRLoadError, match="junk.mindir"):
+        optimize_mindir(junk)
+    with pytest.raises(MindIRLoadError, match="no such file"):
+        optimize_mindir(tmp_path / "missing.mindir")
+
+
+def test_cli_optimize_dispatches_mindir_files(tmp_path):
+    out = tmp_path / "out.mindir"
+    report = tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["optimize", str(DATA / "train_step_sgd.mindir"), "-o", str(out), "--report", str(report)])
+    assert result.exit_code == 0, result.output
+    assert out.is_file() and "Wrote" in result.output
+    data = json.loads(report.read_text())
+    assert len(data["fused"]) == 4 and data["verification"]["passed"]
+    fused, _ = load_mindir(out)
+    assert _ops(fused).count("SGD") == 4
+
+
+def test_cli_default_output_sits_beside_the_mindir(tmp_path):
+    source = tmp_path / "step.mindir"
+    source.write_bytes((DATA / "train_step_sgd.mindir").read_bytes())
+    result = CliRunner().invoke(app, ["optimize", str(source), "--no-verify"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "step.sgdfused.mindir").is_file()
