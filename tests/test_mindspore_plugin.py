@@ -270,6 +270,8 @@ def test_many_parameters_sharing_an_update_graph_train_the_same_fused(registrati
         )
         _compare(unfused, fused)
         assert len(report.fused) == 42 and not report.refused
+        # The weight decay the callers of the shared graphs applied is folded into each SGD op.
+        assert all(u.weight_decay == 1e-4 and not u.gradient.startswith("AddExt") for u in report.fused)
         assert {u.parameters for u in report.fused} == set(unfused["parameters"])
         graph = [r for r in registration.records() if r.get("event") == "graph"][-1]
         # 40 updates (20 weights of one shape, 20 biases of another) sat in shared graphs and were inlined;

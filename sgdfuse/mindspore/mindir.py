@@ -104,6 +104,11 @@ class _Index:
         self.producer = {node.output[0] if node.output else node.name: node for node in graph.node}
         self.params = {p.name: p for p in graph.parameter}
         self.inputs = {i.name: i for i in graph.input}
+        # Refs: the main graph's Parameters, or a function's inputs that carry one (MindSpore shares one
+        # update function between same-shaped parameters and calls it with (step, w, buf, grad, u)).
+        self.refs = set(self.params) | {
+            i.name for i in graph.input if i.tensor and any(t.ref_key for t in i.tensor)
+        }
         self.prims = {p.name: p for p in model.primitives}
         self.functions = {f.name: f for f in model.functions}
         # Constant nodes are looked up by name across graphs: a branch function may use a Constant that
@@ -125,6 +130,14 @@ class _Index:
             if ref in self.producer:
                 return "call"
         return node.op_type
+
+    def value_of(self, name: str) -> str:
+        """Look through value-preserving wrappers (TensorMove copies, Depend) to the value's source."""
+        node = self.producer.get(name)
+        while node is not None and self.op(node) in ("TensorMove", "Depend") and node.input:
+            name = node.input[0]
+            node = self.producer.get(name)
+        return name
 
     def op_of(self, name: str) -> str:
         node = self.producer.get(name)
@@ -188,6 +201,9 @@ def _tensor_of(index: _Index, name: str):
     if name in index.params:
         p = index.params[name]
         return p.data_type, list(p.dims)
+    if name in index.inputs and index.inputs[name].tensor:
+        t = index.inputs[name].tensor[0]
+        return t.data_type, list(t.dims)
     node = index.producer.get(name)
     if node is None:
         return None
@@ -327,6 +343,9 @@ def _evaluate(function: Any, model: Any, buf: str, grad: str, monad: str) -> _Ef
 
 @dataclasses.dataclass
 class _Plan:
+    graph: str
+    uses: list  # per use: (parameter, gradient, buffer) names; one per call site of a shared function
+    caller_decay: list  # weight decay folded from a shared function's callers: (caller, call, position, AddExt, raw grad)
     call: str
     switch: str
     update: str
@@ -355,7 +374,7 @@ def _fmt(value: float) -> str:
     return str(np.float32(value)) if value else "0"
 
 
-def _match(index: _Index, model: Any, call: Any, device: str) -> _Plan | Refusal | None:
+def _match(index: _Index, model: Any, call: Any, device: str, calls: dict) -> _Plan | Refusal | None:
     switch = index.producer.get(call.op_type[5:])
     if switch is None or index.op(switch) != "Switch" or len(call.input) != 0 or len(switch.input) != 3:
         return None
@@ -381,7 +400,7 @@ def _match(index: _Index, model: Any, call: Any, device: str) -> _Plan | Refusal
     for position, name in enumerate(pt.input[1:]):
         if index.is_monad(name):
             monad, positions["monad"] = name, position
-        elif name in index.params and buf is None:
+        elif name in index.refs and buf is None:
             buf, positions["buf"] = name, position
         elif grad is None:
             grad, positions["grad"] = name, position
@@ -394,9 +413,8 @@ def _match(index: _Index, model: Any, call: Any, device: str) -> _Plan | Refusal
     cond = index.producer.get(cond_name)
     step = None
     if cond is not None and index.op(cond) in ("EqScalar", "Equal") and len(cond.input) == 2:
-        load = index.producer.get(cond.input[0])
-        if index.scalar(cond.input[1]) == 0.0 and load is not None and index.op(load) == "Load" and load.input[0] in index.params:
-            step = load.input[0]
+        if index.scalar(cond.input[1]) == 0.0:
+            step = _step_counter(index, model, cond.input[0], calls)
     if step is None:
         return refuse("condition", "the branch condition is not `step_t == 0` over a step counter Parameter")
 
@@ -449,7 +467,7 @@ def _match(index: _Index, model: Any, call: Any, device: str) -> _Plan | Refusal
     if alpha is None:
         return refuse("learning-rate", "the parameter update's alpha (-lr) is not a compile-time constant")
     weight = update.input[0]
-    if weight not in index.params or weight == buf:
+    if weight not in index.refs or weight == buf:
         return refuse("no-parameter-update", "the updated tensor is not a Parameter distinct from the buffer")
     candidate = _short(weight)
     for user, _ in index.users.get(update.name, []):
@@ -469,6 +487,9 @@ def _match(index: _Index, model: Any, call: Any, device: str) -> _Plan | Refusal
         allowed = {pt.name, pf.name} | ({outer.name} if outer is not None else set())
         if c is not None and c > 0 and load is not None and index.op(load) == "Load" and load.input[0] == weight and readers <= allowed:
             gradient, decay, folded = add.input[0], c, add.name
+    caller_decay: list = []
+    if add is None and grad in index.inputs:
+        decay, caller_decay = _caller_decay(index, model, calls, weight, grad)
 
     info = [_tensor_of(index, n) for n in (weight, gradient, buf)]
     if any(i is None for i in info):
@@ -489,11 +510,87 @@ def _match(index: _Index, model: Any, call: Any, device: str) -> _Plan | Refusal
         return refuse("nesterov-dampening", f"Nesterov with dampening {dampening:g} (contract: dampening must be 0)")
     maximize = index.op_of(gradient) == "Neg"
     return _Plan(
-        call=call.name, switch=switch.name, update=update.name, outer_nesterov=outer.name if outer else None,
+        graph=index.graph.name, uses=_uses(index, calls, (weight, gradient, buf), caller_decay),
+        caller_decay=caller_decay, call=call.name, switch=switch.name, update=update.name, outer_nesterov=outer.name if outer else None,
         folded_decay=folded, weight=weight, buf=buf, grad=gradient, cond=cond.name, step=step, lr=-alpha, momentum=m,
         dampening=dampening, weight_decay=decay, nesterov=nesterov, maximize=maximize, data_type=data_type,
         dims=dims, matched_nodes=first.nodes + later.nodes + 5 + (outer is not None) + (folded is not None),
     )
+
+
+def _call_sites(model: Any) -> dict[str, list[tuple[Any, Any]]]:
+    """Function name -> [(call node, graph holding it)] for direct calls ``REF::<function>(args...)``."""
+    functions = {f.name for f in model.functions}
+    sites: dict[str, list[tuple[Any, Any]]] = {}
+    for g in [model.graph, *model.functions]:
+        for node in g.node:
+            if node.op_type.startswith("REF::") and node.op_type[5:] in functions:
+                sites.setdefault(node.op_type[5:], []).append((node, g))
+    return sites
+
+
+def _step_counter(index: _Index, model: Any, value: str, calls: dict) -> str | None:
+    """The step counter Parameter ``value`` is a Load of -- here, or, for an input of a shared function, at
+    every call site (all the same counter). None otherwise."""
+    value = index.value_of(value)
+    load = index.producer.get(value)
+    if load is not None and index.op(load) == "Load" and load.input[0] in index.params:
+        return load.input[0]
+    names = [i.name for i in index.graph.input]
+    if value not in names or not calls.get(index.graph.name):
+        return None
+    position, step = names.index(value), None
+    for call, caller in calls[index.graph.name]:
+        outer = _Index(caller, model)
+        if position >= len(call.input):
+            return None
+        load = outer.producer.get(outer.value_of(call.input[position]))
+        if load is None or outer.op(load) != "Load" or load.input[0] not in outer.params or step not in (None, load.input[0]):
+            return None
+        step = load.input[0]
+    return step
+
+
+def _uses(index: _Index, calls: dict, nodes: tuple, caller_decay: list) -> list[tuple[str, ...]]:
+    names = [i.name for i in index.graph.input]
+    if not any(n in names for n in nodes) or not calls.get(index.graph.name):
+        return [tuple(_short(n) for n in nodes)]
+    uses = [
+        tuple(_short(call.input[names.index(n)]) if n in names else _short(n) for n in nodes)
+        for call, _ in calls[index.graph.name]
+    ]
+    if len(caller_decay) == len(uses):  # the callers now pass their raw gradients
+        uses = [(w, _short(decay[4]), b) for (w, _, b), decay in zip(uses, caller_decay)]
+    return uses
+
+
+def _caller_decay(index: _Index, model: Any, calls: dict, weight: str, grad: str) -> tuple[float, list]:
+    """The weight decay every caller of a shared function applies to the gradient it passes: each call site
+    passes AddExt(g, Load(w), wd) for its own parameter argument w, with one wd, read by nothing but the call
+    (and UpdateStates). Returns (wd, edits) or (0.0, []) when that does not hold."""
+    names = [i.name for i in index.graph.input]
+    if weight not in names or grad not in names or not calls.get(index.graph.name):
+        return 0.0, []
+    wi, gi = names.index(weight), names.index(grad)
+    wd, edits = None, []
+    for call, caller in calls[index.graph.name]:
+        outer = _Index(caller, model)
+        if max(wi, gi) >= len(call.input):
+            return 0.0, []
+        add = outer.producer.get(call.input[gi])
+        if add is None or outer.op(add) != "AddExt" or len(add.input) != 3:
+            return 0.0, []
+        c = outer.scalar(add.input[2])
+        load = outer.producer.get(add.input[1])
+        if c is None or not c > 0 or (wd is not None and c != wd) or load is None or outer.op(load) != "Load":
+            return 0.0, []
+        if load.input[0] != call.input[wi]:
+            return 0.0, []
+        if any(u is not call and outer.op(u) != "UpdateState" for u, _ in outer.users.get(add.name, [])):
+            return 0.0, []
+        wd = c
+        edits.append((caller.name, call.name, gi, add.name, add.input[0]))
+    return wd or 0.0, edits
 
 
 def _writes_first_argument(function: Any, model: Any) -> bool:
@@ -623,10 +720,25 @@ class _Rewriter:
         return nodes + [shape, stat, lr, momentum, sgd]
 
     def apply(self, plans: list[_Plan]) -> None:
+        constants = _constants(self.model)
+        graphs = {g.name: g for g in [self.model.graph, *self.model.functions]}
+        # Callers of a shared function whose weight decay the SGD op now applies pass the raw gradient.
+        detach_in: dict[str, set[str]] = {}
+        for p in plans:
+            for caller, call_name, position, add_name, raw in p.caller_decay:
+                call = next(n for n in graphs[caller].node if n.name == call_name)
+                call.input[position] = raw
+                detach_in.setdefault(caller, set()).add(add_name)
+        for name in dict.fromkeys([p.graph for p in plans] + list(detach_in)):
+            self.graph, self.prefix = graphs[name], name
+            self._apply_to_graph([p for p in plans if p.graph == name], detach_in.get(name, set()))
+        _sweep(self.model, constants)
+
+    def _apply_to_graph(self, plans: list[_Plan], extra_detach: set[str]) -> None:
         graph = self.graph
         by_update = {p.update: p for p in plans}
         # Values no longer carried by any UpdateState: the calls, and folded weight-decay AddExts.
-        detach = {p.call for p in plans} | {p.folded_decay for p in plans if p.folded_decay}
+        detach = {p.call for p in plans} | {p.folded_decay for p in plans if p.folded_decay} | extra_detach
         alias: dict[str, str] = {}
         kept = []
         for node in graph.node:
@@ -651,10 +763,10 @@ class _Rewriter:
         for output in graph.output:
             while output.name in alias:
                 output.name = alias[output.name]
-        constants = _constants(self.model)
         del graph.node[:]
         graph.node.extend(kept)
-        _sweep(self.model, constants)
+        if graph is not self.model.graph:  # the main graph is swept with the whole model
+            _sweep_function(graph)
 
 
 def _is_update_state(model: Any, node: Any) -> bool:
@@ -667,6 +779,22 @@ def _references(node: Any) -> list[str]:
     if node.op_type.startswith("REF::"):
         refs.append(node.op_type[5:])  # a primitive, a function, or the node whose value a call calls
     return refs
+
+
+def _sweep_function(function: Any) -> None:
+    """Drop a function's nodes its output no longer needs (the Switch, Partials and call it held)."""
+    producer = {(n.output[0] if n.output else n.name): n for n in function.node}
+    live: set[str] = set()
+    stack = [o.name for o in function.output]
+    while stack:
+        name = stack.pop()
+        if name in live or name not in producer:
+            continue
+        live.add(name)
+        stack.extend(_references(producer[name]))
+    keep = [n for n in function.node if (n.output[0] if n.output else n.name) in live]
+    del function.node[:]
+    function.node.extend(keep)
 
 
 def _sweep(model: Any, constants: dict[str, Any]) -> None:
@@ -750,24 +878,26 @@ def optimize_mindir(
         original, name = source, "<ModelProto>"
     else:
         original, name = load_mindir(source)
-    index = _Index(original.graph, original)
+    calls = _call_sites(original)
     plans: list[_Plan] = []
     records: list[dict] = []
-    for node in original.graph.node:
-        if index.op(node) != "call":
-            continue
-        outcome = _match(index, original, node, device)
-        if outcome is None:
-            continue
-        if isinstance(outcome, Refusal):
-            records.append({"event": "refused", **dataclasses.asdict(outcome)})
-        else:
-            plans.append(outcome)
+    for graph in [original.graph, *original.functions]:
+        index = _Index(graph, original)
+        for node in graph.node:
+            if index.op(node) != "call":
+                continue
+            outcome = _match(index, original, node, device, calls)
+            if outcome is None:
+                continue
+            if isinstance(outcome, Refusal):
+                records.append({"event": "refused", **dataclasses.asdict(outcome)})
+            else:
+                plans.append(outcome)
     model = pb.ModelProto()
     model.CopyFrom(original)
     if plans:
         _Rewriter(model, pb).apply(plans)
-    fused_records = [_record(p) for p in plans]
+    fused_records = [record for p in plans for record in _records(p)]
     report = report_from_records(fused_records + records, source=name)
     report.nodes_before, report.nodes_after = _count_nodes(original), _count_nodes(model)
     report.verification = Verification(enabled=verify and bool(plans), steps=steps if verify and plans else 0, tolerance=TOLERANCE)
@@ -789,6 +919,12 @@ def optimize_mindir(
             model.CopyFrom(original)
             report.nodes_after = report.nodes_before
     return model, report
+
+
+def _records(plan: _Plan) -> list[dict]:
+    """One report record per use (per call site when the update sits in a shared function)."""
+    base = _record(plan)
+    return [base | {"parameters": w, "gradient": g, "accum": b} for w, g, b in plan.uses]
 
 
 def _record(plan: _Plan) -> dict:

@@ -35,6 +35,7 @@
 // and an exception during analysis leaves the graph untouched and is reported as an error record.
 
 #include <cmath>
+#include <tuple>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -397,6 +398,8 @@ struct Plan {
   // What the update is applied to, per use: (parameter, gradient, buffer) names. One entry in the top graph;
   // one per call site when the update sits in a graph MindSpore shares between same-shaped parameters.
   std::vector<std::vector<std::string>> uses;
+  // Weight decay folded from the callers of a shared graph: (call, input index, AddExt) per call site.
+  std::vector<std::tuple<CNodePtr, size_t, CNodePtr>> caller_decay;
 };
 
 struct Refusal {
@@ -552,6 +555,10 @@ class Matcher {
         gradient = add->input(1);
         wd = c;
       }
+    } else if (wd == 0.0) {
+      // In a shared update graph the weight decay is computed by the caller: fold it when every call site
+      // passes AddExt(g_i, Load(w_i), wd) for its own w_i, with one wd, read by nothing but that call.
+      wd = CallerDecay(fg, weight, grad, &plan->caller_decay);
     }
 
     TypeId dtype, gdtype, bdtype;
@@ -596,11 +603,46 @@ class Matcher {
     plan->shape = shape;
     plan->matched_nodes = first.nodes + later.nodes + 5 + (outer_nesterov ? 1 : 0) + (wd > 0 ? 1 : 0);
     plan->uses = Uses(fg, {weight, gradient, buf});
+    if (plan->caller_decay.size() == plan->uses.size()) {  // callers now pass their raw gradients
+      for (size_t i = 0; i < plan->uses.size(); ++i) plan->uses[i][1] = NodeName(std::get<2>(plan->caller_decay[i])->input(1));
+    }
     return true;
   }
 
  private:
   static std::string Form(const Lin &x) { return Num(x.b) + "*buf + " + Num(x.g) + "*grad"; }
+
+  // The weight decay every call site of shared graph `fg` applies to the gradient argument, or 0 when they
+  // do not all pass AddExt(g, Load(w), wd) with w the call's own parameter argument and one wd.
+  double CallerDecay(const FuncGraphPtr &fg, const AnfNodePtr &weight, const AnfNodePtr &grad,
+                     std::vector<std::tuple<CNodePtr, size_t, CNodePtr>> *sites) {
+    auto &params = fg->parameters();
+    int wi = -1, gi = -1;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i] == weight) wi = static_cast<int>(i);
+      if (params[i] == grad) gi = static_cast<int>(i);
+    }
+    auto it = calls_.find(fg.get());
+    if (wi < 0 || gi < 0 || it == calls_.end() || it->second.empty()) return 0.0;
+    double wd = -1.0;
+    std::vector<std::tuple<CNodePtr, size_t, CNodePtr>> found;
+    for (auto &call : it->second) {
+      if (call->size() != params.size() + 1) return 0.0;
+      auto add = AsCNode(call->input(gi + 1));
+      double c;
+      if (!IsPrim(add, "AddExt") || add->size() != 4 || !ScalarValue(add->input(3), &c) || !(c > 0.0)) return 0.0;
+      auto load = AsCNode(add->input(2));
+      if (!IsPrim(load, "Load") || load->input(1) != call->input(wi + 1)) return 0.0;
+      if (wd >= 0.0 && c != wd) return 0.0;
+      for (auto &use : manager_->node_users()[add]) {
+        if (use.first != call && !IsPrim(use.first, "UpdateState")) return 0.0;
+      }
+      wd = c;
+      found.emplace_back(call, static_cast<size_t>(gi + 1), add);
+    }
+    *sites = found;
+    return wd;
+  }
 
   // Names of (parameter, gradient, buffer): the nodes themselves, or what each call site passes for them.
   std::vector<std::vector<std::string>> Uses(const FuncGraphPtr &fg, const std::vector<AnfNodePtr> &nodes) {
@@ -652,7 +694,16 @@ class Matcher {
 
   // The step counter Parameter whose Load `value` is: Load(step_t) in this graph, or a parameter of a
   // shared graph that every call site feeds with a Load of the same counter. Null otherwise.
-  AnfNodePtr StepCounter(const FuncGraphPtr &fg, const AnfNodePtr &value) {
+  // Value-preserving wrappers MindSpore may put around the loaded counter (a TensorMove copy, a Depend).
+  static AnfNodePtr Unwrap(AnfNodePtr value) {
+    while ((IsPrim(value, "TensorMove") || IsPrim(value, "Depend")) && value->cast<CNodePtr>()->size() >= 2) {
+      value = value->cast<CNodePtr>()->input(1);
+    }
+    return value;
+  }
+
+  AnfNodePtr StepCounter(const FuncGraphPtr &fg, AnfNodePtr value) {
+    value = Unwrap(value);
     if (IsPrim(value, "Load")) {
       auto ref = value->cast<CNodePtr>()->input(1);
       return AsWeight(ref) != nullptr ? ref : nullptr;
@@ -668,7 +719,7 @@ class Matcher {
     AnfNodePtr step;
     for (auto &call : it->second) {
       if (call->size() != params.size() + 1) return nullptr;
-      auto arg = call->input(index + 1);
+      auto arg = Unwrap(call->input(index + 1));
       if (!IsPrim(arg, "Load")) return nullptr;
       auto ref = arg->cast<CNodePtr>()->input(1);
       if (AsWeight(ref) == nullptr || (step != nullptr && ref != step)) return nullptr;
@@ -803,7 +854,34 @@ class Rewriter {
     sgd->set_abstract(TensorAbstract(p.dtype, p.shape));
     sgd->set_fullname_with_scope("sgdfuse/SGD/" + p.weight->cast<ParameterPtr>()->name());
     manager_->Replace(p.update, sgd);
+    // Callers of a shared graph now pass the raw gradient: the SGD op applies the weight decay.
+    for (auto &[call, index, add] : p.caller_decay) {
+      manager_->SetEdge(call, static_cast<int>(index), add->input(1));
+      DetachFromUpdateStates(add);
+    }
   }
+
+ private:
+  void DetachFromUpdateStates(const AnfNodePtr &value) {
+    auto users = manager_->node_users()[value];  // copy: edited below
+    for (auto &use : users) {
+      auto us = AsCNode(use.first);
+      if (!IsPrim(us, "UpdateState")) continue;
+      if (us->size() == 3) {
+        manager_->Replace(us, us->input(1));
+      } else {
+        std::vector<AnfNodePtr> inputs;
+        for (size_t i = 0; i < us->size(); ++i) {
+          if (static_cast<int>(i) != use.second) inputs.push_back(us->input(i));
+        }
+        auto replacement = us->func_graph()->NewCNode(inputs);
+        replacement->set_abstract(us->abstract());
+        manager_->Replace(us, replacement);
+      }
+    }
+  }
+
+ public:
 
  private:
   FuncGraphManagerPtr manager_;

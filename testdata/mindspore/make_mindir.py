@@ -13,11 +13,13 @@ Cell (rtol 1e-6) -- the exported graph is the train step.
 Outputs (under testdata/mindspore/):
     train_step_sgd.mindir        momentum 0.9, dampening 0.25, weight decay 1e-4, lr 0.1
     train_step_nesterov.mindir   momentum 0.9, Nesterov, weight decay 1e-4, lr 0.1
+    train_step_shared.mindir     as train_step_sgd, six layers, five of one shape: the updates sit in
+                                 functions MindSpore shares between same-shaped parameters
     manifest.json                the oracle: per file, the parameters, their buffers and the hyper-parameters,
                                  written from the configuration below, never read back from the graphs
     VERSIONS.txt                 tool versions
 
-Run (about 15 s):
+Run (about 20 s):
 
     /work/venvs/ms/bin/python testdata/mindspore/make_mindir.py
 """
@@ -39,6 +41,9 @@ BATCH, IN, HIDDEN, OUT = 8, 4, 3, 2
 CONFIGS = {
     "train_step_sgd": {"lr": 0.1, "momentum": 0.9, "dampening": 0.25, "weight_decay": 1e-4, "nesterov": False},
     "train_step_nesterov": {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 1e-4, "nesterov": True},
+    # Five same-shaped layers: MindSpore then keeps one update function per parameter shape and calls it
+    # once per parameter (the form large models take) instead of inlining every update.
+    "train_step_shared": {"lr": 0.1, "momentum": 0.9, "dampening": 0.25, "weight_decay": 1e-4, "nesterov": False, "same_layers": 5},
 }
 
 
@@ -50,6 +55,18 @@ class Mlp(nn.Cell):
 
     def construct(self, x):
         return self.l2(ops.relu(self.l1(x)))
+
+
+class SameLayers(nn.Cell):
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        layers = [nn.Dense(IN, IN)]
+        for _ in range(count - 1):
+            layers += [nn.ReLU(), nn.Dense(IN, IN)]
+        self.body = nn.SequentialCell(layers + [nn.ReLU(), nn.Dense(IN, OUT)])
+
+    def construct(self, x):
+        return self.body(x)
 
 
 class TrainStep(nn.Cell):
@@ -71,7 +88,7 @@ class TrainStep(nn.Cell):
 
 def build(config: dict, seed: int = 0) -> TrainStep:
     ms.set_seed(seed)
-    net = Mlp()
+    net = SameLayers(config["same_layers"]) if config.get("same_layers") else Mlp()
     rng = np.random.default_rng(seed)
     for p in net.trainable_params():  # deterministic initial values, independent of MindSpore's RNG
         p.set_data(ms.Tensor(rng.uniform(-0.5, 0.5, p.shape).astype(np.float32)))
@@ -126,7 +143,7 @@ def main() -> None:
         params = [p.name.removeprefix("opt.") for p in cell.opt.parameters]
         manifest[path.name] = {
             "optimizer": "mindspore.mint.optim.SGD",
-            **config,
+            **{k: v for k, v in config.items() if k != "same_layers"},
             "parameters": params,
             "buffers": {p: f"momentum_buf.{p}" for p in params},
             "step": "step_t",
