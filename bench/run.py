@@ -35,7 +35,6 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 MODES = ("load", "floor", "no-verify", "verify", "onnxscript")
 TARGETS = {"ratio": 3.0, "slope": 1.1, "rss": 2.0}
@@ -269,7 +268,8 @@ def _select_sgdfuse(rev: str | None) -> str:
             archive = subprocess.run(["git", "-C", root, "archive", commit, "sgdfuse"], check=True, capture_output=True).stdout
             subprocess.run(["tar", "-x", "-C", target], input=archive, check=True)
         os.environ["PYTHONPATH"] = target + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
-        return f"git {rev} = {commit} (exported to {target})"
+        last = subprocess.run(["git", "-C", root, "log", "-1", "--format=%h %s", commit, "--", "sgdfuse"], capture_output=True, text=True).stdout.strip()
+        return f"git {rev} = {commit[:12]}, package last changed in {last[:90]} (exported to {target})"
     spec = importlib.util.find_spec("sgdfuse")
     if spec is None or spec.origin is None:
         return "sgdfuse not importable"
@@ -330,8 +330,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     source = _select_sgdfuse(args.rev)
 
-    import generate
-
     sizes = sorted(args.sizes)
     os.makedirs(args.dir, exist_ok=True)
     paths = {}
@@ -340,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         stamp = os.path.join(args.dir, f"sgd_bench_{n}.seed")
         if not (os.path.exists(path) and os.path.exists(stamp) and open(stamp).read() == str(args.seed)):
             start = time.perf_counter()
-            generate.write(args.dir, n, args.seed)
+            # In a child, so that this process stays small.
+            subprocess.run([sys.executable, os.path.join(HERE, "generate.py"), args.dir, "--sizes", str(n), "--seed", str(args.seed)], check=True)
             with open(stamp, "w") as handle:
                 handle.write(str(args.seed))
             print(f"generated {path} ({os.path.getsize(path) / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
@@ -379,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["maxrss_kb"] = result.get("peak_rss_kb") or rss
                 result["wall"] = wall
                 runs.append(result)
-                print(f"   {mode:10s} run {run + 1}: {result['seconds']:.3f} s, peak RSS {rss / 1024:.0f} MB", file=sys.stderr)
+                print(f"   {mode:10s} run {run + 1}: {result['seconds']:.3f} s, peak RSS {result['maxrss_kb'] / 1024:.0f} MB", file=sys.stderr)
                 if mode in ("no-verify", "verify") and run == 0:
                     check, _, _, error = run_child(["--worker", "check", path, out, path[: -len(".onnx")] + ".manifest.json"], args.timeout)
                     checks.setdefault(n, {})[mode] = check or {"error": error}
@@ -510,7 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     # ---- profile -----------------------------------------------------------------------------------
     profiles = {}
     for n in args.profile or []:
-        path = paths.get(n) or generate.write(args.dir, n, args.seed)
+        path = paths.get(n)
+        if path is None:
+            subprocess.run([sys.executable, os.path.join(HERE, "generate.py"), args.dir, "--sizes", str(n), "--seed", str(args.seed)], check=True)
+            path = os.path.join(args.dir, f"sgd_bench_{n}.onnx")
         result, _, _, error = run_child(["--worker", "profile", path, str(args.profile_budget), str(args.profile_top)], args.profile_budget + args.timeout)
         print(f"\n== cProfile of sgdfuse.optimize(verify=False) + save on {n} updates", end="")
         if result is None:
