@@ -12,13 +12,12 @@ import logging
 from collections.abc import Callable
 import os
 import shutil
-import tempfile
-from pathlib import Path
 
 import onnx
 from google.protobuf.message import DecodeError
 
 from sgdfuse.errors import ModelLoadError, OutputWriteError
+from sgdfuse.output import OutputBatch, resolve_destination, write_bytes
 from sgdfuse.fused_op import MIN_OPSET, function_opset
 from sgdfuse.passes.index import build_index
 from sgdfuse.passes.linear import Normaliser
@@ -98,46 +97,35 @@ def _external_location(tensor: onnx.TensorProto) -> str:
     return ""
 
 
-def save_model(model: onnx.ModelProto, path: str | os.PathLike, *, source_dir: str | None = None) -> None:
-    """Write ``model`` to ``path`` atomically: a temporary file in the same directory, then a rename.
+def save_model(
+    model: onnx.ModelProto, path: str | os.PathLike, *, source_dir: str | None = None, batch: OutputBatch | None = None
+) -> None:
+    """Write ``model`` to ``path`` whole or not at all (see :mod:`sgdfuse.output`).
 
     Tensors whose data is external keep their ``location``; when the model is written to another directory
-    than ``source_dir`` (the one it was read from), each data file is copied there, since ONNX resolves
+    than ``source_dir`` (the one it was read from), each data file is copied there first, since ONNX resolves
     external data only inside the model's directory (and refuses hard links). An existing different file at a
     data file's destination is never overwritten.
 
+    Args:
+        batch: stage the file in this :class:`~sgdfuse.output.OutputBatch` (committed by the caller together
+            with other outputs) instead of writing it now.
+
     Raises:
-        OutputWriteError: the directory does not exist or is not writable, a data file's destination is
-            taken by another file, or a write failed; the model file is not left half-written.
+        OutputWriteError: the destination cannot be written (missing directory, a directory, a device), a
+            data file's destination is taken by another file, or a write failed.
     """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise OutputWriteError(path, f"directory {directory} does not exist")
-    if os.path.isdir(path):
-        raise OutputWriteError(path, "is a directory; give a file name")
+    target = resolve_destination(path)
+    directory = os.path.dirname(target)
     if source_dir and os.path.abspath(source_dir) != directory:
         locations = sorted({_external_location(t) for t in _external_tensors(model)})
         for location in locations:
-            _place_data_file(os.path.join(source_dir, location), os.path.join(directory, location), path)
+            _place_data_file(os.path.join(source_dir, location), os.path.join(directory, location), os.fspath(path))
     data = model.SerializeToString()
-    try:
-        descriptor, temporary = tempfile.mkstemp(prefix=".sgdfuse-", suffix=".tmp", dir=directory)
-    except OSError as error:
-        raise OutputWriteError(path, f"cannot write in {directory}: {error.strerror or error}") from error
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _give_default_permissions(temporary)
-        os.replace(temporary, path)
-    except OSError as error:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise OutputWriteError(path, f"write failed: {error.strerror or error}") from error
+    if batch is not None:
+        batch.stage(path, data)
+    else:
+        write_bytes(path, data)
 
 
 def _place_data_file(source: str, destination: str, model_path: str) -> None:
@@ -174,36 +162,6 @@ def _same_bytes(a: str, b: str) -> bool:
                 return True
 
 
-def _give_default_permissions(path: str) -> None:
-    # mkstemp creates 0600 files; the result should be an ordinary new file (0666 less the umask).
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
-
-
-def write_text_atomically(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all (temporary file in the same directory, then rename).
-
-    Raises:
-        OutputWriteError: the directory does not exist or the write failed; nothing is left at ``path``.
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise OutputWriteError(path, f"directory {directory} does not exist")
-    temporary = None
-    try:
-        descriptor, temporary = tempfile.mkstemp(prefix=".sgdfuse-", suffix=".tmp", dir=directory)
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        _give_default_permissions(temporary)
-        os.replace(temporary, path)
-    except OSError as error:
-        if temporary is not None and os.path.exists(temporary):
-            os.unlink(temporary)
-        raise OutputWriteError(path, f"write failed: {error.strerror or error}") from error
-
-
 @dataclasses.dataclass
 class OptimizeResult:
     """The outcome of :func:`optimize`.
@@ -218,10 +176,10 @@ class OptimizeResult:
     source_dir: str | None = None
     """Directory the input was read from: external data locations are relative to it."""
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write :attr:`model` atomically to ``path``, external data referenced from the new location (see
-        :func:`save_model`)."""
-        save_model(self.model, path, source_dir=self.source_dir)
+    def save(self, path: str | os.PathLike, *, batch: OutputBatch | None = None) -> None:
+        """Write :attr:`model` to ``path`` whole or not at all, external data placed beside it (see
+        :func:`save_model`); with ``batch``, staged there for the caller to commit."""
+        save_model(self.model, path, source_dir=self.source_dir, batch=batch)
 
 
 def _as_model(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str, str | None]:

@@ -13,7 +13,8 @@ from rich.table import Table
 import sgdfuse
 from sgdfuse import contract
 from sgdfuse import api
-from sgdfuse.errors import OutputWriteError, SgdfuseError
+from sgdfuse.errors import SgdfuseError
+from sgdfuse.output import OutputBatch, resolve_destination, write_bytes
 from sgdfuse.report import Report
 
 __all__ = ["app", "main"]
@@ -184,18 +185,20 @@ def optimize_command(
 
         output = output or Path(MindIRResult.default_output(model))
     destination = output or _default_output(model)
-    _check_writable(destination)
-    if report_path is not None:
-        _check_writable(report_path)
+    for path in (destination, report_path):
+        if path is not None:
+            resolve_destination(path)  # fail before the work, not after it
     with _progress(model, quiet) as tell:
         if mindir:
             result = optimize_mindir_file(model, verify=verify, steps=steps)
         else:
             result = api.optimize(model, verify=verify, steps=steps, progress=tell)
         tell("save")
-        result.save(destination)
-        if report_path is not None:
-            _write_text(report_path, result.report.to_json())
+        with OutputBatch() as batch:  # the model and the report are written together or not at all
+            result.save(destination, batch=batch)
+            if report_path is not None:
+                batch.stage(report_path, (result.report.to_json() + "\n").encode())
+            batch.commit()
     _print_report(result.report)
     _out.print(f"Wrote {destination} ({result.report.nodes_before} → {result.report.nodes_after} nodes)")
 
@@ -263,7 +266,6 @@ def lower_command(
     """Lower MODEL to the Ascend Graph Engine for one SoC (GE IR .air, or ONNX prepared for ATC)."""
     from sgdfuse import lowering
     from sgdfuse.lowering import onnx_atc
-    from sgdfuse.lowering.ge_model import write_atomically
 
     if output_format not in ("air", "onnx-atc"):
         raise typer.BadParameter(f"{output_format!r} is not one of 'air', 'onnx-atc'", param_hint="--format")
@@ -273,8 +275,7 @@ def lower_command(
     if output_format == "onnx-atc":
         destination = output or model.with_name(stem + ".atc.onnx")
         for path in (destination, onnx_atc.plugin_path_for(destination)):
-            if not path.resolve().parent.is_dir():
-                raise OutputWriteError(str(path), f"directory {path.resolve().parent} does not exist")
+            resolve_destination(path)
         written, plugin = onnx_atc.write_onnx_atc(model, destination, soc=soc)
         _out.print(f"Wrote {written} (SGD nodes as {onnx_atc.ATC_OP_KEY}, standard nodes in domain ai.onnx)")
         _out.print(f"Wrote {plugin} (ATC op plugin source mapping {onnx_atc.ATC_OP_KEY} to GE SGD)")
@@ -284,13 +285,15 @@ def lower_command(
         (destination.name[: -len(".air")] if destination.name.endswith(".air") else destination.name) + ".init.air"
     )
     for path in (destination, init_destination, json_path):
-        if path is not None and not path.resolve().parent.is_dir():
-            raise OutputWriteError(str(path), f"directory {path.resolve().parent} does not exist")
+        if path is not None:
+            resolve_destination(path)
     lowered = lowering.lower(model, soc=soc)
-    lowered.save_air(destination)
-    lowered.save_init_air(init_destination)
-    if json_path is not None:
-        write_atomically(json_path, (lowered.to_json() + "\n").encode())
+    with OutputBatch() as batch:  # step graph, init graph and JSON together or not at all
+        lowered.save_air(destination, batch=batch)
+        lowered.save_init_air(init_destination, batch=batch)
+        if json_path is not None:
+            batch.stage(json_path, (lowered.to_json() + "\n").encode())
+        batch.commit()
     table = Table(title=f"GE graph for {soc} ({lowered.product_line.name})")
     for column in ("ops", "SGD ops", "state variables", "inputs (Data)", "outputs"):
         table.add_column(column)
@@ -304,16 +307,8 @@ def lower_command(
         _out.print(f"Wrote {json_path}")
 
 
-def _check_writable(path: Path) -> None:
-    directory = path.resolve().parent
-    if not directory.is_dir():
-        raise OutputWriteError(str(path), f"directory {directory} does not exist")
-    if path.is_dir():
-        raise OutputWriteError(str(path), "is a directory; give a file name")
-
-
 def _write_text(path: Path, text: str) -> None:
-    api.write_text_atomically(path, text + "\n")
+    write_bytes(path, (text + "\n").encode())
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -10,8 +10,7 @@ import pytest
 from onnx import TensorProto
 
 import sgdfuse
-from sgdfuse.runtime import make_session, run
-from forms import SCALAR_STYLES, Builder, np_dtype, outputs_agree
+from forms import SCALAR_STYLES, Builder, outputs_agree
 
 LR, M, D, WD = 0.01, 0.9, 0.25, 1e-3
 

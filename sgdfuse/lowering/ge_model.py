@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import stat
-import tempfile
+
+from sgdfuse.output import OutputBatch, write_bytes
 
 from sgdfuse.contract import ProductLine
-from sgdfuse.errors import OutputWriteError
 from sgdfuse.lowering.atc_json import message_to_json
 from sgdfuse.lowering.state import StateVariable
 
@@ -72,17 +71,17 @@ class GEModel:
         the same model always gives the same bytes)."""
         return self.model.SerializeToString(deterministic=True)
 
-    def save_air(self, path: str | os.PathLike) -> None:
+    def save_air(self, path: str | os.PathLike, *, batch: OutputBatch | None = None) -> None:
         """Write the step ``ModelDef`` to ``path`` atomically (temporary file, then ``os.replace``).
 
         Raises:
             OutputWriteError: the directory is missing or not writable; nothing is left at ``path``.
         """
-        write_atomically(path, self.to_bytes())
+        (batch.stage if batch is not None else write_atomically)(path, self.to_bytes())
 
-    def save_init_air(self, path: str | os.PathLike) -> None:
+    def save_init_air(self, path: str | os.PathLike, *, batch: OutputBatch | None = None) -> None:
         """Write the init ``ModelDef`` to ``path`` atomically."""
-        write_atomically(path, self.init_model.SerializeToString(deterministic=True))
+        (batch.stage if batch is not None else write_atomically)(path, self.init_model.SerializeToString(deterministic=True))
 
     def to_json(self, *, init: bool = False) -> str:
         """The step (or init) ``ModelDef`` as JSON in the layout of ``atc --mode=1``
@@ -96,41 +95,11 @@ class GEModel:
         return GEModelRunner(self)
 
 
-def _mode_for(path: str) -> int:
-    # An existing file keeps its mode; a new one gets what open() would give it under the current umask.
-    try:
-        return stat.S_IMODE(os.stat(path).st_mode)
-    except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
 def write_atomically(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and ``os.replace``.
+    """Write ``data`` to ``path`` whole or not at all (:func:`sgdfuse.output.write_bytes`).
 
     Raises:
-        OutputWriteError: the directory does not exist or the write failed; nothing is left at ``path``
-            (an existing file there is untouched).
+        OutputWriteError: the destination cannot be written; nothing is left at ``path``.
     """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise OutputWriteError(path, f"directory {directory} does not exist")
-    try:
-        descriptor, temporary = tempfile.mkstemp(prefix=".sgdfuse-", suffix=".tmp", dir=directory)
-    except OSError as error:
-        raise OutputWriteError(path, f"cannot write in {directory}: {error.strerror or error}") from error
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temporary, _mode_for(path))  # mkstemp creates 0600; give the file a normal mode
-        os.replace(temporary, path)
-    except OSError as error:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise OutputWriteError(path, f"write failed: {error.strerror or error}") from error
+    write_bytes(path, data)
+

@@ -31,7 +31,7 @@ import onnx
 import sgdfuse
 from sgdfuse.contract import product_line_for_soc
 from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, is_sgd_node
-from sgdfuse.lowering.ge_model import write_atomically
+from sgdfuse.output import OutputBatch
 from sgdfuse.lowering.lower import fused_model
 from sgdfuse.lowering.soc import check_product_line
 from sgdfuse.passes.index import build_index
@@ -92,8 +92,10 @@ def write_onnx_atc(model: str | os.PathLike | onnx.ModelProto, path: str | os.Pa
     """
     prepared = to_onnx_atc(model, soc=soc)
     plugin = plugin_path_for(path)
-    write_atomically(path, prepared.SerializeToString())
-    write_atomically(plugin, plugin_source().encode())
+    with OutputBatch() as batch:  # the model and its plugin source together or not at all
+        batch.stage(path, prepared.SerializeToString())
+        batch.stage(plugin, plugin_source().encode())
+        batch.commit()
     return Path(path), plugin
 
 

@@ -86,12 +86,11 @@ def load_mindir(source: str | os.PathLike | bytes) -> tuple[Any, str]:
     return model, name
 
 
-def save_mindir(model: Any, path: str | os.PathLike) -> None:
-    """Write ``model`` atomically (temporary file in the same directory, then rename); see
-    :func:`sgdfuse.api.save_model`, whose pattern (and errors) this shares."""
-    from sgdfuse.api import save_model
+def save_mindir(model: Any, path: str | os.PathLike, *, batch: Any = None) -> None:
+    """Write ``model`` whole or not at all (:mod:`sgdfuse.output`); with ``batch``, staged there."""
+    from sgdfuse.output import write_bytes
 
-    save_model(model, path)
+    (batch.stage if batch is not None else write_bytes)(path, model.SerializeToString())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -954,9 +953,9 @@ class MindIRResult:
     model: Any
     report: Report
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write :attr:`model` atomically to ``path``."""
-        save_mindir(self.model, path)
+    def save(self, path: str | os.PathLike, *, batch: Any = None) -> None:
+        """Write :attr:`model` whole or not at all to ``path`` (staged in ``batch`` when given)."""
+        save_mindir(self.model, path, batch=batch)
 
     @staticmethod
     def default_output(source: str | os.PathLike) -> str:

@@ -16,7 +16,6 @@ import logging
 import re
 from collections.abc import Sequence
 
-import ml_dtypes
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
