@@ -10,6 +10,16 @@ of mint's ``step_t == 0`` Switch already live in separate kernel graphs; no patt
 the condition and the parameter update at once. A FULL_GRAPH pass runs in the frontend (after
 ``cse_after_recomputation``, before ``auto_monad_reorder``) on the whole FuncGraph, branches included.
 
+What the pass does (details and measurements in ``sgdfuse_pass.cc``):
+
+1. rewrites each update -- in the top graph, or in the update graphs MindSpore shares between parameters of
+   one shape once a model has many parameters -- into ``SGD(w, g, lr, buf, m, stat, U)`` with
+   ``stat = BroadcastTo(Cast(step_t == 0))`` and mint's weight decay folded into the op's attribute;
+2. inlines the shared graphs at their call sites (they are straight-line code now);
+3. on CPU, moves each run of consecutive fused updates into one ``no_inline`` subgraph called once:
+   MindSpore's CPU runtime runs backward kernels several times slower in a kernel graph that also writes
+   its weights in place, which would otherwise cost more than the fusion saves.
+
 The pass reports every candidate it fused or refused as JSON lines in ``$SGDFUSE_MINDSPORE_REPORT``;
 :meth:`Registration.report` turns them into the same :class:`~sgdfuse.report.Report` the ONNX side uses.
 """
