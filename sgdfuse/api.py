@@ -295,7 +295,7 @@ def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, s
             report.added_state.append(
                 {"name": plan.gradient_input, "what": f"Neg({plan.match.gradient}): maximize feeds the negated gradient", "initial": "-"}
             )
-    report.refused = [Refusal(m.candidate, m.reason, m.detail, m.equation, m.nearest, m.differing) for m in misses]
+    report.refused = [Refusal(m.candidate, m.reason, m.detail, str(m.equation), m.nearest, m.differing) for m in misses]
     return report, plans, index, base
 
 
@@ -347,8 +347,8 @@ def _fused_entry(plan, index) -> FusedUpdate:
         stat=plan.stat,
         dtype=dtype_name(match.dtype),
         shape=[d for d in match.shape] if match.shape is not None else [],
-        parameter_equation=match.parameter_equation,
-        accum_equation=match.accum_equation,
+        parameter_equation=str(match.parameter_equation),
+        accum_equation=str(match.accum_equation),
         matched_nodes=len(match.nodes),
         source="pattern" if match.first_step is None else "pattern with first-step Where",
     )

@@ -36,6 +36,9 @@ __all__ = ["OPERATIONS", "UpdateCheck", "ModelCheck", "verify_plans", "check_mod
 
 logger = logging.getLogger(__name__)
 
+BATCH_UPDATES = 100
+"""Updates checked per onnxruntime session pair (see :func:`verify_plans`)."""
+
 OPERATIONS = 8
 """Upper bound on the roundings either side performs for one output element (the contract: grad, accum·m,
 +grad, (1-stat), ·d, -, ·lr (·m, +grad for Nesterov), and the final cast)."""
@@ -178,25 +181,41 @@ def verify_plans(
     *,
     steps: int = 3,
     seed: int = 0,
+    shared: dict[str, onnx.TensorProto] | None = None,
 ) -> list[UpdateCheck]:
     """Run the original and the fused slices of ``plans`` for ``steps`` lockstep steps; one result per
     plan, in order. Exceptions from onnxruntime on the batch fall back to one plan at a time, and a plan
-    that still fails to run is reported as not passed with the error."""
+    that still fails to run is reported as not passed with the error.
+
+    ``shared``: the scalar initializers of every plan (plans share constants: the plan that made one owns
+    it), so that a batch can include what its plans read; computed from ``plans`` when not given.
+    """
     if not plans:
         return []
+    if shared is None:
+        shared = {t.name: t for plan in plans for t in plan.initializers}
+    if len(plans) > BATCH_UPDATES:
+        # onnxruntime's session creation grows faster than linearly with the graph: check in fixed-size
+        # batches so the whole check stays linear in the number of updates.
+        results: list[UpdateCheck] = []
+        for start in range(0, len(plans), BATCH_UPDATES):
+            results.extend(verify_plans(model, index, plans[start : start + BATCH_UPDATES], steps=steps, seed=seed + start, shared=shared))
+        return results
     try:
-        return _verify_batch(model, index, plans, steps=steps, seed=seed)
+        return _verify_batch(model, index, plans, steps=steps, seed=seed, shared=shared)
     except Exception as error:  # one bad slice must not sink the others: retry one by one
         if len(plans) == 1:
             return [UpdateCheck(plans[0].match.parameters_out, 0, False, float("nan"), float("nan"), f"could not run: {error}")]
         logger.info("batched verification failed (%s); verifying one update at a time", error)
         results = []
         for plan in plans:
-            results.extend(verify_plans(model, index, [plan], steps=steps, seed=seed))
+            results.extend(verify_plans(model, index, [plan], steps=steps, seed=seed, shared=shared))
         return results
 
 
-def _verify_batch(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan], *, steps: int, seed: int) -> list[UpdateCheck]:
+def _verify_batch(
+    model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan], *, steps: int, seed: int, shared: dict[str, onnx.TensorProto]
+) -> list[UpdateCheck]:
     from sgdfuse.fused_op import make_sgd_function, function_opset, DOMAIN, OP_VERSION
 
     from sgdfuse.passes.rewrite import _stable_topological_sort
@@ -219,7 +238,8 @@ def _verify_batch(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Pla
         anchor = max(plan.match.nodes) if plan.match.nodes else 0
         entries.extend(((anchor, 1 + j), node) for j, node in enumerate(plan.nodes))
     fused_nodes = _stable_topological_sort(entries, available=set())
-    fused_initializers = list({t.name: t for plan in plans for t in plan.initializers}.values())
+    read = {name for node in fused_nodes for name in node.input}
+    fused_initializers = [tensor for name, tensor in shared.items() if name in read]
     fused, fused_inputs = _slice_model(
         index, fused_nodes, fused_initializers, outputs, opsets, [make_sgd_function(function_opset(model))]
     )

@@ -206,7 +206,7 @@ def test_random_near_misses_never_fuse(d, perturbation, data):
     if report.fused:
         COUNTS["false_fusions"] += 1
         pytest.fail(f"false fusion of a {perturbation} near miss {d}: {report}")
-    assert any(r.candidate == "p_new" for r in report.refused), report
+    assert any(r.candidate == "p_new" for r in report.refused), str(report)
 
 
 def test_generator_ran_enough_graphs_with_no_false_or_missed_fusion():

@@ -115,6 +115,19 @@ class GraphIndex:
             self.__dict__["_input_set_cache"] = cached
         return cached
 
+    def is_input_name(self, value: str) -> bool:
+        """True when ``value`` is listed as a graph input (initializer or not)."""
+        return value in self._input_set
+
+    @property
+    def state_names(self) -> set[str]:
+        """Graph inputs and initializers: the names a state output can be the next value of."""
+        cached = self.__dict__.get("_state_names_cache")
+        if cached is None:
+            cached = self._input_set | set(self.initializers)
+            self.__dict__["_state_names_cache"] = cached
+        return cached
+
     def is_used(self, value: str) -> bool:
         """True when a node, a subgraph or a graph output reads ``value``."""
         return bool(self.consumers.get(value)) or value in self.subgraph_reads or value in self._output_set

@@ -16,6 +16,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 
+import ml_dtypes
 import numpy as np
 import onnx
 
@@ -65,6 +66,10 @@ class Poly:
         return self + (-other)
 
     def __mul__(self, other: "Poly") -> "Poly":
+        if len(self.terms) == 1 and len(other.terms) == 1:
+            ((m1, v1),), ((m2, v2),) = self.terms.items(), other.terms.items()
+            value = v1 * v2
+            return Poly({_multiply_monomials(m1, m2): value} if value != 0 else {})
         terms: dict[Monomial, float] = {}
         for m1, v1 in self.terms.items():
             for m2, v2 in other.terms.items():
@@ -82,8 +87,10 @@ class Poly:
 
     @property
     def is_constant(self) -> bool:
-        """True when no symbol appears (zero included)."""
-        return all(m == () for m in self.terms)
+        """True when no symbol appears (zero included). Terms are keyed by monomial, so a constant has at
+        most the one term ``()``."""
+        terms = self.terms
+        return not terms or (len(terms) == 1 and () in terms)
 
     @property
     def constant_value(self) -> float:
@@ -121,6 +128,10 @@ class Poly:
 
 
 def _multiply_monomials(a: Monomial, b: Monomial) -> Monomial:
+    if not a:
+        return b
+    if not b:
+        return a
     powers: dict[str, int] = dict(a)
     for symbol, power in b:
         powers[symbol] = powers.get(symbol, 0) + power
@@ -154,6 +165,7 @@ def scale_form(form: Form, factor: Poly) -> Form:
     return result
 
 
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _PASS_THROUGH = {"Identity", "Cast", "CastLike"}
 _SCALAR_SHAPE_OPS = {"Reshape", "Unsqueeze", "Squeeze", "Expand", "Flatten"}
 _FLOAT_TYPES = {
@@ -175,6 +187,8 @@ class Normaliser:
         self.index = index
         self._forms: dict[str, Form] = {}
         self._scalars: dict[str, Poly | None] = {}
+        self._plans: dict[str, tuple[str, list[tuple[str, Poly]]] | None] = {}
+        self._cones: dict[str, tuple[set[int], set[str]]] = {}
 
     # -- scalars -------------------------------------------------------------------------------------
     def scalar(self, value: str) -> Poly | None:
@@ -193,7 +207,7 @@ class Normaliser:
     def _scalar(self, value: str) -> Poly | None:
         constant = self.index.constant(value)
         if constant is not None:
-            if constant.size == 0 or constant.dtype.kind not in "fiu":
+            if constant.size == 0 or (constant.dtype.kind not in "fiu" and constant.dtype != _BFLOAT16):
                 return None
             flat = constant.astype(np.float64).reshape(-1)
             if not np.all(flat == flat[0]):
@@ -273,8 +287,15 @@ class Normaliser:
         return [] if plan is None else [name for name, _ in plan[1]]
 
     def _plan(self, value: str) -> tuple[str, list[tuple[str, Poly]]] | None:
-        """How ``value`` combines its operands: ``("sum", [(operand, factor), ...])`` or
-        ``("scale", [(operand, factor)])``; None for a leaf."""
+        """How ``value`` combines its operands: ``("sum", [(operand, factor), ...])``; None for a leaf.
+        Memoised: forms, cones and operand lists all ask."""
+        try:
+            return self._plans[value]
+        except KeyError:
+            plan = self._plans[value] = self._make_plan(value)
+            return plan
+
+    def _make_plan(self, value: str) -> tuple[str, list[tuple[str, Poly]]] | None:
         node = self.index.node(value)
         if node is None or node.domain not in ("", "ai.onnx"):
             return None
@@ -355,6 +376,9 @@ class Normaliser:
         nodes, included in the values), plus the nodes that compute scalar coefficients. A ``Where`` on
         one boolean (see :meth:`where_branches`) is entered: both branches belong to the cone, the
         condition does not."""
+        cached = self._cones.get(value)
+        if cached is not None:
+            return cached
         nodes: set[int] = set()
         values: set[str] = set()
         stack = [value]
@@ -380,6 +404,7 @@ class Normaliser:
                     stack.append(name)
                 else:
                     nodes.update(self.scalar_cone(name))
+        self._cones[value] = (nodes, values)
         return nodes, values
 
     def scalar_cone(self, value: str) -> set[int]:

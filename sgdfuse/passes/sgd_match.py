@@ -44,6 +44,31 @@ def coefficient_tolerance(dtype: int) -> float:
     return 4 * _EPS.get(dtype, 2.0**-23)
 
 
+class LazyText:
+    """Text computed when first read (``str()``): equations of every candidate tried are formatted only for
+    the few that reach a report."""
+
+    __slots__ = ("_make", "_text")
+
+    def __init__(self, make) -> None:
+        self._make = make
+        self._text: str | None = None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            self._text = self._make()
+        return self._text
+
+    def __repr__(self) -> str:
+        return repr(str(self))
+
+    def __eq__(self, other: object) -> bool:
+        return str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+
 @dataclasses.dataclass
 class Match:
     """One momentum-SGD update found in the graph, with its roles solved.
@@ -73,8 +98,8 @@ class Match:
     dtype: int
     shape: tuple | None
     nodes: set[int]
-    parameter_equation: str
-    accum_equation: str
+    parameter_equation: "str | LazyText"
+    accum_equation: "str | LazyText"
     first_step: "FirstStep | None" = None
 
 
@@ -95,11 +120,12 @@ class Miss:
     candidate: str
     reason: str
     detail: str
-    equation: str = ""
+    equation: "str | LazyText" = ""
     nearest: str = ""
     differing: str = ""
     score: int = 0
     buffer: str = ""
+    buffer_in_cone: bool = False
 
 
 REASONS = {
@@ -154,6 +180,10 @@ def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tup
     outputs = list(dict.fromkeys(index.graph_outputs))
     float_outputs = [o for o in outputs if index.spec(o).dtype in _EPS]
     canonical = {o: _skip_copies(index, o) for o in float_outputs}
+    position = {o: k for k, o in enumerate(float_outputs)}
+    outputs_by_canonical: dict[str, list[str]] = {}
+    for o in float_outputs:
+        outputs_by_canonical.setdefault(canonical[o], []).append(o)
 
     matches: list[Match] = []
     misses: list[Miss] = []
@@ -170,14 +200,17 @@ def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tup
         if not _looks_like_update(index, w, form_w):
             continue
         _, values_w = normaliser.cone(w)
-        buffers = [v for v in float_outputs if v != w and canonical[v] in values_w and canonical[v] != canonical[w]]
+        buffers = sorted(
+            (v for c in values_w for v in outputs_by_canonical.get(c, ()) if v != w and c != canonical[w]),
+            key=position.__getitem__,
+        )
         leaves_w = set(form_w)
         for leaf in sorted(leaves_w - {ONE}):
             for v in by_leaf.get(leaf, ()):
                 if v != w and v not in buffers and canonical[v] != canonical[w] and set(normaliser.form(v)) - {ONE} <= leaves_w:
                     buffers.append(v)
         if not buffers:
-            misses.append(_no_buffer_miss(index, normaliser, w, form_w, canonical))
+            misses.append(_no_buffer_miss(index, w, form_w, outputs_by_canonical))
             continue
         best: Miss | None = None
         found: Match | None = None
@@ -188,7 +221,7 @@ def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tup
                 found = result
                 break
             if best is None or result.score > best.score:
-                best = dataclasses.replace(result, buffer=v)
+                best = dataclasses.replace(result, buffer=v, buffer_in_cone=canonical[v] in values_w)
         if found is not None:
             matches.append(found)
         elif best is not None:
@@ -222,6 +255,9 @@ def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tup
         if key not in best_of_pair or miss.score > best_of_pair[key].score:
             best_of_pair[key] = miss
     misses = [miss for miss in misses if best_of_pair[frozenset((miss.candidate, miss.buffer)) if miss.buffer else frozenset((miss.candidate,))] is miss]
+    # An output that another candidate read as its buffer is reported there, not again on its own.
+    read_as_buffer = {miss.buffer for miss in misses if miss.buffer and miss.buffer_in_cone}
+    misses = [miss for miss in misses if miss.buffer or miss.candidate not in read_as_buffer]
     return accepted, misses
 
 
@@ -243,25 +279,27 @@ def _skip_copies(index: GraphIndex, value: str) -> str:
     return value
 
 
-def _no_buffer_miss(index: GraphIndex, normaliser: Normaliser, w: str, form_w: Form, canonical: dict[str, str]) -> Miss:
+def _no_buffer_miss(index: GraphIndex, w: str, form_w: Form, outputs_by_canonical: dict[str, list[str]]) -> Miss:
     # A buffer hidden behind a non-linear op (a per-element learning rate, say) is named as such.
-    outputs_by_canonical = {c: o for o, c in canonical.items()}
     for leaf in form_w:
         node = index.node(leaf)
         if node is None:
             continue
         for operand in node.input:
-            if operand and _skip_copies(index, operand) in outputs_by_canonical and outputs_by_canonical[_skip_copies(index, operand)] != w:
+            others = [o for o in outputs_by_canonical.get(_skip_copies(index, operand), ()) if o != w] if operand else []
+            if others and index.spec(operand).num_elements() != 1:
                 other = [i for i in node.input if i and i != operand]
                 return Miss(
                     w,
                     "nonlinear-term",
-                    f"{w} reads the buffer {outputs_by_canonical[_skip_copies(index, operand)]} through "
-                    f"{node.op_type} node {node.name or leaf} with {', '.join(other) or 'another operand'}, which is "
-                    "not a scalar: a per-element learning rate or other non-linear use is not momentum SGD.",
+                    f"{w} reads the buffer {others[0]} through {node.op_type} node {node.name or leaf} with "
+                    f"{', '.join(other) or 'another operand'}, which is not a scalar: a per-element learning rate "
+                    "or other non-linear use is not momentum SGD.",
                     equation=f"{w} = {format_form(form_w)}",
-                    differing=leaf,
+                    differing=f"{node.op_type}({', '.join(i for i in node.input if i)})",
                     score=1,
+                    buffer=others[0],
+                    buffer_in_cone=True,
                 )
     order = [name for name in (_previous_by_name(index, w),) if name]
     return Miss(
@@ -343,11 +381,32 @@ def _solve_pair(
     rel: float,
     selection: tuple[str, str, bool, str] | None,
 ) -> Match | Miss:
-    equation = f"{w} = {format_form(form_w)};  {v} = {format_form(form_v)}"
+    equation = LazyText(lambda: f"{w} = {format_form(form_w)};  {v} = {format_form(form_v)}")
     best = Miss(w, "extra-term", f"{w} is not a momentum-SGD update of buffer {v}.", equation=equation, score=1)
     named_buffer = _previous_by_name(index, v)
     named_parameters = _previous_by_name(index, w)
     if named_buffer is not None and named_buffer not in form_v:
+        # Tensors fed from outside with the buffer's shape and dtype: one is the gradient; a second is a buffer.
+        fed = [
+            leaf
+            for leaf in form_v
+            if leaf not in (ONE, named_parameters)
+            and index.producer.get(leaf) is None
+            and _same_shape(index.spec(leaf), index.spec(v))
+            and index.spec(leaf).dtype == index.spec(v).dtype
+        ]
+        if len(fed) >= 2:
+            # buf_a_out = 0.9*buf_b + g: computed from another buffer than the one it replaces.
+            read = fed
+            return Miss(
+                w,
+                "buffer-not-own-previous",
+                f"{w}: its buffer update {v} = {format_form(form_v)} reads {', '.join(read)}, but its name says it "
+                f"is the next value of {named_buffer}; an in-place update would overwrite {named_buffer} with a "
+                "value computed from another buffer. Rename or rewire the buffers.",
+                equation=equation,
+                score=3,
+            )
         # buf_out = g: the buffer's own previous value has coefficient 0.
         return Miss(
             w,
@@ -404,7 +463,7 @@ def _solve_roles(
     equation: str,
     selection: tuple[str, str, bool, str] | None,
 ) -> Match | Miss:
-    equation = f"{w} = {format_form(form_w, [p, a])};  {v} = {format_form(form_v, [a])}"
+    equation = LazyText(lambda: f"{w} = {format_form(form_w, [p, a])};  {v} = {format_form(form_v, [a])}")
     vp = form_v.get(p, Poly.const(0))
     # What V holds besides the buffer and parameter terms: (1-d)·s·G.
     rest_v = add_forms(add_forms(form_v, {a: m}, Poly.const(-1)), {p: vp}, Poly.const(-1))
@@ -498,6 +557,20 @@ def _solve_roles(
             # Say it with the new buffer and the gradient: W = P + c_v·V + c_g·g, beside both SGD forms.
             c_v = alpha + beta * m_inverse
             c_g = -(beta * m_inverse) * k
+            # The contract's Nesterov step is P - lr*(grad + m*V) whatever V's dampening: -c_g/s and -c_v/m are
+            # then one learning rate, and only the dampening stands in the way (the contract needs 0).
+            sign = -1.0 if (k.is_constant and k.constant_value < 0) else 1.0
+            lr_g, lr_v = c_g.scale(-sign), -(c_v * m_inverse)
+            if k.is_constant and _close(lr_g, lr_v, rel) and abs(1.0 - abs(k.constant_value)) > rel:
+                return Miss(
+                    w,
+                    "contract",
+                    f"{w} = {p} - {format_poly(lr_g)}*({g} + {format_poly(m)}*{v}) is a Nesterov step, but its buffer "
+                    f"{v} has dampening {1.0 - abs(k.constant_value):g}; the SGD operator requires dampening 0 with "
+                    "Nesterov (contract: nesterov requires dampening == 0).",
+                    equation=f"{w} = {format_form({p: Poly.const(1), v: c_v, g: c_g}, [p, v, g])};  {v} = {format_form(form_v, [a])}",
+                    score=7,
+                )
             plain_differs = f"{format_poly(c_g)}*{g}"
             nesterov_differs = f"{format_poly(c_v - (-(lr * m)))}*{v}"
             return Miss(
@@ -588,8 +661,10 @@ def _solve_roles(
         dtype=index.spec(p).dtype,
         shape=index.spec(p).shape,
         nodes=nodes_w | nodes_v,
-        parameter_equation=f"{w} = {format_form({p: Poly.const(1), v: alpha, a: beta} if nesterov else {p: Poly.const(1), v: alpha}, [p, v, a])}",
-        accum_equation=f"{v} = {format_form(form_v, [a, g, p])}",
+        parameter_equation=LazyText(
+            lambda: f"{w} = {format_form({p: Poly.const(1), v: alpha, a: beta} if nesterov else {p: Poly.const(1), v: alpha}, [p, v, a])}"
+        ),
+        accum_equation=LazyText(lambda: f"{v} = {format_form(form_v, [a, g, p])}"),
         first_step=first_step,
     )
 
@@ -663,14 +738,14 @@ def _find_gradient(index: GraphIndex, normaliser: Normaliser, v: str, rest: Form
 
 def _state_problem(index: GraphIndex, w: str, v: str, p: str, a: str) -> Miss | None:
     for role, name in (("parameters", p), ("momentum buffer", a)):
-        if name in index.initializers and name not in index.graph_inputs:
+        if name in index.initializers and not index.is_input_name(name):
             return Miss(
                 w,
                 "constant-state",
                 f"the {role} {name} is an initializer, a constant of the model, not state fed to the step "
                 "(exporters fold module buffers this way); make it a graph input to fuse.",
             )
-        if name not in index.graph_inputs:
+        if not index.is_input_name(name):
             origin = index.node(name)
             what = f"computed by {origin.op_type} node {origin.name or '(unnamed)'}" if origin is not None else "not a graph input"
             return Miss(
@@ -698,7 +773,7 @@ _STATE_PREFIXES = ("new_", "next_", "updated_", "out_")
 
 def _previous_by_name(index: GraphIndex, output: str) -> str | None:
     """The graph input whose name marks ``output`` as its next value (``buf`` for ``buf_out``), if any."""
-    inputs = set(index.graph_inputs) | set(index.initializers)
+    inputs = index.state_names
     for suffix in _STATE_SUFFIXES:
         if output.endswith(suffix) and output[: -len(suffix)] in inputs:
             return output[: -len(suffix)]
