@@ -238,6 +238,7 @@ def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, s
     """Returns (report, plans, index, base): ``base`` is the model the plans apply to (``model`` with any
     ONNX ``Momentum`` nodes already converted)."""
     report = Report(source=source, nodes_before=len(model.graph.node))
+    report.already_fused = sum(1 for n in model.graph.node if n.domain == "ai.sgdfuse")
     report.verification = Verification(enabled=verify, steps=steps if verify else 0, tolerance=_tolerance_text())
     misses: list[Miss] = []
 
@@ -252,7 +253,7 @@ def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, s
             if verify:
                 report.verification.updates.append(
                     {"parameters_out": c.parameters_out, "steps": steps, "passed": True, "max_abs_error": c.max_abs_error,
-                     "max_bound_ratio": float("nan"), "message": "original run with onnx.reference.ReferenceEvaluator"}
+                     "max_bound_ratio": None, "message": "original run with onnx.reference.ReferenceEvaluator"}
                 )
         if conversions:
             index = build_index(base)

@@ -25,7 +25,8 @@ app = typer.Typer(
     help="Fuse momentum-SGD updates in training graphs into one Ascend SGD operator, and prove it.",
     pretty_exceptions_enable=False,
 )
-_out = Console()
+# Piped output (CI logs) gets a wide console so table cells are not cut to "parame…".
+_out = Console(width=None if sys.stdout.isatty() else 160)
 _err = Console(stderr=True)
 
 
@@ -122,7 +123,7 @@ def _print_report(report: Report) -> None:
                 f"{fmt_bytes(traffic['after_bytes'])} after fusion"
                 + (f" ({traffic['unknown']} update(s) with dynamic shapes not counted)" if traffic["unknown"] else "")
             )
-    if report.verification.enabled:
+    if report.verification.enabled and report.verification.updates:
         checked = len(report.verification.updates)
         failed = sum(1 for u in report.verification.updates if not u["passed"])
         worst = max((u["max_bound_ratio"] for u in report.verification.updates), default=0.0)
@@ -131,10 +132,11 @@ def _print_report(report: Report) -> None:
             f"{checked - failed} agree within the derived bound (worst {worst:.2g} of the bound)"
             + (f", {failed} failed and were left unfused" if failed else "")
         )
-    else:
+    elif not report.verification.enabled:
         _out.print("Verification: off" + ("" if report.written else " (inspect is a dry run; add --verify to run the check)"))
     if not report.fused and not report.refused:
-        _out.print("No momentum-SGD update candidates found.")
+        already = "already fused by sgdfuse; " if report.already_fused else ""
+        _out.print(f"No momentum-SGD update candidates found ({already}nothing to do).")
 
 
 PROGRESS_NODE_THRESHOLD = 20_000
@@ -232,6 +234,11 @@ def check_command(
         )
     except ValueError as error:
         raise SgdfuseError(f"{fused}: {error}") from error
+    except SgdfuseError:
+        raise
+    except Exception as error:  # onnxruntime refuses a model it cannot run (e.g. a preview training op)
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise SgdfuseError(f"{original} / {fused}: onnxruntime cannot run the models: {first_line}") from error
     table = Table(title=f"{original.name} vs {fused.name}: {steps} chained steps")
     for column in ("output", "compared as", "max |difference|", "of bound", "agrees"):
         table.add_column(column)

@@ -132,13 +132,13 @@ def check_attributes(dampening: float, weight_decay: float, nesterov: bool, *, s
         raise AttributeContractError("dampening is a finite float", f"{subject}.dampening", f"dampening is {dampening}")
     if not (weight_decay >= 0) or not math.isfinite(weight_decay):
         raise AttributeContractError(
-            "weight_decay >= 0", f"{subject}.weight_decay", f"weight_decay is {weight_decay}, must be >= 0"
+            "weight_decay >= 0", f"{subject}.weight_decay", f"weight_decay is {weight_decay:.6g}, must be >= 0"
         )
     if nesterov and dampening != 0:
         raise AttributeContractError(
             "nesterov requires dampening == 0",
             f"{subject}.dampening",
-            f"nesterov is true but dampening is {dampening}",
+            f"nesterov is true but dampening is {dampening:.6g}",
         )
 
 

@@ -9,9 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 __all__ = ["FusedUpdate", "Refusal", "Verification", "Report"]
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None (strict JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 @dataclasses.dataclass
@@ -116,6 +128,7 @@ class Report:
         added_state: values the rewrite added that a caller may see (name, what, initial value).
         nodes_before, nodes_after: node counts of the main graph.
         written: False for ``inspect`` (a dry run).
+        already_fused: ``ai.sgdfuse::SGD`` nodes the input already had (a model optimised before).
     """
 
     source: str
@@ -126,17 +139,25 @@ class Report:
     nodes_before: int = 0
     nodes_after: int = 0
     written: bool = True
+    already_fused: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: ``fused``, ``refused``, ``verification``, ``added_state``, ``model``."""
-        return {
+        """Plain data: ``tool``, ``fused``, ``refused``, ``verification``, ``added_state``, ``model``,
+        ``memory_traffic``; non-finite floats become None so the JSON is strict."""
+        from sgdfuse import __version__
+
+        return _finite({
+            "tool": {"name": "sgdfuse", "version": __version__, "report_format": 1},
             "fused": [dataclasses.asdict(f) for f in self.fused],
             "refused": [dataclasses.asdict(r) for r in self.refused],
             "verification": {**dataclasses.asdict(self.verification), "passed": self.verification.passed},
             "added_state": list(self.added_state),
-            "model": {"source": self.source, "nodes_before": self.nodes_before, "nodes_after": self.nodes_after},
+            "model": {
+                "source": self.source, "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
+                "already_fused": self.already_fused,
+            },
             "memory_traffic": self.memory_traffic(),
-        }
+        })
 
     def memory_traffic(self) -> dict[str, Any]:
         """Estimated bytes per step moved by the fused updates before and after fusion, in total and by
@@ -157,7 +178,7 @@ class Report:
 
     def to_json(self, indent: int | None = 2) -> str:
         """The report as JSON text (keys sorted within each record for stable diffs)."""
-        return json.dumps(self.to_dict(), indent=indent, sort_keys=False, default=str)
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False, default=str, allow_nan=False)
 
     def __str__(self) -> str:
         lines = [f"{self.source}: {len(self.fused)} fused, {len(self.refused)} refused"]

@@ -67,3 +67,41 @@ def test_bfloat16_constants_are_scalars_and_native_bfloat16_updates_fuse():
     report = sgdfuse.inspect(b.model(["p_out", "buf_out"]))
     assert [(f.parameters, f.accum) for f in report.fused] == [("p", "buf")], report
     assert report.fused[0].momentum == float(np.float32(np.array(0.9, np.float32).astype("bfloat16")))
+
+
+def test_rank_nine_parameters_are_refused_by_the_contract_before_lowering():
+    b = Builder(shape=[2] + [1] * 8)
+    p, g, buf = b.tensor_input("p"), b.tensor_input("g"), b.tensor_input("buf")
+    b.add(b.mul(buf, b.scalar(0.9)), g, out="buf_out")
+    b.sub(p, b.mul("buf_out", b.scalar(0.1)), out="p_out")
+    (refusal,) = _refusals(b.model(["p_out", "buf_out"]))
+    assert refusal.reason == "contract" and "rank 1..8" in refusal.detail
+
+
+def test_report_json_is_strict_and_names_the_tool():
+    import json
+
+    from onnx.backend.test.case.node import collect_testcases
+
+    # A converted ONNX Momentum node has no bound ratio (its original runs in the reference evaluator).
+    model = next(c.model for c in collect_testcases("Momentum") if c.name == "test_momentum")
+    text = sgdfuse.optimize(model).report.to_json()
+    data = json.loads(text, parse_constant=lambda name: (_ for _ in ()).throw(ValueError(name)))
+    assert data["tool"]["name"] == "sgdfuse" and data["fused"]
+
+
+def test_check_on_a_model_onnxruntime_cannot_run_is_one_error_line(tmp_path):
+    import subprocess
+    import sys
+
+    import onnx
+    from onnx.backend.test.case.node import collect_testcases
+
+    model = next(c.model for c in collect_testcases("Momentum") if c.name == "test_momentum")
+    onnx.save(model, tmp_path / "momentum.onnx")
+    sgdfuse.optimize(model).save(tmp_path / "fused.onnx")
+    done = subprocess.run(
+        [sys.executable, "-m", "sgdfuse.cli", "check", tmp_path / "momentum.onnx", tmp_path / "fused.onnx"], capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith("error:") and "onnxruntime cannot run" in done.stderr and "Traceback" not in done.stderr

@@ -798,6 +798,14 @@ def _typing_problem(
                 "keeps parameters, gradient and buffer in one dtype"
                 + (" (a buffer or gradient kept in higher precision cannot be fused without changing it)." if both_float else "."),
             )
+    shape = specs[p].shape
+    if shape is not None and (not 1 <= len(shape) <= 8 or any(d == 0 for d in shape)):
+        return Miss(
+            w,
+            "contract",
+            f"parameters {p} have shape {list(shape)}; the SGD operator takes rank 1..8 and no empty tensor "
+            "(contract: parameters rank is 1..8, not empty).",
+        )
     for name, spec in specs.items():
         if not _same_shape(spec, specs[p]) or spec.shape is None and specs[p].shape is not None:
             return Miss(
