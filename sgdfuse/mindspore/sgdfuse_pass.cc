@@ -833,22 +833,7 @@ class Rewriter {
 
     // Detach the call from every UpdateState that carried it (the buffer write now happens in SGD, which
     // takes the parameter update's place in the chain).
-    auto users = manager_->node_users()[p.call];  // copy: edited below
-    for (auto &use : users) {
-      auto us = AsCNode(use.first);
-      if (!IsPrim(us, "UpdateState")) continue;
-      if (us->size() == 3) {
-        manager_->Replace(us, us->input(1));
-      } else {
-        std::vector<AnfNodePtr> inputs;
-        for (size_t i = 0; i < us->size(); ++i) {
-          if (static_cast<int>(i) != use.second) inputs.push_back(us->input(i));
-        }
-        auto replacement = fg->NewCNode(inputs);
-        replacement->set_abstract(us->abstract());
-        manager_->Replace(us, replacement);
-      }
-    }
+    DetachFromUpdateStates(p.call);
 
     auto prim = std::make_shared<mindspore::Primitive>("SGD");
     prim->AddAttr("dampening", mindspore::MakeValue(static_cast<float>(p.dampening)));
@@ -892,9 +877,6 @@ class Rewriter {
     }
   }
 
- public:
-
- private:
   FuncGraphManagerPtr manager_;
   std::map<std::pair<const mindspore::AnfNode *, int>, AnfNodePtr> casts_;
 };
