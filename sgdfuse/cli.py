@@ -16,6 +16,7 @@ from sgdfuse import api
 from sgdfuse.errors import SgdfuseError
 from sgdfuse.output import OutputBatch, resolve_destination, write_bytes
 from sgdfuse.report import Report
+from sgdfuse.runtime import ONNXRUNTIME_ERRORS
 
 __all__ = ["app", "main"]
 
@@ -128,7 +129,7 @@ def _print_report(report: Report) -> None:
         failed = sum(1 for u in report.verification.updates if not u["passed"])
         worst = max((u["max_bound_ratio"] for u in report.verification.updates), default=0.0)
         _out.print(
-            f"Verification: {checked} update(s) run in onnxruntime for {report.verification.steps} chained steps; "
+            f"Verification: {checked} update(s) run in {report.verification.runner} for {report.verification.steps} chained steps; "
             f"{checked - failed} agree within the derived bound (worst {worst:.2g} of the bound)"
             + (f", {failed} failed and were left unfused" if failed else "")
         )
@@ -236,7 +237,7 @@ def check_command(
         raise SgdfuseError(f"{fused}: {error}") from error
     except SgdfuseError:
         raise
-    except Exception as error:  # onnxruntime refuses a model it cannot run (e.g. a preview training op)
+    except ONNXRUNTIME_ERRORS as error:  # onnxruntime refuses a model it cannot run (e.g. a preview training op)
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise SgdfuseError(f"{original} / {fused}: onnxruntime cannot run the models: {first_line}") from error
     table = Table(title=f"{original.name} vs {fused.name}: {steps} chained steps")
@@ -270,31 +271,67 @@ def lower_command(
         "onnx-atc: ONNX for ATC's own parser (SGD as ai.sgdfuse::1::SGD) and the op plugin source beside it.",
     ),
 ) -> None:
-    """Lower MODEL to the Ascend Graph Engine for one SoC (GE IR .air, or ONNX prepared for ATC)."""
+    """Lower MODEL to the Ascend Graph Engine for one SoC (GE IR .air, or ONNX prepared for ATC).
+
+    An unfused MODEL is optimised first (with verification); one line says what fused, what was refused and
+    why, and whether verification ran, and a warning says so when no update fused at all.
+    """
+    from collections import Counter
+
     from sgdfuse import lowering
+    from sgdfuse.fused_op import is_sgd_node
     from sgdfuse.lowering import onnx_atc
+    from sgdfuse.lowering.lower import prepare
 
     if output_format not in ("air", "onnx-atc"):
         raise typer.BadParameter(f"{output_format!r} is not one of 'air', 'onnx-atc'", param_hint="--format")
     if output_format == "onnx-atc" and json_path is not None:
         raise typer.BadParameter("--json describes a GE graph; use it with --format air", param_hint="--json")
+    contract.product_line_for_soc(soc)  # an unknown SoC fails before the work, not after it
     stem = model.name[: -len(".onnx")] if model.name.endswith(".onnx") else model.name
     if output_format == "onnx-atc":
         destination = output or model.with_name(stem + ".atc.onnx")
-        for path in (destination, onnx_atc.plugin_path_for(destination)):
+        destinations = [destination, onnx_atc.plugin_path_for(destination)]
+    else:
+        destination = output or model.with_name(stem + ".air")
+        init_destination = destination.with_name(
+            (destination.name[: -len(".air")] if destination.name.endswith(".air") else destination.name) + ".init.air"
+        )
+        destinations = [destination, init_destination, json_path]
+    for path in destinations:
+        if path is not None:
             resolve_destination(path)
-        written, plugin = onnx_atc.write_onnx_atc(model, destination, soc=soc)
+
+    fused, report = prepare(model)
+    if report is not None:
+        reasons = Counter(r.reason for r in report.refused)
+        refused = f"{len(report.refused)} refused" + (
+            " (" + ", ".join(f"{count} {reason}" for reason, count in sorted(reasons.items())) + ")" if reasons else ""
+        )
+        checks = report.verification
+        if checks.enabled:
+            failed = sum(1 for u in checks.updates if not u["passed"])
+            verified = f"verification ran ({len(checks.updates)} update(s), {checks.steps} chained steps in onnxruntime, {failed} failed)"
+        else:
+            verified = "verification did not run"
+        _out.print(
+            f"{model.name} had no ai.sgdfuse::SGD node, so it was optimised first: {len(report.fused)} update(s) fused, "
+            f"{refused}; {verified}",
+            markup=False, highlight=False, soft_wrap=True,
+        )
+    if not any(is_sgd_node(node) for node in fused.graph.node):
+        _err.print(
+            f"warning: {model.name} has no momentum-SGD update to lower (no ai.sgdfuse::SGD node after optimising); "
+            f"the output has no SGD op. `sgdfuse inspect {model}` shows why candidates were refused.",
+            markup=False, highlight=False, soft_wrap=True,
+        )
+
+    if output_format == "onnx-atc":
+        written, plugin = onnx_atc.write_onnx_atc(fused, destination, soc=soc, optimise=False)
         _out.print(f"Wrote {written} (SGD nodes as {onnx_atc.ATC_OP_KEY}, standard nodes in domain ai.onnx)")
         _out.print(f"Wrote {plugin} (ATC op plugin source mapping {onnx_atc.ATC_OP_KEY} to GE SGD)")
         return
-    destination = output or model.with_name(stem + ".air")
-    init_destination = destination.with_name(
-        (destination.name[: -len(".air")] if destination.name.endswith(".air") else destination.name) + ".init.air"
-    )
-    for path in (destination, init_destination, json_path):
-        if path is not None:
-            resolve_destination(path)
-    lowered = lowering.lower(model, soc=soc)
+    lowered = lowering.lower(fused, soc=soc, optimise=False)
     with OutputBatch() as batch:  # step graph, init graph and JSON together or not at all
         lowered.save_air(destination, batch=batch)
         lowered.save_init_air(init_destination, batch=batch)

@@ -102,12 +102,14 @@ class Verification:
         enabled: False with ``verify=False`` (nothing was checked).
         steps: chained steps per update.
         tolerance: how the per-element bound is derived (text).
+        runner: what ran the original and the rewritten graph (``"onnxruntime"``, or MindSpore for MindIR).
         updates: per update: ``{"parameters_out", "passed", "max_abs_error", "max_bound_ratio", "message"}``.
     """
 
     enabled: bool
     steps: int = 0
     tolerance: str = ""
+    runner: str = "onnxruntime"
     updates: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
@@ -199,5 +201,5 @@ class Report:
                 lines.append(f"      differs: {r.differing}")
         if self.verification.enabled:
             state = "passed" if self.verification.passed else "FAILED for some updates"
-            lines.append(f"  verification: {self.verification.steps} chained steps in onnxruntime, {state}")
+            lines.append(f"  verification: {self.verification.steps} chained steps in {self.verification.runner}, {state}")
         return "\n".join(lines)

@@ -17,9 +17,20 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-__all__ = ["make_session", "run", "onnx_to_numpy_dtype", "numpy_to_onnx_dtype"]
+__all__ = ["make_session", "run", "onnx_to_numpy_dtype", "numpy_to_onnx_dtype", "ONNXRUNTIME_ERRORS"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+
+from onnxruntime.capi import onnxruntime_pybind11_state as _state  # noqa: E402
+
+ONNXRUNTIME_ERRORS: tuple[type[Exception], ...] = tuple(
+    getattr(_state, name)
+    for name in ("Fail", "InvalidArgument", "NoSuchFile", "NoModel", "EngineError", "RuntimeException", "InvalidProtobuf",
+                 "ModelLoaded", "NotImplemented", "InvalidGraph", "EPFail")
+    if isinstance(getattr(_state, name, None), type)
+)
+"""The exception types onnxruntime raises when it refuses or fails to run a model (they derive from
+``Exception`` directly, not ``RuntimeError``)."""
 _ONNX_BF16 = onnx.TensorProto.BFLOAT16
 
 

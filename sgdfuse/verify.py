@@ -29,7 +29,7 @@ import onnx
 from onnx import helper
 
 from sgdfuse.passes.index import GraphIndex
-from sgdfuse.passes.rewrite import Plan
+from sgdfuse.passes.rewrite import Plan, _reads
 from sgdfuse.runtime import make_session, onnx_to_numpy_dtype, run
 
 __all__ = ["OPERATIONS", "UpdateCheck", "ModelCheck", "verify_plans", "check_models", "error_bound", "error_bound_values", "unit_roundoff"]
@@ -127,7 +127,7 @@ def _slice_model(
     needed_initializers: list[onnx.TensorProto] = list(initializers)
     inputs: list[str] = []
     for node in nodes:
-        for name in node.input:
+        for name in _reads(node):  # subgraph bodies read outer values too
             if not name or name in produced or name in own or name in inputs:
                 continue
             tensor = index.initializers.get(name)

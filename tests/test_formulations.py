@@ -314,3 +314,38 @@ def test_first_step_with_other_rule_is_refused():
     assert not result.report.fused
     assert result.report.refused[0].reason == "first-step-unsupported"
     assert "step" in result.report.refused[0].detail or "equal" in result.report.refused[0].detail.lower()
+
+
+def _if_first_step_model(first_branch: str):
+    from onnx import helper
+
+    b = Builder()
+    p, g, buf = _state(b)
+    step = b.scalar_input("step", dtype=TensorProto.INT64)
+    is_first = b.op("Equal", step, b._int64(0))
+    m, omd = b.scalar(M), b.scalar(1 - D)
+    shape = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [3, 2]) for name in ("buf_first", "buf_later")]
+    if first_branch == "grad":
+        then_nodes = [helper.make_node("Identity", [g], ["buf_first"])]
+    else:
+        then_nodes = [helper.make_node("Mul", [buf, m], ["then_mb"]), helper.make_node("Add", ["then_mb", g], ["buf_first"])]
+    else_nodes = [
+        helper.make_node("Mul", [buf, m], ["else_mb"]),
+        helper.make_node("Mul", [g, omd], ["else_g"]),
+        helper.make_node("Add", ["else_mb", "else_g"], ["buf_later"]),
+    ]
+    b.nodes.append(
+        helper.make_node(
+            "If", [is_first], ["buf_new"],
+            then_branch=helper.make_graph(then_nodes, "first", [], [shape[0]]),
+            else_branch=helper.make_graph(else_nodes, "later", [], [shape[1]]),
+        )
+    )
+    b.sub(p, b.mul(b.scalar(LR), "buf_new"), out="p_new")
+    return b.model(["p_new", "buf_new"])
+
+
+@pytest.mark.parametrize("first_branch", ["grad", "momentum_plus_grad"])
+def test_first_step_as_an_if_on_the_step_counter_fuses(first_branch):
+    result = _fuses_as(_if_first_step_model(first_branch), dampening=D)
+    assert "If" not in [n.op_type for n in result.model.graph.node]

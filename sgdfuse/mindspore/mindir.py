@@ -899,7 +899,10 @@ def optimize_mindir(
     fused_records = [record for p in plans for record in _records(p)]
     report = report_from_records(fused_records + records, source=name)
     report.nodes_before, report.nodes_after = _count_nodes(original), _count_nodes(model)
-    report.verification = Verification(enabled=verify and bool(plans), steps=steps if verify and plans else 0, tolerance=TOLERANCE)
+    report.verification = Verification(
+        enabled=verify and bool(plans), steps=steps if verify and plans else 0, tolerance=TOLERANCE,
+        runner="MindSpore (mindspore.load + nn.GraphCell)",
+    )
     if verify and plans:
         from sgdfuse.mindspore.check import check_mindir
 

@@ -216,7 +216,19 @@ def _inferred_value_infos(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     except Exception as error:  # inference is advisory; the matcher treats unknown shapes as unproven
         logger.warning("shape inference failed, continuing with declared shapes only: %s", error)
         return []
-    return list(inferred.graph.value_info)
+    infos = list(inferred.graph.value_info)
+    # Value names are unique across scopes (SSA), so the types inferred inside If/Loop bodies join the
+    # same table: the matcher reads If branches that select a first step.
+    stack = [inferred.graph]
+    while stack:
+        graph = stack.pop()
+        for node in graph.node:
+            for attribute in node.attribute:
+                for sub in _subgraphs(attribute):
+                    infos.extend(sub.value_info)
+                    infos.extend(sub.output)
+                    stack.append(sub)
+    return infos
 
 
 def _strip_data(tensor: onnx.TensorProto) -> None:

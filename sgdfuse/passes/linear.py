@@ -370,6 +370,30 @@ class Normaliser:
             return None
         return condition, if_true, if_false
 
+    def if_branches(self, value: str) -> tuple[str, Form, Form, list[str]] | None:
+        """``(condition, then_form, else_form, outer_reads)`` when ``value`` is the one output of an ``If`` on
+        one boolean whose branches compute it elementwise from outer values; else None. The branch forms are
+        over the outer graph's leaves (through :class:`_BranchNormaliser`)."""
+        node = self.index.node(value)
+        if node is None or node.op_type != "If" or node.domain not in ("", "ai.onnx") or len(node.output) != 1:
+            return None
+        spec = self.index.spec(node.input[0])
+        if spec.dtype != onnx.TensorProto.BOOL or spec.num_elements() != 1:
+            return None
+        branches = {a.name: a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH}
+        if set(branches) != {"then_branch", "else_branch"}:
+            return None
+        forms = []
+        for key in ("then_branch", "else_branch"):
+            graph = branches[key]
+            if len(graph.output) != 1 or graph.input:
+                return None
+            forms.append(_BranchNormaliser(self, graph).form(graph.output[0].name))
+        from sgdfuse.passes.index import _outer_reads
+
+        reads = sorted(_outer_reads(branches["then_branch"]) | _outer_reads(branches["else_branch"]))
+        return node.input[0], forms[0], forms[1], reads
+
     # -- cones ---------------------------------------------------------------------------------------
     def cone(self, value: str) -> tuple[set[int], set[str]]:
         """Node indices and value names the form of ``value`` was read through (leaves excluded from the
@@ -393,6 +417,11 @@ class Normaliser:
                 if branches is not None:
                     nodes.add(self.index.producer[current])
                     stack.extend(branches[1:])
+                else:
+                    selected = self.if_branches(current)
+                    if selected is not None:
+                        nodes.add(self.index.producer[current])
+                        stack.extend(name for name in selected[3] if name != selected[0])
                 continue
             node_index = self.index.producer[current]
             nodes.add(node_index)
@@ -426,6 +455,37 @@ class Normaliser:
             nodes.add(node_index)
             stack.extend(i for i in self.index.graph.node[node_index].input if i)
         return nodes
+
+
+class _BranchNormaliser(Normaliser):
+    """Forms inside one ``If`` branch: the branch's own nodes are looked through; every outer value (read from
+    the enclosing graph) takes its form and scalar value from the outer normaliser."""
+
+    def __init__(self, outer: Normaliser, graph: onnx.GraphProto) -> None:
+        from sgdfuse.passes.index import GraphIndex
+
+        producer = {name: k for k, node in enumerate(graph.node) for name in node.output if name}
+        index = GraphIndex(
+            graph=graph,
+            producer=producer,
+            consumers={},
+            initializers={**outer.index.initializers, **{t.name: t for t in graph.initializer}},
+            graph_inputs=[],
+            graph_outputs=[o.name for o in graph.output],
+            specs=outer.index.specs,
+            subgraph_reads=set(),
+        )
+        super().__init__(index)
+        self.outer = outer
+
+    def _is_outer(self, value: str) -> bool:
+        return value not in self.index.producer and value not in {t.name for t in self.index.graph.initializer}
+
+    def scalar(self, value: str) -> Poly | None:
+        return self.outer.scalar(value) if self._is_outer(value) else super().scalar(value)
+
+    def _form_from_operands(self, value: str) -> Form:
+        return self.outer.form(value) if self._is_outer(value) else super()._form_from_operands(value)
 
 
 def format_poly(poly: Poly, precision: int = 6) -> str:

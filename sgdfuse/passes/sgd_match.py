@@ -346,23 +346,28 @@ def _solve(index: GraphIndex, normaliser: Normaliser, w: str, v: str, v_source: 
     rel = coefficient_tolerance(dtype)
     form_w = normaliser.form(w)
     source_node = index.node(v_source)
-    if source_node is not None and source_node.op_type in ("If", "Loop", "Scan"):
-        return Miss(
-            w,
-            "first-step-unsupported",
-            f"the buffer {v} comes out of {source_node.op_type} node {source_node.name or v_source}; a first-step "
-            "rule is fused when written as Where(condition, first_step, later_steps) on one boolean.",
-            score=2,
-        )
     branches = normaliser.where_branches(v_source)
-    if branches is None:
-        return _solve_pair(index, normaliser, w, v, form_w, normaliser.form(v), rel, None)
-    condition, if_true, if_false = branches
+    if branches is not None:
+        condition, if_true, if_false = branches
+        form_true, form_false = normaliser.form(if_true), normaliser.form(if_false)
+    else:
+        selected = normaliser.if_branches(v_source)
+        if selected is None:
+            if source_node is not None and source_node.op_type in ("If", "Loop", "Scan"):
+                return Miss(
+                    w,
+                    "first-step-unsupported",
+                    f"the buffer {v} comes out of {source_node.op_type} node {source_node.name or v_source}; a "
+                    "first-step rule is fused when written as Where(condition, first, later) or as an If on one "
+                    "boolean whose branches compute the buffer elementwise.",
+                    score=2,
+                )
+            return _solve_pair(index, normaliser, w, v, form_w, normaliser.form(v), rel, None)
+        condition, form_true, form_false, _ = selected
     best: Miss | None = None
     # Either branch may be the later steps; the other must be the contract's first step.
-    for later, first, when_true in ((if_false, if_true, True), (if_true, if_false, False)):
-        form_v = normaliser.form(later)
-        result = _solve_pair(index, normaliser, w, v, _substitute(form_w, v_source, form_v), form_v, rel, (condition, first, when_true, v_source))
+    for form_v, form_first, when_true in ((form_false, form_true, True), (form_true, form_false, False)):
+        result = _solve_pair(index, normaliser, w, v, _substitute(form_w, v_source, form_v), form_v, rel, (condition, form_first, when_true, v_source))
         if isinstance(result, Match):
             return result
         if best is None or result.score > best.score:
@@ -379,7 +384,7 @@ def _solve_pair(
     form_w: Form,
     form_v: Form,
     rel: float,
-    selection: tuple[str, str, bool, str] | None,
+    selection: tuple[str, Form, bool, str] | None,
 ) -> Match | Miss:
     equation = LazyText(lambda: f"{w} = {format_form(form_w)};  {v} = {format_form(form_v)}")
     best = Miss(w, "extra-term", f"{w} is not a momentum-SGD update of buffer {v}.", equation=equation, score=1)
@@ -461,7 +466,7 @@ def _solve_roles(
     m: Poly,
     rel: float,
     equation: str,
-    selection: tuple[str, str, bool, str] | None,
+    selection: tuple[str, Form, bool, str] | None,
 ) -> Match | Miss:
     equation = LazyText(lambda: f"{w} = {format_form(form_w, [p, a])};  {v} = {format_form(form_v, [a])}")
     vp = form_v.get(p, Poly.const(0))
@@ -615,9 +620,8 @@ def _solve_roles(
         return Miss(w, "contract", str(error), equation=equation, score=7)
     first_step = None
     if selection is not None:
-        condition, first_branch, when_true, _ = selection
+        condition, form_first, when_true, _ = selection
         grad_eff = scale_form(add_forms(form_v, {a: m}, Poly.const(-1)), Poly.const(1.0 / one_minus_d))
-        form_first = normaliser.form(first_branch)
         if not _differing_terms(form_first, grad_eff, rel):
             first_step = FirstStep(condition, when_true, zero_accum=True)
         elif not _differing_terms(form_first, add_forms(grad_eff, {a: m}), rel):
