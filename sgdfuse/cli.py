@@ -311,7 +311,7 @@ def lower_command(
         checks = report.verification
         if checks.enabled:
             failed = sum(1 for u in checks.updates if not u["passed"])
-            verified = f"verification ran ({len(checks.updates)} update(s), {checks.steps} chained steps in onnxruntime, {failed} failed)"
+            verified = f"verification ran ({len(checks.updates)} update(s), {checks.steps} chained steps in {checks.runner}, {failed} failed)"
         else:
             verified = "verification did not run"
         _out.print(

@@ -80,6 +80,49 @@ def test_unknown_format_is_a_usage_error(capsys):
     assert code == 2 and "--format" in stderr
 
 
+def test_an_unfused_model_gets_one_summary_line_of_what_fused_what_was_refused_and_the_check(tmp_path, capsys):
+    # Two updates: one fuses, one with a runtime dampening is refused (the contract needs it as an attribute).
+    from forms import Builder
+
+    b = Builder()
+    p, g, buf, d = b.tensor_input("p"), b.tensor_input("g"), b.tensor_input("buf"), b.scalar_input("d")
+    b.add(b.mul(buf, b.scalar(0.9)), b.mul(g, b.sub(b.scalar(1.0), d)), out="buf_out")
+    b.sub(p, b.mul(b.scalar(0.1), "buf_out"), out="p_out")
+    q, gq, bufq = b.tensor_input("q"), b.tensor_input("gq"), b.tensor_input("bufq")
+    b.add(b.mul(bufq, b.scalar(0.9)), gq, out="bufq_out")
+    b.sub(q, b.mul(b.scalar(0.1), "bufq_out"), out="q_out")
+    model = tmp_path / "two.onnx"
+    onnx.save(b.model(["p_out", "buf_out", "q_out", "bufq_out"]), model)
+    code, stdout, stderr = _lower(model, "--soc", "Ascend910B2", capsys=capsys)
+    assert code == 0 and not stderr
+    [line] = [line for line in stdout.splitlines() if "optimised first" in line]
+    assert "two.onnx had no ai.sgdfuse::SGD node" in line
+    assert "1 update(s) fused, 1 refused (1 runtime-hyperparameter)" in line
+    assert "verification ran (1 update(s), 3 chained steps in onnxruntime, 0 failed)" in line
+
+
+def test_a_fused_model_is_lowered_without_an_optimisation_line(tmp_path, capsys):
+    model = tmp_path / "fused.onnx"
+    onnx.save(sgd_model(), model)
+    code, stdout, stderr = _lower(model, "--soc", "Ascend910B2", capsys=capsys)
+    assert code == 0 and "optimised first" not in stdout and not stderr
+
+
+@pytest.mark.parametrize("output_format", ["air", "onnx-atc"])
+def test_a_model_with_nothing_to_fuse_is_lowered_with_a_warning_line(tmp_path, capsys, output_format):
+    from forms import Builder
+
+    b = Builder()
+    b.add(b.tensor_input("x"), b.tensor_input("y"), out="z")
+    model = tmp_path / "plain.onnx"
+    onnx.save(b.model(["z"]), model)
+    code, stdout, stderr = _lower(model, "--soc", "Ascend910B2", "--format", output_format, capsys=capsys)
+    assert code == 0
+    assert "so it was optimised first: 0 update(s) fused" in stdout
+    [warning] = stderr.splitlines()
+    assert warning.startswith("warning: plain.onnx has no momentum-SGD update to lower") and "sgdfuse inspect" in warning
+
+
 def test_console_script_runs(tmp_path):
     script = Path(sys.executable).with_name("sgdfuse")
     executable = str(script) if script.exists() else shutil.which("sgdfuse")

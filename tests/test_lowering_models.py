@@ -161,17 +161,20 @@ def test_float16_is_accepted_on_every_line():
 # ---- state that cannot be in place ---------------------------------------------------------------------
 
 
-def test_a_computed_accum_is_refused_naming_node_and_port():
+def test_an_accum_computed_from_its_own_buffer_is_assigned_to_it_before_the_update():
+    # accum = buf + buf: computed from the one state of its shape and dtype, so that state's variable is
+    # assigned the value before the op writes it in place.
     model = sgd_model()
-    scale = onnx.helper.make_node("Identity", ["buf_w"], ["buf_copy"], name="copy")
-    doubled = onnx.helper.make_node("Add", ["buf_copy", "buf_copy"], ["buf_twice"], name="twice")
-    model.graph.node.insert(0, scale)
-    model.graph.node.insert(1, doubled)
+    model.graph.node.insert(0, onnx.helper.make_node("Identity", ["buf_w"], ["buf_copy"], name="copy"))
+    model.graph.node.insert(1, onnx.helper.make_node("Add", ["buf_copy", "buf_copy"], ["buf_twice"], name="twice"))
     sgd = next(n for n in model.graph.node if is_sgd_node(n))
     sgd.input[3] = "buf_twice"
-    with pytest.raises(InPlaceStateError) as caught:
-        sgdfuse.lower(model, soc="Ascend910B2")
-    assert "node update/SGD, input accum (buf_twice)" in str(caught.value) and "Add node 'twice'" in str(caught.value)
+    lowered = sgdfuse.lower(model, soc="Ascend910B2")
+    accum = next(v for v in lowered.state if v.role == "accum")
+    assert (accum.name, accum.assigned) == ("buf_w", "buf_twice")
+    assign = lowered.op("update/SGD/assign_accum")
+    assert assign.input[:2] == ["buf_w:0", "twice:0"] and "update/SGD/assign_accum:-1" in list(lowered.op("update/SGD").input)
+    run_both(model, lowered, steps=3)
 
 
 def test_two_updates_writing_one_parameter_are_refused():
@@ -224,11 +227,14 @@ def test_attributes_reach_the_sgd_op_with_contract_kinds():
     assert sgd.input[:6] == ["w:0", "grad_w:0", "lr:0", "buf_w:0", "momentum:0", "stat:0"]
 
 
-def test_a_zero_accum_recomputed_every_step_is_refused():
-    # Zeros from ConstantOfShape are state only for stat (the kernel keeps them zero); a zero accum fed on
-    # every step would be a different computation from a persistent accum.
+def test_a_zero_accum_recomputed_every_step_is_assigned_zeros_on_every_step():
+    # Zeros from ConstantOfShape stay unassigned only for stat (the kernel keeps them zero); an accum fed
+    # zeros is a fresh variable assigned zeros before every update, as the ONNX graph feeds it.
     model = sgd_model()
     sgd = next(n for n in model.graph.node if is_sgd_node(n))
     sgd.input[3] = "stat"
-    with pytest.raises(InPlaceStateError, match="input accum \\(stat\\)"):
-        sgdfuse.lower(model, soc="Ascend910B2")
+    lowered = sgdfuse.lower(model, soc="Ascend910B2")
+    accum, stat = (next(v for v in lowered.state if v.role == role) for role in ("accum", "stat"))
+    assert (accum.source, accum.assigned) == ("computed", "stat")
+    assert (stat.source, stat.assigned) == ("zeros", None) and stat.name != accum.name
+    run_both(model, lowered, steps=3)

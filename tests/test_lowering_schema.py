@@ -274,3 +274,39 @@ def test_written_files_get_the_usual_mode_not_the_temporary_files_0600(tmp_path)
     existing.chmod(0o640)
     lowered.save_air(existing)
     assert stat.S_IMODE(existing.stat().st_mode) == 0o640
+
+
+# ---- the fast OpDef encoding against the message-built reference ------------------------------------------
+
+
+def _captured_builders(model):
+    """Lower ``model``, keeping the GraphBuilders that wrote the step and init graphs."""
+    from sgdfuse.lowering import graph_builder
+
+    builders = []
+    original = graph_builder.GraphBuilder.to_graph_def_bytes
+
+    def keep(self, **kwargs):
+        builders.append(self)
+        return original(self, **kwargs)
+
+    graph_builder.GraphBuilder.to_graph_def_bytes = keep
+    try:
+        lowered = sgdfuse.lower(model, soc="Ascend950PR_9599")
+    finally:
+        graph_builder.GraphBuilder.to_graph_def_bytes = original
+    return lowered, builders
+
+
+@pytest.mark.parametrize("path", MODEL_PATHS[:6] + [p for p in MODEL_PATHS if p.stem == "mlp_train_step_legacy"], ids=lambda p: p.stem)
+def test_encoded_ops_are_the_ops_the_message_api_builds(path):
+    # The step and init graphs are written from cached wire bytes (graph_builder._Encoder); each op must be
+    # exactly the OpDef that graph_builder._op_def builds field by field.
+    from sgdfuse.lowering.graph_builder import _op_def
+
+    lowered, builders = _captured_builders(fused(path))
+    for builder, model in zip(builders, (lowered.model, lowered.init_model)):
+        written = {op.name: op for op in model.graph[0].op}
+        assert set(written) == set(builder.ops)
+        for name, record in builder.ops.items():
+            assert written[name] == _op_def(record), name

@@ -89,10 +89,21 @@ def assert_agree(name: str, expected: np.ndarray, actual: np.ndarray) -> float:
     return float(difference.max(initial=0.0))
 
 
-def run_both(model: onnx.ModelProto, ge_model, *, steps: int = 3, seed: int = 0, check: bool = True) -> list[dict[str, float]]:
+def run_both(
+    model: onnx.ModelProto,
+    ge_model,
+    *,
+    steps: int = 3,
+    seed: int = 0,
+    check: bool = True,
+    schedule: dict[str, list] | None = None,
+) -> list[dict[str, float]]:
     """Run the fused ONNX model in onnxruntime and the lowered graph in the executor for ``steps`` chained
     steps on the same random inputs; onnxruntime gets its own previous outputs as state inputs, the GE graph
-    keeps its state in its variables. Returns per-step max |difference| per output (asserted when ``check``)."""
+    keeps its state in its variables. ``schedule`` fixes some inputs per step (a step counter fed 0, 1, 2; a
+    runtime momentum), the value for step k at index k. Returns per-step max |difference| per output
+    (asserted when ``check``)."""
+    schedule = schedule or {}
     rng = np.random.default_rng(seed)
     symbols: dict[str, int] = {}
     feeds = {value.name: random_value(value, rng, symbols) for value in model.graph.input if value.name not in {t.name for t in model.graph.initializer}}
@@ -104,7 +115,9 @@ def run_both(model: onnx.ModelProto, ge_model, *, steps: int = 3, seed: int = 0,
     runner = ge_model.runner()
     runner.initialise({name: feeds[name] for name in ge_model.init_inputs.values()})
     report = []
-    for _ in range(steps):
+    for step in range(steps):
+        for name, values in schedule.items():
+            feeds[name] = np.asarray(values[step], dtype=onnx_to_numpy_dtype(_input_type(model, name)))
         expected = runtime.run(session, feeds)
         actual = runner.step(feeds)
         differences = {}
@@ -120,6 +133,10 @@ def run_both(model: onnx.ModelProto, ge_model, *, steps: int = 3, seed: int = 0,
             if value.name not in pairs.values() and not value.name.startswith("lr") and value.name in feeds:
                 feeds[value.name] = random_value(value, rng, symbols)
     return report
+
+
+def _input_type(model: onnx.ModelProto, name: str) -> int:
+    return next(i.type.tensor_type.elem_type for i in model.graph.input if i.name == name)
 
 
 def sgd_model(

@@ -36,6 +36,11 @@ class GraphLowering:
         opset: the model's default-domain opset version.
         after_write: names of GE ops that read a state variable on purpose *after* its in-place write
             (snapshots of ``accum``/``stat`` for their ``*_out`` readers); the ordering pass leaves them alone.
+        writers: state variable name → the GE ops writing it in place, in the order they run (a step
+            ``Assign`` of a computed input, then the ``SGD`` op).
+        sgd_ops: names of the GE ``SGD`` ops, in creation order.
+        scoped_producers, scoped_initializers: nodes and initializers of subgraphs being inlined (``If``
+            branches), which the main graph's index does not hold (their value types it does hold).
     """
 
     def __init__(self, index: GraphIndex, builder: GraphBuilder, opset: int) -> None:
@@ -44,14 +49,22 @@ class GraphLowering:
         self.opset = opset
         self.values: dict[str, Tensor] = {}
         self.after_write: set[str] = set()
+        self.after_write_of: dict[str, list[str]] = {}  # state variable name -> its after-write snapshots
         self.state = None  # the StatePlan, set by sgdfuse.lowering.state.add_variables
         self.variable_ops: dict[str, str] = {}
-        self.writers: dict[str, str] = {}  # state variable name -> name of the GE op writing it in place
+        self.writers: dict[str, list[str]] = {}
+        self.sgd_ops: list[str] = []
+        self.scoped_producers: dict[str, onnx.NodeProto] = {}
+        self.scoped_initializers: dict[str, onnx.TensorProto] = {}
         self._folded: dict[str, np.ndarray | None] = {}
 
     def spec(self, name: str) -> TensorSpec:
         """Static shape and ONNX dtype of an ONNX value."""
         return self.index.spec(name)
+
+    def producer(self, name: str) -> onnx.NodeProto | None:
+        """The node producing ONNX value ``name`` (main graph or an inlined subgraph), or None."""
+        return self.scoped_producers.get(name) or self.index.node(name)
 
     def tensor(self, name: str, *, reader: str) -> Tensor:
         """The GE tensor holding ONNX value ``name``; an initializer becomes a ``Const`` op on first use.
@@ -62,7 +75,7 @@ class GraphLowering:
         found = self.values.get(name)
         if found is not None:
             return found
-        initializer = self.index.initializers.get(name)
+        initializer = self.scoped_initializers.get(name) or self.index.initializers.get(name)
         if initializer is not None:
             tensor = self.const(numpy_helper.to_array(initializer), name, onnx_dtype=initializer.data_type, spec_name=name)
             self.values[name] = tensor
@@ -88,10 +101,13 @@ class GraphLowering:
         return self._folded[name]
 
     def _fold(self, name: str) -> np.ndarray | None:
+        initializer = self.scoped_initializers.get(name)
+        if initializer is not None:
+            return numpy_helper.to_array(initializer)
         initializer = self.index.initializers.get(name)
         if initializer is not None:
-            return None if name in self.index.graph_inputs else numpy_helper.to_array(initializer)
-        node = self.index.node(name)
+            return None if self.index.is_input_name(name) else numpy_helper.to_array(initializer)
+        node = self.producer(name)
         if node is None or node.domain not in ("", "ai.onnx"):
             return None
         if node.op_type == "Constant":
@@ -129,16 +145,17 @@ class NodeLowering:
 
     Attributes:
         node: the ONNX ``NodeProto``.
-        name: the base name for the GE ops of this node (the ONNX node name, or ``OpType_position``).
-        position: the node's index in the ONNX graph.
+        name: the base name for the GE ops of this node (``name`` if given, else the ONNX node name, else
+            ``OpType_position``).
+        position: the node's index in the ONNX graph (for a node of an inlined ``If`` branch, the ``If``'s).
         graph: the :class:`GraphLowering` of the whole graph.
     """
 
-    def __init__(self, graph: GraphLowering, node: onnx.NodeProto, position: int) -> None:
+    def __init__(self, graph: GraphLowering, node: onnx.NodeProto, position: int, *, name: str | None = None) -> None:
         self.graph = graph
         self.node = node
         self.position = position
-        self.name = node.name or f"{node.op_type}_{position}"
+        self.name = name or node.name or f"{node.op_type}_{position}"
         self._attrs = {a.name: a for a in node.attribute}
 
     @property

@@ -17,6 +17,7 @@ import os
 from sgdfuse.output import OutputBatch, write_bytes
 
 from sgdfuse.contract import ProductLine
+from sgdfuse.report import Report
 from sgdfuse.lowering.atc_json import message_to_json
 from sgdfuse.lowering.state import StateVariable
 
@@ -38,6 +39,8 @@ class GEModel:
         state: the state variables (see :mod:`sgdfuse.lowering.state`).
         init_inputs: init-graph ``Data`` op name → the ONNX graph input whose initial value it takes.
         sgd_ops: names of the GE ``SGD`` ops.
+        optimization: when :func:`~sgdfuse.lowering.lower` optimised an unfused model first, that run's
+            report (what fused, what was refused and why, whether verification ran); else None.
     """
 
     model: object
@@ -49,6 +52,7 @@ class GEModel:
     state: list[StateVariable]
     init_inputs: dict[str, str]
     sgd_ops: list[str]
+    optimization: Report | None = None
 
     @property
     def graph(self):

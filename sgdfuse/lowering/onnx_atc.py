@@ -32,7 +32,7 @@ import sgdfuse
 from sgdfuse.contract import product_line_for_soc
 from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, is_sgd_node
 from sgdfuse.output import OutputBatch
-from sgdfuse.lowering.lower import fused_model
+from sgdfuse.lowering.lower import prepare
 from sgdfuse.lowering.soc import check_product_line
 from sgdfuse.passes.index import build_index
 
@@ -54,16 +54,17 @@ def _explicit_domains(graph: onnx.GraphProto) -> None:
                 _explicit_domains(sub)
 
 
-def to_onnx_atc(model: str | os.PathLike | onnx.ModelProto, *, soc: str) -> onnx.ModelProto:
+def to_onnx_atc(model: str | os.PathLike | onnx.ModelProto, *, soc: str, optimise: bool = True) -> onnx.ModelProto:
     """The ATC-ready ONNX model (a new ``ModelProto``; the input is not mutated).
 
-    The fused ``SGD`` nodes are checked against ``soc``'s product line first, as :func:`sgdfuse.lower` does.
+    The fused ``SGD`` nodes are checked against ``soc``'s product line first, as :func:`sgdfuse.lower` does;
+    a model without them is optimised first unless ``optimise`` is False.
 
     Raises:
         ProductLineError: unknown ``soc``, or an ``SGD`` node the product line cannot run.
     """
     line = product_line_for_soc(soc)
-    source = fused_model(model)
+    source, _ = prepare(model, optimise=optimise)
     check_product_line(build_index(source), [n for n in source.graph.node if is_sgd_node(n)], line)
     result = onnx.ModelProto()
     result.CopyFrom(source)
@@ -84,13 +85,16 @@ def plugin_path_for(model_path: str | os.PathLike) -> Path:
     return path.with_name(f"{stem}.sgd_onnx_plugin.cc")
 
 
-def write_onnx_atc(model: str | os.PathLike | onnx.ModelProto, path: str | os.PathLike, *, soc: str) -> tuple[Path, Path]:
-    """Write the ATC-ready model to ``path`` and the plugin source beside it (both atomically).
+def write_onnx_atc(
+    model: str | os.PathLike | onnx.ModelProto, path: str | os.PathLike, *, soc: str, optimise: bool = True
+) -> tuple[Path, Path]:
+    """Write the ATC-ready model to ``path`` and the plugin source beside it (both atomically); ``optimise``
+    as for :func:`to_onnx_atc`.
 
     Returns:
         ``(model path, plugin source path)``.
     """
-    prepared = to_onnx_atc(model, soc=soc)
+    prepared = to_onnx_atc(model, soc=soc, optimise=optimise)
     plugin = plugin_path_for(path)
     with OutputBatch() as batch:  # the model and its plugin source together or not at all
         batch.stage(path, prepared.SerializeToString())

@@ -6,20 +6,34 @@ in place and declares one output, ``parameters`` (a ref of its input). Lowering 
 into state, with these exact semantics:
 
 State variables
-    Each writable input (ports 0, 3, 5) of each ``SGD`` node becomes a GE ``Variable``:
+    Each writable input (ports 0, 3, 5) of each ``SGD`` node becomes a GE ``Variable`` (ONNX ``Identity``
+    chains are looked through):
 
     - a graph input (``w``, ``buf_w``) → a ``Variable`` with the input's name; its value persists across
       runs of the step graph and is set by the *init graph* (a second ``ModelDef``: one ``Data`` per such
       variable, named ``<name>/initial_value``, ``Assign``-ed into it);
     - an initializer → a ``Variable`` with the initializer's name, ``Assign``-ed its value by the init graph;
-    - ``stat`` computed as ``ConstantOfShape(...)`` of zeros (what :mod:`sgdfuse.passes.rewrite` emits,
-      ``STAT_DESCRIPTION``) → a zero-initialised ``Variable`` named after the ONNX value. This is exact, not
-      an approximation: the ONNX graph feeds zeros on every step; the kernel writes ``stat <- 0`` (momentum
-      != 0) or leaves it (momentum == 0), so the variable holds zeros on every step too;
-    - anything else (a value computed at run time, or one state written by two ``SGD`` nodes) is refused
-      with :class:`~sgdfuse.lowering.errors.InPlaceStateError`. ONNX ``Identity`` chains are looked through.
+    - ``stat`` that is zeros — ``ConstantOfShape`` of zeros, possibly through ``Cast``/``CastLike`` (what
+      :mod:`sgdfuse.passes.rewrite` emits, in FLOAT then cast for BFLOAT16) → a zero-initialised
+      ``Variable`` named after the ONNX value, never assigned by the step graph. This is exact: the ONNX
+      graph feeds zeros on every step; the kernel writes ``stat <- 0`` (momentum != 0) or leaves it
+      (momentum == 0), so the variable holds zeros on every step too;
+    - a value computed in the step (what the rewrite inserts: ``accum = Where(first_step, 0, buf)``,
+      ``stat = Expand(Cast(first_step), Shape(parameters))``, and casts of them) → the ``Variable`` of the
+      state it is computed from, or a fresh one, plus an ``Assign(variable, computed value)`` that runs
+      before the ``SGD`` op (a control edge), so the op still writes the variable in place. "The state it is
+      computed from" is the one graph input or initializer of the port's shape and dtype among the value's
+      sources (the graph inputs and initializers it reads the *values* of: ``Shape`` reads only a shape):
+      ``accum = Where(first, 0, buf)`` becomes ``Assign(buf, SelectV2(first, 0, buf))`` then
+      ``SGD(..., buf, ...)``. With no such source (``stat`` from a step counter) the variable is named
+      after the ONNX value, zero-initialised by the init graph and assigned on every step. Exact because
+      the ONNX step feeds the computed value to the op and, as everywhere here, the variable after the step
+      holds the op's result, the next step's state. Refused: a value computed from two or more candidate
+      states (which one the op replaces is ambiguous) or from the result of an ``SGD`` node;
+    - one state written by two ports (``SGD`` nodes, or ports of one node) is refused.
 
-    Every other reader of a graph-input or initializer state reads the ``Variable``.
+    All refusals are :class:`~sgdfuse.lowering.errors.InPlaceStateError`. Every other reader of a
+    graph-input or initializer state reads the ``Variable``.
 
 Values after the write
     - ``parameters_out`` is the ``SGD`` op's output 0 (a ref of the ``parameters`` variable).
@@ -28,15 +42,31 @@ Values after the write
       after the in-place write, so a later write (the next run) cannot change what was read. When nothing
       reads them nothing is emitted; the variables still hold the new values for the next run.
     - When ``momentum == 0`` at run time the kernel leaves ``accum`` and ``stat`` unchanged, and the ONNX
-      function returns them unchanged: the same values.
+      function returns them unchanged: the same values (for an assigned variable: the assigned value, which
+      is the ONNX op's input).
+    - The buffer of an update with a runtime momentum: ``sgdfuse optimize`` gives the graph's buffer output
+      to an ``If(Equal(momentum, 0))`` that selects between the buffer the original graph computes for
+      momentum 0 and the op's ``accum_out`` (the contract keeps the old buffer when momentum is 0, the graph
+      does not). That ``If``'s output, not ``accum_out``, is then the buffer's next value, so after the
+      ``SGD`` op the variable is ``Assign``-ed the selected value (a *write-back*, ordered after the op and
+      after its after-write snapshots of the variable). With momentum != 0 the selected value is
+      ``accum_out`` itself and the write-back stores what the variable already holds. Recognised when the
+      ``If``'s condition is an ``Equal`` reading the node's ``momentum`` input and one branch outputs the
+      node's ``accum_out`` (or ``stat_out``) through ``Identity``, with the same shape and dtype.
 
 Values before the write
-    Every GE op that reads a state variable's *old* value, directly or through a chain of ops that may
-    alias memory (``Identity``, ``Reshape``, ``Squeeze``, ``Unsqueeze``, ``ExpandDims``, ``Flatten``), runs
-    before the write: a control edge ``reader:-1`` is added to the ``SGD`` op unless the reader already is
-    one of its ancestors. A reader that cannot run before the write (it depends on the ``SGD`` op, or it is
-    ``NetOutput``, which runs last) reads a ``TensorMove`` snapshot of the old value instead, and the
-    snapshot gets the control edge.
+    A variable's writers run in order: its step ``Assign`` (if any), the ``SGD`` op, its write-back (if
+    any). Every GE op that
+    reads the variable's *old* value, directly or through a chain of ops that may alias memory
+    (``Identity``, ``Reshape``, ``Squeeze``, ``Unsqueeze``, ``ExpandDims``, ``Flatten``), runs before the
+    first writer: a control edge ``reader:-1`` is added to it unless the reader already is one of its
+    ancestors. A reader that cannot run before the write (it depends on the writer, or it is ``NetOutput``,
+    which runs last) reads a ``TensorMove`` snapshot of the old value instead, and the snapshot gets the
+    control edge. The computed value of an ``Assign`` is a separate tensor (``SelectV2``, ``Expand``... are
+    not aliases), so its other readers need no ordering.
+
+    Cost: reachability questions are answered by walks bounded by a topological rank
+    (:mod:`sgdfuse.lowering.dag`), over the ops between a reader and its writer only.
 
 Source of the op prototypes: shared/LOWERING-FACTS.md ("The operator prototypes") and the GE op IR
 (``Variable``: input x, output y; ``Assign``: ref, value → ref; ``TensorMove``: x → y, "copy data from x to
@@ -56,10 +86,11 @@ from sgdfuse.contract import INPUTS, TensorSpec
 from sgdfuse.fused_op import DOMAIN, OP_TYPE, read_sgd_attributes
 from sgdfuse.lowering import ge_ir
 from sgdfuse.lowering.context import GraphLowering, NodeLowering
+from sgdfuse.lowering.dag import OpOrder
 from sgdfuse.lowering.errors import InPlaceStateError
-from sgdfuse.lowering.graph_builder import GraphBuilder, Tensor, add_const
+from sgdfuse.lowering.graph_builder import GraphBuilder, Tensor, add_const, tensor_def
 from sgdfuse.lowering.registry import register
-from sgdfuse.passes.index import GraphIndex
+from sgdfuse.passes.index import GraphIndex, _outer_reads, _subgraphs
 from sgdfuse.runtime import onnx_to_numpy_dtype
 
 __all__ = [
@@ -69,6 +100,7 @@ __all__ = [
     "StatePlan",
     "plan_state",
     "add_variables",
+    "add_write_backs",
     "order_state_access",
     "prune",
     "build_init_graph",
@@ -80,7 +112,11 @@ WRITABLE_PORTS: tuple[int, ...] = tuple(port.index for port in INPUTS if port.wr
 ALIAS_OP_TYPES = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "ExpandDims", "Flatten"})
 """GE ops whose output may share its input's memory: a read through them is a read of the input."""
 
-_SOURCE_INPUT, _SOURCE_INITIALIZER, _SOURCE_ZEROS = "graph input", "initializer", "zeros"
+_SOURCE_INPUT, _SOURCE_INITIALIZER, _SOURCE_ZEROS, _SOURCE_COMPUTED = "graph input", "initializer", "zeros", "computed"
+
+_STANDARD = ("", "ai.onnx")
+_SHAPE_ONLY = frozenset({"Shape", "Size"})
+"""ONNX ops that read only the shape of their input, not its values."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +128,18 @@ class StateVariable:
         role: ``"parameters"``, ``"accum"`` or ``"stat"``.
         node: the ONNX ``SGD`` node's position in the graph.
         node_name: that node's name.
-        onnx_value: the ONNX value the variable replaces.
+        onnx_value: the ONNX state value the variable replaces (for ``"zeros"`` and ``"computed"``: the
+            value fed to the port).
         spec: shape and ONNX dtype.
-        source: ``"graph input"``, ``"initializer"`` or ``"zeros"``.
+        source: ``"graph input"``, ``"initializer"``, ``"zeros"`` or ``"computed"`` (what the init graph
+            assigns: the input's value, the initializer, zeros, zeros).
         initial: the initializer's value (``source == "initializer"``), else None.
-        shape_from: for ``"zeros"``, the variable (this node's ``parameters``) whose shape it takes when its
-            own shape is not static.
+        shape_from: for ``"zeros"`` and ``"computed"``, the variable (this node's ``parameters``) whose shape
+            it takes when its own shape is not static.
+        assigned: the ONNX value ``Assign``-ed to the variable on every step before the ``SGD`` op writes
+            it (a port fed a computed value), else None.
+        next_value: the ONNX value ``Assign``-ed to the variable after the ``SGD`` op (the output of the
+            runtime-momentum ``If`` that selects the buffer, see the module docstring), else None.
     """
 
     name: str
@@ -109,6 +151,8 @@ class StateVariable:
     source: str
     initial: np.ndarray | None = None
     shape_from: str | None = None
+    assigned: str | None = None
+    next_value: str | None = None
 
 
 @dataclasses.dataclass
@@ -131,19 +175,23 @@ def _is_sgd(node: onnx.NodeProto) -> bool:
     return node.op_type == OP_TYPE and node.domain == DOMAIN
 
 
-def _through_identity(index: GraphIndex, value: str) -> str:
+def _through(index: GraphIndex, value: str, op_types: Sequence[str]) -> str:
+    """Follow input 0 of standard ``op_types`` nodes back from ``value``."""
     seen = set()
     while value not in seen:
         seen.add(value)
         node = index.node(value)
-        if node is None or node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+        if node is None or node.op_type not in op_types or node.domain not in _STANDARD or not node.input:
             return value
         value = node.input[0]
     return value
 
 
-def _zero_fill(node: onnx.NodeProto | None) -> bool:
-    if node is None or node.op_type != "ConstantOfShape" or node.domain not in ("", "ai.onnx"):
+def _zero_fill(index: GraphIndex, value: str) -> bool:
+    """True for zeros from ``ConstantOfShape``, also through ``Identity``/``Cast``/``CastLike`` (a cast of
+    zero is zero in every float type)."""
+    node = index.node(_through(index, value, ("Identity", "Cast", "CastLike")))
+    if node is None or node.op_type != "ConstantOfShape" or node.domain not in _STANDARD:
         return False
     for attribute in node.attribute:
         if attribute.name == "value":
@@ -151,66 +199,201 @@ def _zero_fill(node: onnx.NodeProto | None) -> bool:
     return True  # the default value is a float 0
 
 
+class _Sources:
+    """The graph inputs and initializers a value is computed from (memoised over the whole graph, so shared
+    sub-expressions such as a first-step condition are walked once)."""
+
+    def __init__(self, index: GraphIndex) -> None:
+        self.index = index
+        self._memo: dict[str, tuple[frozenset[str], str | None]] = {}
+
+    def __call__(self, value: str) -> tuple[frozenset[str], str | None]:
+        """``(sources, update)``: ``update`` names an ``SGD`` node the value depends on, else None."""
+        stack = [(value, False)]
+        while stack:
+            name, expanded = stack.pop()
+            if name in self._memo:
+                continue
+            reads = self._reads(name)
+            if not expanded:
+                stack.append((name, True))
+                stack.extend((r, False) for r in reads if r not in self._memo)
+                continue
+            sources: set[str] = set()
+            update: str | None = None
+            node = self.index.node(name)
+            if node is None:
+                if name in self.index.state_names:
+                    sources.add(name)
+            elif _is_sgd(node):
+                update = node.name or "SGD"
+            for read in reads:
+                found, via = self._memo[read]
+                sources |= found
+                update = update or via
+            self._memo[name] = (frozenset(sources), update)
+        return self._memo[value]
+
+    def _reads(self, name: str) -> list[str]:
+        node = self.index.node(name)
+        if node is None or _is_sgd(node):
+            return []
+        if node.op_type in _SHAPE_ONLY and node.domain in _STANDARD:
+            return []
+        reads = [i for i in node.input if i]
+        for attribute in node.attribute:
+            for sub in _subgraphs(attribute):
+                reads.extend(sorted(_outer_reads(sub)))
+        return reads
+
+
+def _same_tensor_type(a: TensorSpec, b: TensorSpec) -> bool:
+    return a.dtype == b.dtype and a.shape is not None and a.shape == b.shape
+
+
 def plan_state(index: GraphIndex) -> StatePlan:
     """Decide the ``Variable`` behind every writable input of every ``SGD`` node (see the module docstring).
 
     Raises:
-        InPlaceStateError: a writable input is computed at run time (not a graph input, initializer or
-            zero ``ConstantOfShape``), or one graph input/initializer is written by two ports.
+        InPlaceStateError: a writable input is missing, computed from several candidate states or from an
+            ``SGD`` node's result, or one state is written by two ports.
     """
     variables: list[StateVariable] = []
     by_port: dict[tuple[int, int], StateVariable] = {}
     readable: dict[str, StateVariable] = {}
     writers: dict[str, str] = {}
     taken: set[str] = set()
+    sources_of = _Sources(index)
+    selections = _selections(index)
     for position, node in enumerate(index.graph.node):
         if not _is_sgd(node):
             continue
         node_name = node.name or f"SGD_{position}"
+        parameters_spec = index.spec(node.input[0]) if node.input else TensorSpec("parameters", None, 0)
         for port in WRITABLE_PORTS:
             role = INPUTS[port].name
-            value = _through_identity(index, node.input[port]) if port < len(node.input) else ""
+            value = _through(index, node.input[port], ("Identity",)) if port < len(node.input) else ""
             subject = f"node {node_name}, input {role} ({value or 'absent'})"
             if not value:
                 raise InPlaceStateError(subject, f"the {role} input is missing; the SGD op writes it in place")
             spec = index.spec(value)
-            if value in index.graph_inputs:
+            if spec.shape is None or not spec.dtype:
+                spec = TensorSpec(value, spec.shape if spec.shape is not None else parameters_spec.shape, spec.dtype or parameters_spec.dtype)
+            state, assigned = value, None
+            if index.is_input_name(value):
                 source, initial = _SOURCE_INPUT, None
             elif value in index.initializers:
                 source, initial = _SOURCE_INITIALIZER, numpy_helper.to_array(index.initializers[value])
-            elif role == "stat" and _zero_fill(index.node(value)):
+            elif role == "stat" and _zero_fill(index, value):
                 # Exact only for stat: the kernel writes 0 there or leaves it, so zeros stay zeros.
                 source, initial = _SOURCE_ZEROS, None
             else:
-                producer = index.node(value)
-                what = f"{producer.op_type} node {producer.name!r}" if producer is not None else "nothing"
-                raise InPlaceStateError(
-                    subject,
-                    f"is produced by {what}; the SGD op writes {role} in place, so it must be state: a graph input, "
-                    "an initializer, or (stat only) zeros from ConstantOfShape",
-                )
-            if source != _SOURCE_ZEROS:
-                if value in writers:
-                    raise InPlaceStateError(subject, f"{value} is already written in place by {writers[value]}; one writer per state")
-                writers[value] = f"node {node_name} ({role})"
-            name = value if value not in taken else f"{node_name}/{role}"
+                state, source, initial = _computed_state(index, sources_of, value, spec, role, subject)
+                assigned = value
+            if source in (_SOURCE_INPUT, _SOURCE_INITIALIZER):
+                if state in writers:
+                    raise InPlaceStateError(
+                        subject,
+                        f"{state} is already written in place by {writers[state]}; one writer per state"
+                        + (f" ({value} is computed from {state})" if state != value else ""),
+                    )
+                writers[state] = f"node {node_name} ({role})"
+            name = state if state not in taken else f"{node_name}/{role}"
             taken.add(name)
+            fresh = source in (_SOURCE_ZEROS, _SOURCE_COMPUTED)
+            shape_from = by_port[(position, 0)].name if fresh and (position, 0) in by_port else None
+            if fresh and not spec.is_static and shape_from is None:
+                raise InPlaceStateError(subject, "a computed parameters input of dynamic shape cannot be sized for its variable")
             variable = StateVariable(
                 name=name,
                 role=role,
                 node=position,
                 node_name=node_name,
-                onnx_value=value,
-                spec=TensorSpec(name, spec.shape, spec.dtype or index.spec(node.input[0]).dtype),
+                onnx_value=state,
+                spec=TensorSpec(name, spec.shape, spec.dtype),
                 source=source,
                 initial=initial,
-                shape_from=by_port[(position, 0)].name if source == _SOURCE_ZEROS and (position, 0) in by_port else None,
+                shape_from=shape_from,
+                assigned=assigned,
+                next_value=_next_value(index, selections, node, port, spec),
             )
             variables.append(variable)
             by_port[(position, port)] = variable
-            if source != _SOURCE_ZEROS:
-                readable[value] = variable
+            if not fresh:
+                readable[state] = variable
     return StatePlan(variables, by_port, readable)
+
+
+_OUTPUT_OF_PORT = {3: 1, 5: 2}
+"""SGD output index carrying the new value of a writable port (``accum_out``, ``stat_out``)."""
+
+
+def _selections(index: GraphIndex) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
+    """Value → the standard ``If`` nodes with a branch whose output ``k`` is that value (through
+    ``Identity``), as ``(node, k)``: where a value computed outside is selected from."""
+    found: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for node in index.graph.node:
+        if node.op_type != "If" or node.domain not in _STANDARD:
+            continue
+        for attribute in node.attribute:
+            for branch in _subgraphs(attribute):
+                producers = {o: n for n in branch.node for o in n.output if o}
+                for k, output in enumerate(branch.output):
+                    name = output.name
+                    while name in producers and producers[name].op_type == "Identity" and producers[name].input:
+                        name = producers[name].input[0]
+                    if name not in producers:  # an outer value, passed through
+                        found.setdefault(name, []).append((node, k))
+    return found
+
+
+def _next_value(
+    index: GraphIndex, selections: dict[str, list[tuple[onnx.NodeProto, int]]], node: onnx.NodeProto, port: int, spec: TensorSpec
+) -> str | None:
+    """The output of the runtime-momentum ``If`` that replaces this port's new value (module docstring)."""
+    out_index = _OUTPUT_OF_PORT.get(port)
+    if out_index is None or out_index >= len(node.output) or not node.output[out_index] or len(node.input) < 5:
+        return None
+    momentum = _through(index, node.input[4], ("Identity",))
+    for selector, k in selections.get(node.output[out_index], ()):
+        condition = index.node(selector.input[0]) if selector.input else None
+        if condition is None or condition.op_type != "Equal" or condition.domain not in _STANDARD:
+            continue
+        if momentum not in {_through(index, i, ("Identity",)) for i in condition.input}:
+            continue
+        result = selector.output[k] if k < len(selector.output) else ""
+        if result and _same_tensor_type(index.spec(result), spec):
+            return result
+    return None
+
+
+def _computed_state(
+    index: GraphIndex, sources_of: _Sources, value: str, spec: TensorSpec, role: str, subject: str
+) -> tuple[str, str, np.ndarray | None]:
+    """``(state, source, initial)`` for a port fed the computed ``value`` (module docstring)."""
+    sources, update = sources_of(value)
+    producer = index.node(value)
+    what = f"{producer.op_type} node {producer.name!r}" if producer is not None else "nothing"
+    if update is not None:
+        raise InPlaceStateError(
+            subject,
+            f"is produced by {what} from the result of the in-place update {update}; the SGD op writes {role} "
+            "in place, so it must be state or computed from the state it replaces",
+        )
+    candidates = sorted(s for s in sources if _same_tensor_type(index.spec(s), spec))
+    if len(candidates) > 1:
+        raise InPlaceStateError(
+            subject,
+            f"is produced by {what} from {', '.join(candidates)}, each of the {role}'s shape and dtype; the SGD "
+            f"op writes {role} in place, so it must be state or computed from at most one such graph input or "
+            "initializer (the state it replaces)",
+        )
+    if not candidates:
+        return value, _SOURCE_COMPUTED, None
+    state = candidates[0]
+    if index.is_input_name(state):
+        return state, _SOURCE_INPUT, None
+    return state, _SOURCE_INITIALIZER, numpy_helper.to_array(index.initializers[state])
 
 
 def add_variables(graph: GraphLowering, plan: StatePlan) -> dict[str, str]:
@@ -224,7 +407,7 @@ def add_variables(graph: GraphLowering, plan: StatePlan) -> dict[str, str]:
         record = graph.builder.add("Variable", variable.name, outputs=[("y", variable.spec)])
         record.unconnected = [("x", variable.spec)]
         ops[variable.name] = record.name
-        if variable.onnx_value in plan.readable:
+        if plan.readable.get(variable.onnx_value) is variable:
             graph.values[variable.onnx_value] = record.output(0)
     graph.variable_ops = ops
     graph.state = plan
@@ -234,14 +417,30 @@ def add_variables(graph: GraphLowering, plan: StatePlan) -> dict[str, str]:
 @register(OP_TYPE, domain=DOMAIN)
 def lower_sgd(ctx: NodeLowering) -> None:
     """``ai.sgdfuse::SGD`` → GE ``SGD`` on the state variables (inputs in contract order, attributes
-    ``dampening`` (f), ``weight_decay`` (f), ``nesterov`` (b)); ``*_out`` as described in the module
-    docstring."""
+    ``dampening`` (f), ``weight_decay`` (f), ``nesterov`` (b)), after an ``Assign`` of each computed
+    writable input; ``*_out`` as described in the module docstring."""
     graph = ctx.graph
     plan: StatePlan = graph.state
     builder = graph.builder
 
     def variable(port: int) -> Tensor:
         return builder.ops[graph.variable_ops[plan.by_port[(ctx.position, port)].name]].output(0)
+
+    assigns: list[str] = []
+    for port in WRITABLE_PORTS:
+        state = plan.by_port[(ctx.position, port)]
+        if state.assigned is None:
+            continue
+        value = graph.tensor(state.assigned, reader=ctx.name)
+        assign = ctx.op(
+            "Assign",
+            [("ref", variable(port)), ("value", value)],
+            [("ref", state.spec)],
+            {"validate_shape": state.spec.is_static, "use_locking": False},
+            suffix=f"assign_{state.role}",
+        )
+        graph.writers.setdefault(state.name, []).append(assign.name)
+        assigns.append(assign.name)
 
     attributes = read_sgd_attributes(ctx.node)
     sources = {0: variable(0), 3: variable(3), 5: variable(5)}
@@ -258,8 +457,11 @@ def lower_sgd(ctx: NodeLowering) -> None:
             "reference": True,
         },
     )
+    for assign in assigns:
+        builder.add_control(op.name, assign)
     for port in WRITABLE_PORTS:
-        graph.writers[plan.by_port[(ctx.position, port)].name] = op.name
+        graph.writers.setdefault(plan.by_port[(ctx.position, port)].name, []).append(op.name)
+    graph.sgd_ops.append(op.name)
     ctx.set_output(0, op.output(0))
     for out_index, port in ((1, 3), (2, 5)):
         value = ctx.node.output[out_index] if out_index < len(ctx.node.output) else ""
@@ -269,45 +471,87 @@ def lower_sgd(ctx: NodeLowering) -> None:
         snapshot = ctx.op("TensorMove", [("x", sources[port])], [("y", ctx.output_spec(out_index))], suffix=f"{role}_after_write")
         builder.add_control(snapshot.name, op.name)
         graph.after_write.add(snapshot.name)
+        graph.after_write_of.setdefault(plan.by_port[(ctx.position, port)].name, []).append(snapshot.name)
         ctx.set_output(out_index, snapshot.output(0))
 
 
+def add_write_backs(graph: GraphLowering) -> None:
+    """``Assign`` each variable with a ``next_value`` that value, after its ``SGD`` op and after the op's
+    snapshots of it (module docstring). Run after every node has been lowered."""
+    plan: StatePlan = graph.state
+    builder = graph.builder
+    for variable in plan.variables:
+        if variable.next_value is None:
+            continue
+        writers = graph.writers[variable.name]
+        ref = builder.ops[graph.variable_ops[variable.name]].output(0)
+        value = graph.tensor(variable.next_value, reader=f"{variable.node_name} (write-back of {variable.role})")
+        assign = builder.add(
+            "Assign",
+            f"{variable.node_name}/write_back_{variable.role}",
+            [("ref", ref), ("value", value)],
+            [("ref", variable.spec)],
+            {"validate_shape": variable.spec.is_static, "use_locking": False},
+        )
+        builder.add_control(assign.name, writers[-1])
+        for snapshot in graph.after_write_of.get(variable.name, ()):
+            builder.add_control(assign.name, snapshot)
+        writers.append(assign.name)
+
+
 def _alias_closure(builder: GraphBuilder, readers: dict[tuple[str, int], list[str]], start: tuple[str, int]) -> list[tuple[str, int]]:
-    closure, stack = [start], [start]
+    closure, stack, seen = [start], [start], {start}
     while stack:
         for reader in readers.get(stack.pop(), ()):
-            record = builder.ops[reader]
-            if record.type in ALIAS_OP_TYPES:
+            if builder.ops[reader].type in ALIAS_OP_TYPES:
                 endpoint = (reader, 0)
-                if endpoint not in closure:
+                if endpoint not in seen:
+                    seen.add(endpoint)
                     closure.append(endpoint)
                     stack.append(endpoint)
     return closure
 
 
 def order_state_access(graph: GraphLowering) -> None:
-    """Make every read of a state variable's old value happen before its in-place write (module docstring).
-    Run after the whole graph, ``NetOutput`` included, has been built."""
+    """Make every read of a state variable's old value happen before its first in-place write (module
+    docstring). Run after the whole graph, ``NetOutput`` included, has been built."""
     builder = graph.builder
-    for variable_name, writer in graph.writers.items():
+    order = OpOrder(builder)
+    readers = builder.readers()
+    for variable_name, writers in graph.writers.items():
+        first = writers[0]
         op_name = graph.variable_ops[variable_name]
-        readers = builder.readers()
-        ancestors = builder.ancestors(writer)
-        for endpoint in _alias_closure(builder, readers, (op_name, 0)):
-            for reader in list(dict.fromkeys(readers.get(endpoint, ()))):
-                if reader == writer or reader in graph.after_write or reader in ancestors:
-                    continue
-                record = builder.ops[reader]
-                if record.type != "NetOutput" and writer not in builder.ancestors(reader):
-                    builder.add_control(writer, reader)
-                    ancestors |= {reader} | builder.ancestors(reader)
-                    continue
-                # The reader cannot run before the write: give it a copy taken before the write.
-                source = builder.ops[endpoint[0]].output(endpoint[1])
-                snapshot = builder.add("TensorMove", f"{op_name}/before_{writer}", [("x", source)], [("y", source.spec)])
-                builder.add_control(writer, snapshot.name)
-                ancestors.add(snapshot.name)
-                record.inputs = [(port, snapshot.output(0) if t is not None and (t.op, t.index) == endpoint else t) for port, t in record.inputs]
+        reads = [
+            (endpoint, reader)
+            for endpoint in _alias_closure(builder, readers, (op_name, 0))
+            for reader in dict.fromkeys(readers.get(endpoint, ()))
+            if reader not in writers and reader not in graph.after_write
+        ]
+        if not reads:
+            continue
+        # Every candidate ranks at least `floor`, so ancestors below it never matter.
+        floor = min(min(order.rank[reader] for _, reader in reads), order.rank[first])
+        before = order.ancestors_from(first, floor)
+        for endpoint, reader in reads:
+            if reader in before:
+                continue
+            record = builder.ops[reader]
+            if record.type != "NetOutput" and not order.reaches(first, reader):
+                builder.add_control(first, reader)
+                order.add_edge(reader, first)
+                before |= {reader} | order.ancestors_from(reader, floor)
+                continue
+            # The reader cannot run before the write: give it a copy taken before the write.
+            source = builder.ops[endpoint[0]].output(endpoint[1])
+            snapshot = builder.add("TensorMove", f"{op_name}/before_{first}", [("x", source)], [("y", source.spec)])
+            builder.add_control(first, snapshot.name)
+            order.add_op(snapshot.name, [endpoint[0]])
+            order.add_edge(snapshot.name, first)
+            order.add_edge(snapshot.name, reader)
+            before.add(snapshot.name)
+            record.inputs = [(port, snapshot.output(0) if t is not None and (t.op, t.index) == endpoint else t) for port, t in record.inputs]
+            readers[endpoint] = [r for r in readers[endpoint] if r != reader] + [snapshot.name]
+            readers[(snapshot.name, 0)] = [reader]
 
 
 def prune(builder: GraphBuilder, roots: Sequence[str] = ("NetOutput", "SGD", "Assign", "Data")) -> None:
@@ -336,6 +580,7 @@ def build_init_graph(plan: StatePlan, name: str) -> tuple[GraphBuilder, list[str
     feeds: dict[str, str] = {}
     assigned: dict[str, Tensor] = {}
     outputs: list[Tensor] = []
+    zero_values: dict[tuple, object] = {}
     for variable in plan.variables:
         ref = builder.add("Variable", variable.name, outputs=[("y", variable.spec)])
         ref.unconnected = [("x", variable.spec)]
@@ -348,8 +593,13 @@ def build_init_graph(plan: StatePlan, name: str) -> tuple[GraphBuilder, list[str
         elif variable.source == _SOURCE_INITIALIZER:
             value = add_const(builder, f"{variable.name}/initial_value", np.asarray(variable.initial), onnx_dtype=variable.spec.dtype)
         elif variable.spec.is_static:
-            zeros = np.zeros(tuple(variable.spec.shape), dtype=onnx_to_numpy_dtype(variable.spec.dtype))  # type: ignore[arg-type]
-            value = add_const(builder, f"{variable.name}/zeros", zeros, onnx_dtype=variable.spec.dtype)
+            key = (variable.spec.dtype, variable.spec.shape)
+            if key not in zero_values:  # one tensor per shape and dtype, shared by the Const ops
+                zeros = np.zeros(tuple(variable.spec.shape), dtype=onnx_to_numpy_dtype(variable.spec.dtype))  # type: ignore[arg-type]
+                zero_values[key] = ge_ir.AttrDef()
+                zero_values[key].t.CopyFrom(tensor_def(zeros, onnx_dtype=variable.spec.dtype))
+            spec = TensorSpec(f"{variable.name}/zeros", variable.spec.shape, variable.spec.dtype)
+            value = builder.add("Const", f"{variable.name}/zeros", outputs=[("y", spec)], attrs={"value": zero_values[key]}).output(0)
         else:
             # Dynamic shape (950 series): zeros shaped like the parameters assigned in this graph.
             like = assigned[variable.shape_from]  # type: ignore[index]
