@@ -295,7 +295,7 @@ def _no_buffer_miss(index: GraphIndex, w: str, form_w: Form, outputs_by_canonica
                     f"{w} reads the buffer {others[0]} through {node.op_type} node {node.name or leaf} with "
                     f"{', '.join(other) or 'another operand'}, which is not a scalar: a per-element learning rate "
                     "or other non-linear use is not momentum SGD.",
-                    equation=f"{w} = {format_form(form_w)}",
+                    equation=f"{w} = {format_form(form_w, [n for n in (_previous_by_name(index, w),) if n])}",
                     differing=f"{node.op_type}({', '.join(i for i in node.input if i)})",
                     score=1,
                     buffer=others[0],
@@ -386,7 +386,8 @@ def _solve_pair(
     rel: float,
     selection: tuple[str, Form, bool, str] | None,
 ) -> Match | Miss:
-    equation = LazyText(lambda: f"{w} = {format_form(form_w)};  {v} = {format_form(form_v)}")
+    first = [n for n in (_previous_by_name(index, w), _previous_by_name(index, v)) if n]
+    equation = LazyText(lambda: f"{w} = {format_form(form_w, first)};  {v} = {format_form(form_v, first[1:])}")
     best = Miss(w, "extra-term", f"{w} is not a momentum-SGD update of buffer {v}.", equation=equation, score=1)
     named_buffer = _previous_by_name(index, v)
     named_parameters = _previous_by_name(index, w)
@@ -406,9 +407,9 @@ def _solve_pair(
             return Miss(
                 w,
                 "buffer-not-own-previous",
-                f"{w}: its buffer update {v} = {format_form(form_v)} reads {', '.join(read)}, but its name says it "
-                f"is the next value of {named_buffer}; an in-place update would overwrite {named_buffer} with a "
-                "value computed from another buffer. Rename or rewire the buffers.",
+                f"{w}: its buffer update {v} = {format_form(form_v)} is computed from {' and '.join(read)}, not from "
+                f"{named_buffer}, whose next value its name says it is; an in-place update would overwrite "
+                f"{named_buffer} with a value computed from another buffer. Rename or rewire the buffers.",
                 equation=equation,
                 score=3,
             )
