@@ -3,14 +3,22 @@
 Ordering in-place state access (:func:`sgdfuse.lowering.state.order_state_access`) asks, for every reader of
 a state variable's old value, whether it already runs before the write (an ancestor of the writer), can only
 run after it (a descendant), or is unrelated (then a control edge is added). Walking the whole graph per
-variable makes lowering quadratic in the number of updates (a 3000-update graph took minutes). Here every op
-has a ``rank`` in a topological order, and walks are bounded by it: an ancestor of ``b`` ranks below ``b``,
-so a backward walk from ``b`` looking for ``a`` never enters an op ranked below ``a``. Such a walk covers only
-the ops ranked between reader and writer, in a training graph the update's own neighbourhood.
+variable makes lowering quadratic in the number of updates (a 3000-update graph took minutes). Here:
 
-Adding an edge that goes against the order re-ranks only the ops between its two ends (the online
-topological-order algorithm of Pearce and Kelly, "A dynamic topological sort algorithm for directed acyclic
-graphs", JEA 2006), so the order is built once and never recomputed.
+- every op has a ``rank`` in a topological order, so a query ``a ⇝ b`` with ``a`` ranked above ``b`` is
+  answered at once, and walks are bounded by rank: an op between ``a`` and ``b`` on a path ranks between
+  them. Adding an edge against the order re-ranks only the ops between its two ends (the online
+  topological-order algorithm of Pearce and Kelly, "A dynamic topological sort algorithm for directed
+  acyclic graphs", JEA 2006), so the order is built once and never recomputed;
+- a query walks from both ends at once (forward from ``a``, backward from ``b``, always the smaller
+  frontier), so it costs about twice the smaller of the two neighbourhoods: an update's descendants are a
+  few ops, so "does this reader depend on the update" is cheap;
+- in a deep network a forward op reading a weight reaches that weight's update only through the loss: the
+  path is as long as the network, for every weight. When a walk that finds its target has visited more than
+  ``hub_after`` ops, the op where the two walks met (on such paths, near the loss) becomes a *hub*: its
+  ancestors and descendants are collected once, and later queries whose ends lie on either side of a hub
+  are answered by two set look-ups. Edges are only ever added, so a hub's sets may miss new paths but never
+  claim a path that is not there; a query they do not answer walks as above.
 """
 
 from __future__ import annotations
@@ -30,7 +38,10 @@ class OpOrder:
     caller uses alongside the builder's own edits.
     """
 
-    def __init__(self, builder: GraphBuilder) -> None:
+    def __init__(self, builder: GraphBuilder, *, hub_after: int = 256, max_hubs: int = 16) -> None:
+        self.hub_after = hub_after
+        self.max_hubs = max_hubs
+        self._hubs: list[tuple[set[str], set[str]]] = []
         self.preds: dict[str, set[str]] = {name: set(builder.predecessors(name)) for name in builder.ops}
         self.succs: dict[str, set[str]] = {name: set() for name in builder.ops}
         for name, sources in self.preds.items():
@@ -98,18 +109,35 @@ class OpOrder:
                     stack.append(other)
         return seen
 
-    def ancestors_from(self, op: str, floor: int) -> set[str]:
-        """The ops ranked at least ``floor`` that ``op`` transitively waits for (``op`` excluded)."""
-        found = self._walk(op, self.preds, lambda r: r >= floor)
-        found.discard(op)
-        return found
-
     def reaches(self, source: str, target: str) -> bool:
-        """True when ``target`` transitively waits for ``source`` (a forward walk from ``source`` bounded by
-        ``target``'s rank)."""
-        if source == target:
+        """True when ``target`` transitively waits for ``source`` (see the module docstring)."""
+        if source == target or self.rank[source] > self.rank[target]:
             return False
-        ceiling = self.rank[target]
-        if self.rank[source] > ceiling:
-            return False
-        return target in self._walk(source, self.succs, lambda r: r <= ceiling)
+        for ancestors, descendants in self._hubs:
+            if source in ancestors and target in descendants:
+                return True
+        low, high = self.rank[source], self.rank[target]
+        forward, backward = {source}, {target}
+        ahead, behind = [source], [target]
+        while ahead and behind:
+            # Expand the smaller frontier by one op; the walks meet on a path if there is one.
+            if len(ahead) <= len(behind):
+                for other in self.succs[ahead.pop()]:
+                    if other in backward:
+                        return self._found(other, len(forward) + len(backward))
+                    if other not in forward and self.rank[other] < high:
+                        forward.add(other)
+                        ahead.append(other)
+            else:
+                for other in self.preds[behind.pop()]:
+                    if other in forward:
+                        return self._found(other, len(forward) + len(backward))
+                    if other not in backward and self.rank[other] > low:
+                        backward.add(other)
+                        behind.append(other)
+        return False
+
+    def _found(self, meeting: str, visited: int) -> bool:
+        if visited > self.hub_after and len(self._hubs) < self.max_hubs:
+            self._hubs.append((self._walk(meeting, self.preds, lambda r: True), self._walk(meeting, self.succs, lambda r: True)))
+        return True

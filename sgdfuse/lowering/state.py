@@ -65,8 +65,8 @@ Values before the write
     control edge. The computed value of an ``Assign`` is a separate tensor (``SelectV2``, ``Expand``... are
     not aliases), so its other readers need no ordering.
 
-    Cost: reachability questions are answered by walks bounded by a topological rank
-    (:mod:`sgdfuse.lowering.dag`), over the ops between a reader and its writer only.
+    Cost: reachability questions are answered by :class:`sgdfuse.lowering.dag.OpOrder` (walks bounded by a
+    topological rank from both ends, and hubs for the long paths through a loss), not by whole-graph walks.
 
 Source of the op prototypes: shared/LOWERING-FACTS.md ("The operator prototypes") and the GE op IR
 (``Variable``: input x, output y; ``Assign``: ref, value → ref; ``TensorMove``: x → y, "copy data from x to
@@ -527,19 +527,13 @@ def order_state_access(graph: GraphLowering) -> None:
             for reader in dict.fromkeys(readers.get(endpoint, ()))
             if reader not in writers and reader not in graph.after_write
         ]
-        if not reads:
-            continue
-        # Every candidate ranks at least `floor`, so ancestors below it never matter.
-        floor = min(min(order.rank[reader] for _, reader in reads), order.rank[first])
-        before = order.ancestors_from(first, floor)
         for endpoint, reader in reads:
-            if reader in before:
+            if order.reaches(reader, first):  # already runs before the write
                 continue
             record = builder.ops[reader]
             if record.type != "NetOutput" and not order.reaches(first, reader):
                 builder.add_control(first, reader)
                 order.add_edge(reader, first)
-                before |= {reader} | order.ancestors_from(reader, floor)
                 continue
             # The reader cannot run before the write: give it a copy taken before the write.
             source = builder.ops[endpoint[0]].output(endpoint[1])
@@ -548,7 +542,6 @@ def order_state_access(graph: GraphLowering) -> None:
             order.add_op(snapshot.name, [endpoint[0]])
             order.add_edge(snapshot.name, first)
             order.add_edge(snapshot.name, reader)
-            before.add(snapshot.name)
             record.inputs = [(port, snapshot.output(0) if t is not None and (t.op, t.index) == endpoint else t) for port, t in record.inputs]
             readers[endpoint] = [r for r in readers[endpoint] if r != reader] + [snapshot.name]
             readers[(snapshot.name, 0)] = [reader]
