@@ -55,7 +55,7 @@ def test_per_element_learning_rate_names_the_product_not_an_internal_value():
     b.add(b.mul(buf, b.scalar(0.9)), g, out="buf_out")
     b.sub(p, b.mul("buf_out", lr), out="p_out")
     refusals = _refusals(b.model(["p_out", "buf_out"]))
-    assert [(r.candidate, r.reason) for r in refusals] == [("p_out", "nonlinear-term")]
+    assert [(r.candidate, r.reason) for r in refusals] == [("p_out", "tensor-factor")]
     assert "lr_per_element" in refusals[0].detail and refusals[0].differing == "Mul(buf_out, lr_per_element)"
 
 

@@ -143,7 +143,7 @@ REASONS = {
     "mixed-precision": "the update is computed in a different precision than the parameters",
     "shared-state": "another update already uses this parameter or buffer",
     "verification-failed": "onnxruntime found the fused update computes different numbers",
-    "nonlinear-term": "the buffer enters the parameter update through a non-scalar product (per-element learning rate)",
+    "tensor-factor": "the buffer is multiplied by a tensor of several elements (a per-element learning rate)",
     "gradient-mixes-tensors": "the gradient weighs several tensors differently (weight decay on another tensor)",
     "first-step-unsupported": "the first-step rule is not expressible with the contract's stat flag",
     "buffer-not-own-previous": "the buffer update reads a different tensor than the buffer it replaces",
@@ -289,12 +289,14 @@ def _no_buffer_miss(index: GraphIndex, w: str, form_w: Form, outputs_by_canonica
             others = [o for o in outputs_by_canonical.get(_skip_copies(index, operand), ()) if o != w] if operand else []
             if others and index.spec(operand).num_elements() != 1:
                 other = [i for i in node.input if i and i != operand]
+                shapes = ", ".join(f"{name} (shape {_shape_text(index, name)})" for name in other) or "another operand"
                 return Miss(
                     w,
-                    "nonlinear-term",
-                    f"{w} reads the buffer {others[0]} through {node.op_type} node {node.name or leaf} with "
-                    f"{', '.join(other) or 'another operand'}, which is not a scalar: a per-element learning rate "
-                    "or other non-linear use is not momentum SGD.",
+                    "tensor-factor",
+                    f"{w} multiplies the buffer {others[0]} ({node.op_type} node {node.name or leaf}) by {shapes}, a "
+                    "tensor of more than one element rather than one scalar: the SGD operator's learning rate is a "
+                    "single number, so a per-element learning rate (or any per-element factor on the buffer) cannot "
+                    "be fused. A learning rate of one element, of any shape, would be.",
                     equation=f"{w} = {format_form(form_w, [n for n in (_previous_by_name(index, w),) if n])}",
                     differing=f"{node.op_type}({', '.join(i for i in node.input if i)})",
                     score=1,
@@ -310,6 +312,11 @@ def _no_buffer_miss(index: GraphIndex, w: str, form_w: Form, outputs_by_canonica
         equation=f"{w} = {format_form(form_w, order)}",
         score=0,
     )
+
+
+def _shape_text(index: GraphIndex, name: str) -> str:
+    shape = index.spec(name).shape
+    return "unknown" if shape is None else "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
 def _looks_like_update(index: GraphIndex, w: str, form_w: Form) -> bool:
@@ -595,7 +602,17 @@ def _solve_roles(
 
     mixed = _mixed_gradient(normaliser, g, rel)
     if mixed is not None:
-        return Miss(w, "gradient-mixes-tensors", mixed, equation=equation, score=5)
+        form_g = normaliser.form(g)
+        main = max(form_g, key=lambda leaf: abs(next(iter(form_g[leaf].terms.values()), 0.0)))
+        return Miss(
+            w,
+            "gradient-mixes-tensors",
+            mixed,
+            equation=LazyText(lambda: f"{v} = {format_form(form_v, [a])};  {g} = {format_form(form_g, [main])}"),
+            nearest=f"{g} = {main}",
+            differing=", ".join(f"{format_poly(c)}*{leaf}" for leaf, c in form_g.items() if leaf != main),
+            score=5,
+        )
     if not k.is_constant or not vp.is_constant:
         return Miss(
             w,
@@ -690,9 +707,14 @@ def _mixed_gradient(normaliser: Normaliser, g: str, rel: float) -> str | None:
     first = weights[0]
     if all(_close(w, first, rel) for w in weights[1:]):
         return None
+    leaves = sorted(form, key=lambda leaf: -abs(next(iter(form[leaf].terms.values()), 0.0)))
+    main, extra = leaves[0], leaves[1:]
     return (
-        f"the gradient {g} = {format_form(form)} weighs tensors differently; a weighted term on a tensor other "
-        "than the parameters (weight decay of another tensor, say) is not part of momentum SGD."
+        f"the buffer's gradient term {g} = {format_form(form, [main])} adds {', '.join(extra)} with a different "
+        f"weight than {main}. sgdfuse takes as the gradient one tensor, or a sum of contributions with one common "
+        "weight (accumulated micro-batches); a differently weighted extra tensor is read as weight decay applied "
+        f"to a tensor other than the parameters, which momentum SGD does not do. If {g} really is the gradient, "
+        "feed it to the step as a graph input so the update reads it as one tensor."
     )
 
 
