@@ -604,13 +604,16 @@ def _solve_roles(
     if mixed is not None:
         form_g = normaliser.form(g)
         main = max(form_g, key=lambda leaf: abs(next(iter(form_g[leaf].terms.values()), 0.0)))
+        buffer_text = format_form({a: m, g: k}, [a, g])
         return Miss(
             w,
             "gradient-mixes-tensors",
             mixed,
-            equation=LazyText(lambda: f"{v} = {format_form(form_v, [a])};  {g} = {format_form(form_g, [main])}"),
-            nearest=f"{g} = {main}",
-            differing=", ".join(f"{format_poly(c)}*{leaf}" for leaf, c in form_g.items() if leaf != main),
+            equation=LazyText(
+                lambda: f"{w} = {p} - {format_poly(lr)}*{v};  {v} = {buffer_text};  {g} = {format_form(form_g, [main])}"
+            ),
+            nearest=f"{v} = {format_form({a: m, main: k * form_g[main]}, [a, main])}",
+            differing=", ".join(f"{format_poly(c * k)}*{leaf} in {v}" for leaf, c in form_g.items() if leaf != main),
             score=5,
         )
     if not k.is_constant or not vp.is_constant:
@@ -713,8 +716,9 @@ def _mixed_gradient(normaliser: Normaliser, g: str, rel: float) -> str | None:
         f"the buffer's gradient term {g} = {format_form(form, [main])} adds {', '.join(extra)} with a different "
         f"weight than {main}. sgdfuse takes as the gradient one tensor, or a sum of contributions with one common "
         "weight (accumulated micro-batches); a differently weighted extra tensor is read as weight decay applied "
-        f"to a tensor other than the parameters, which momentum SGD does not do. If {g} really is the gradient, "
-        "feed it to the step as a graph input so the update reads it as one tensor."
+        f"to a tensor other than the parameters, which momentum SGD does not do. If {', '.join(extra)} genuinely "
+        f"belongs to the gradient, give the step {g} as one tensor, e.g. as a graph input: sgdfuse looks through "
+        "elementwise sums, so a sum written in front of the update is read as part of the update."
     )
 
 
