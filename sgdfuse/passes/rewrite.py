@@ -257,7 +257,7 @@ class Planner:
         # General case: Σ c·Π symbol^k evaluated in FLOAT, then cast to the parameters' dtype.
         total: str | None = None
         for monomial, coefficient in sorted(poly.terms.items()):
-            term = self._float_constant(coefficient, f"{base}/coefficient", nodes)
+            term = self._const_node_value(coefficient, f"{base}/coefficient", nodes)
             for symbol, power in monomial:
                 as_float = self._fresh(f"{base}/{symbol}_float")
                 nodes.append(helper.make_node("Cast", [symbol], [as_float], to=onnx.TensorProto.FLOAT, name=self._fresh(f"{base}/Cast")))
@@ -284,16 +284,6 @@ class Planner:
         result = self._fresh(base)
         nodes.append(helper.make_node("Cast", [shaped], [result], to=dtype, name=self._fresh(f"{base}/Cast")))
         return result
-
-    def _float_constant(self, value: float, base: str, nodes: list[onnx.NodeProto]) -> str:
-        name = self._fresh(base)
-        nodes.append(
-            helper.make_node(
-                "Constant", [], [name], name=self._fresh(f"{base}/Constant"),
-                value=numpy_helper.from_array(np.array(value, dtype=np.float32), name="value"),
-            )
-        )
-        return name
 
 
 def describe_scalar(poly: Poly) -> str | float:
