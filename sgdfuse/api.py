@@ -23,7 +23,7 @@ from sgdfuse.passes.index import build_index
 from sgdfuse.passes.linear import Normaliser
 from sgdfuse.passes.onnx_momentum import TRAINING_DOMAIN, convert_momentum_nodes
 from sgdfuse.passes import traffic
-from sgdfuse.passes.rewrite import Planner, apply_plans, describe_scalar
+from sgdfuse.passes.rewrite import Planner, apply_plans, describe_scalar, shortest_float32
 from sgdfuse.passes.sgd_match import Match, Miss, find_updates
 from sgdfuse.report import FusedUpdate, Refusal, Report, Verification
 from sgdfuse.contract import dtype_name
@@ -309,11 +309,11 @@ def _momentum_entry(c) -> FusedUpdate:
         parameters_out=c.parameters_out,
         accum_out=c.accum_out,
         learning_rate=c.learning_rate,
-        momentum=_short(c.momentum),
+        momentum=shortest_float32(c.momentum),
         learning_rate_input=c.learning_rate,
         momentum_input="",
-        dampening=_short(c.dampening),
-        weight_decay=_short(c.weight_decay),
+        dampening=shortest_float32(c.dampening),
+        weight_decay=shortest_float32(c.weight_decay),
         nesterov=c.nesterov,
         maximize=False,
         stat=f"1 where {c.step_count} <= 0 (ONNX Momentum's first step: beta_adjusted = 1), else 0",
@@ -341,8 +341,8 @@ def _fused_entry(plan, index) -> FusedUpdate:
         momentum=describe_scalar(match.momentum),
         learning_rate_input=plan.learning_rate_input,
         momentum_input=plan.momentum_input,
-        dampening=_short(match.dampening),
-        weight_decay=_short(match.weight_decay),
+        dampening=shortest_float32(match.dampening),
+        weight_decay=shortest_float32(match.weight_decay),
         nesterov=bool(match.nesterov),
         maximize=bool(match.maximize),
         stat=plan.stat,
@@ -353,13 +353,6 @@ def _fused_entry(plan, index) -> FusedUpdate:
         matched_nodes=len(match.nodes),
         source="pattern" if match.first_step is None else "pattern with first-step Where",
     )
-
-
-def _short(value: float) -> float:
-    # Attributes are stored as FLOAT: report the shortest decimal that round-trips there.
-    import numpy as np
-
-    return float(str(np.float32(value)))
 
 
 def _tolerance_text() -> str:

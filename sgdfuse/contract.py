@@ -36,6 +36,7 @@ __all__ = [
     "PRODUCT_LINES",
     "product_line_for_soc",
     "dtype_name",
+    "format_shape",
 ]
 
 
@@ -212,12 +213,12 @@ def check_signature(
             raise ShapeContractError(
                 f"{port.name} has the shape of parameters",
                 spec.name,
-                f"shape {_fmt(spec.shape)} differs from parameters {parameters.name} {_fmt(parameters.shape)}",
+                f"shape {format_shape(spec.shape)} differs from parameters {parameters.name} {format_shape(parameters.shape)}",
             )
     for port, spec in ((INPUTS[2], learning_rate), (INPUTS[4], momentum)):
         count = spec.num_elements()
         if count is not None and count != 1:
-            raise ShapeContractError(f"{port.name} holds exactly 1 element", spec.name, f"shape {_fmt(spec.shape)} holds {count}")
+            raise ShapeContractError(f"{port.name} holds exactly 1 element", spec.name, f"shape {format_shape(spec.shape)} holds {count}")
 
 
 def _same_shape(a: tuple | None, b: tuple | None) -> bool:
@@ -234,7 +235,8 @@ def _same_shape(a: tuple | None, b: tuple | None) -> bool:
     return True
 
 
-def _fmt(shape: tuple | None) -> str:
+def format_shape(shape: tuple | None) -> str:
+    """``[4, 3]``, ``[n, ?]`` (symbolic and unknown dimensions), or ``unknown`` for an unknown rank."""
     return "unknown" if shape is None else "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
@@ -279,7 +281,7 @@ class ProductLine:
             raise ProductLineError(
                 f"{self.name}: no dynamic shape",
                 f"node {node}, tensor {parameters.name}",
-                f"shape {_fmt(parameters.shape)} is dynamic; {self.name} supports static shapes only",
+                f"shape {format_shape(parameters.shape)} is dynamic; {self.name} supports static shapes only",
             )
 
 

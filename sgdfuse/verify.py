@@ -32,7 +32,7 @@ from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.rewrite import Plan, _reads
 from sgdfuse.runtime import make_session, onnx_to_numpy_dtype, run
 
-__all__ = ["OPERATIONS", "UpdateCheck", "ModelCheck", "verify_plans", "check_models", "error_bound", "error_bound_values", "unit_roundoff"]
+__all__ = ["OPERATIONS", "UpdateCheck", "ModelCheck", "verify_plans", "check_models", "error_bound", "error_bound_values", "unit_roundoff", "difference"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,18 @@ def error_bound_values(
     u = _UNIT_ROUNDOFF[dtype]
     floor = 4 * _SMALLEST_SUBNORMAL[dtype]
     return 2 * OPERATIONS * u * s_weights + floor, 2 * OPERATIONS * u * s_buffer + floor
+
+
+def difference(want: np.ndarray, have: np.ndarray) -> np.ndarray:
+    """Elementwise |have - want| in float64; equal values (Inf included) and NaN against NaN count 0, any other
+    NaN or Inf mismatch counts Inf. Non-float arrays: 0 where equal, Inf where not."""
+    want, have = np.asarray(want), np.asarray(have)
+    if want.dtype.kind not in "fV" and want.dtype.name != "bfloat16":
+        return np.where(want == have, 0.0, np.inf)
+    want, have = want.astype(np.float64), have.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        same = (want == have) | (np.isnan(want) & np.isnan(have))
+        return np.nan_to_num(np.where(same, 0.0, np.abs(have - want)), nan=np.inf)
 
 
 def _slice_model(
@@ -262,16 +274,12 @@ def _verify_batch(
             bound_w, bound_v = error_bound(plan, feeds[match.parameters], gradient, feeds[match.accum], lr, match.dtype)
             entry = checks[match.parameters_out]
             for name, bound in ((match.parameters_out, bound_w), (match.accum_out, bound_v)):
-                want = np.asarray(got_original[name], dtype=np.float64)
-                have = np.asarray(got_fused[name], dtype=np.float64)
+                want, have = np.asarray(got_original[name]), np.asarray(got_fused[name])
                 if want.shape != have.shape:
                     entry[2] = False
                     entry[3] = f"step {step + 1}: {name} has shape {have.shape}, the original {want.shape}"
                     continue
-                with np.errstate(invalid="ignore"):
-                    same_special = (want == have) | (np.isnan(want) & np.isnan(have))
-                    error = np.where(same_special, 0.0, np.abs(have - want))
-                error = np.nan_to_num(error, nan=np.inf)
+                error = difference(want, have)
                 ratio = float(np.max(error / bound)) if error.size else 0.0
                 entry[0] = max(entry[0], float(np.max(error)) if error.size else 0.0)
                 entry[1] = max(entry[1], ratio)
@@ -279,8 +287,8 @@ def _verify_batch(
                     worst = int(np.argmax(error / bound))
                     entry[2] = False
                     entry[3] = (
-                        f"step {step + 1}: {name}[{worst}] is {have.reshape(-1)[worst]!r} fused vs "
-                        f"{want.reshape(-1)[worst]!r} original; |difference| {error.reshape(-1)[worst]:.3g} exceeds "
+                        f"step {step + 1}: {name}[{worst}] is {float(have.reshape(-1)[worst])!r} fused vs "
+                        f"{float(want.reshape(-1)[worst])!r} original; |difference| {error.reshape(-1)[worst]:.3g} exceeds "
                         f"the bound {bound.reshape(-1)[worst]:.3g}"
                     )
         # Next step: the original's new state, fresh gradients and other inputs.
@@ -385,8 +393,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         want_all = run(original_session, feeds, outputs + list(dict.fromkeys(extra)))
         have_all = run(fused_session, feeds, outputs)
         for name in outputs:
-            want = np.asarray(want_all[name]).astype(np.float64) if want_all[name].dtype.kind in "fcV" or want_all[name].dtype.name == "bfloat16" else want_all[name]
-            have = np.asarray(have_all[name]).astype(np.float64) if have_all[name].dtype.kind in "fcV" or have_all[name].dtype.name == "bfloat16" else have_all[name]
+            want, have = np.asarray(want_all[name]), np.asarray(have_all[name])
             entry = results[name]
             if want.shape != have.shape:
                 entry.update(passed=False, message=f"step {step + 1}: shape {have.shape} vs {want.shape}")
@@ -400,12 +407,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
                 bound = bounds[0] if role == "weights" else bounds[1]
             else:
                 bound = np.zeros(want.shape)
-            if want.dtype.kind in "f":
-                with np.errstate(invalid="ignore"):
-                    same = (want == have) | (np.isnan(want) & np.isnan(have))
-                    error = np.nan_to_num(np.where(same, 0.0, np.abs(have - want)), nan=np.inf)
-            else:
-                error = (want != have).astype(np.float64)
+            error = difference(want, have)
             worst = float(np.max(error)) if error.size else 0.0
             entry["max_abs_error"] = max(entry["max_abs_error"], worst)
             over = error > bound
@@ -416,8 +418,8 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
                 if entry["passed"]:
                     entry.update(
                         passed=False,
-                        message=f"step {step + 1}: element {k} is {have.reshape(-1)[k]!r} vs {want.reshape(-1)[k]!r} "
-                        f"(allowed difference {bound.reshape(-1)[k]:.3g})",
+                        message=f"step {step + 1} (of {steps}): element {k} is {float(have.reshape(-1)[k])!r} fused vs "
+                        f"{float(want.reshape(-1)[k])!r} original (allowed difference {bound.reshape(-1)[k]:.3g})",
                     )
             elif error.size and np.any(bound > 0):
                 entry["max_bound_ratio"] = max(entry["max_bound_ratio"], float(np.max(error / np.where(bound > 0, bound, np.inf))))

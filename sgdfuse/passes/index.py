@@ -61,10 +61,6 @@ class GraphIndex:
         """Static shape and dtype of ``value`` (shape None and dtype 0 when unknown)."""
         return self.specs.get(value) or TensorSpec(value, None, 0)
 
-    def is_graph_input(self, value: str) -> bool:
-        """True for a graph input that is not also an initializer (a real runtime input)."""
-        return value in self._input_set and value not in self.initializers
-
     def constant(self, value: str) -> np.ndarray | None:
         """The value of a small compile-time constant: an initializer that is not a graph input, or a
         ``Constant`` node's output, holding at most :data:`SMALL_CONSTANT_ELEMENTS` elements; else None.

@@ -111,21 +111,6 @@ class Poly:
         ((monomial, value),) = self.terms.items()
         return Poly({tuple((s, -p) for s, p in monomial): 1.0 / value})
 
-    def symbols(self) -> set[str]:
-        """The symbol names this polynomial mentions."""
-        return {s for m in self.terms for s, _ in m}
-
-    def close_to(self, other: "Poly", rel: float) -> bool:
-        """True when ``self`` and ``other`` differ in every monomial by at most ``rel`` relative to the
-        larger of the two coefficients (or to ``1`` for the constant monomial when both are tiny)."""
-        for monomial in set(self.terms) | set(other.terms):
-            a, b = self.terms.get(monomial, 0.0), other.terms.get(monomial, 0.0)
-            if math.isnan(a) or math.isnan(b):
-                return False
-            if abs(a - b) > rel * max(abs(a), abs(b)):
-                return False
-        return True
-
 
 def _multiply_monomials(a: Monomial, b: Monomial) -> Monomial:
     if not a:
@@ -316,24 +301,19 @@ class Normaliser:
         if op == "Sum":
             return ("sum", [(i, one) for i in inputs if i])
         if op == "Mul" and len(inputs) == 2:
-            a, b = self._as_scalar_factor(inputs[0]), self._as_scalar_factor(inputs[1])
+            a, b = self.scalar(inputs[0]), self.scalar(inputs[1])
             if a is not None and b is None:
                 return ("sum", [(inputs[1], a)])
             if b is not None and a is None:
                 return ("sum", [(inputs[0], b)])
             return None  # a product of two tensors (or of two scalars, which a caller reads as a scalar)
         if op == "Div" and len(inputs) == 2:
-            if self._as_scalar_factor(inputs[0]) is not None:
+            if self.scalar(inputs[0]) is not None:
                 return None
-            b = self._as_scalar_factor(inputs[1])
+            b = self.scalar(inputs[1])
             inverse = b.inverse() if b is not None else None
             return None if inverse is None else ("sum", [(inputs[0], inverse)])
         return None
-
-    def _as_scalar_factor(self, value: str) -> Poly | None:
-        # A scalar operand of a tensor op: it must not widen the result beyond the other operand, which the
-        # role solver checks by comparing leaf shapes with the result's shape.
-        return self.scalar(value)
 
     def _form_from_operands(self, value: str) -> Form:
         plan = self._plan(value)

@@ -212,7 +212,7 @@ def _check(
 ) -> str:
     """Run the node (ReferenceEvaluator) and its conversion (onnxruntime) on the same inputs with T = 0, 1,
     ...; "" when every output is within the verification bound, else what differed."""
-    from sgdfuse.verify import error_bound_values
+    from sgdfuse.verify import difference, error_bound_values
 
     inputs = list(dict.fromkeys(i for i in node.input if i))
     outputs = list(node.output)
@@ -258,7 +258,7 @@ def _check(
             for name, bound in zip((c.parameters_out, c.accum_out), bounds):
                 w = np.asarray(want[name], dtype=np.float64)
                 h = np.asarray(have[name], dtype=np.float64)
-                error = np.abs(h - w)
+                error = difference(w, h)
                 c.max_abs_error = max(c.max_abs_error, float(np.max(error)))
                 if np.any(~(error <= bound)):
                     k = int(np.argmax(error - bound))

@@ -286,12 +286,15 @@ class Planner:
         return result
 
 
+def shortest_float32(value: float) -> float:
+    """``value`` as stored in a FLOAT attribute or tensor, written as the shortest decimal that round-trips
+    there: 0.01, not 0.009999999776482582."""
+    return float(str(np.float32(value)))
+
+
 def describe_scalar(poly: Poly) -> str | float:
     """A report value for a coefficient: a float for a constant, else its expression over graph values."""
-    if poly.is_constant:
-        # The shortest decimal that round-trips in FLOAT: 0.01, not 0.009999999776482582.
-        return float(str(np.float32(poly.constant_value)))
-    return format_poly(poly)
+    return shortest_float32(poly.constant_value) if poly.is_constant else format_poly(poly)
 
 
 def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]) -> onnx.ModelProto:

@@ -22,7 +22,7 @@ import logging
 
 import onnx
 
-from sgdfuse.contract import TensorSpec, check_attributes, dtype_name
+from sgdfuse.contract import TensorSpec, check_attributes, dtype_name, format_shape
 from sgdfuse.errors import ContractError
 from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.linear import ONE, Form, Normaliser, Poly, add_forms, format_form, format_poly, scale_form
@@ -289,7 +289,7 @@ def _no_buffer_miss(index: GraphIndex, w: str, form_w: Form, outputs_by_canonica
             others = [o for o in outputs_by_canonical.get(_skip_copies(index, operand), ()) if o != w] if operand else []
             if others and index.spec(operand).num_elements() != 1:
                 other = [i for i in node.input if i and i != operand]
-                shapes = ", ".join(f"{name} (shape {_shape_text(index, name)})" for name in other) or "another operand"
+                shapes = ", ".join(f"{name} (shape {format_shape(index.spec(name).shape)})" for name in other) or "another operand"
                 return Miss(
                     w,
                     "tensor-factor",
@@ -312,11 +312,6 @@ def _no_buffer_miss(index: GraphIndex, w: str, form_w: Form, outputs_by_canonica
         equation=f"{w} = {format_form(form_w, order)}",
         score=0,
     )
-
-
-def _shape_text(index: GraphIndex, name: str) -> str:
-    shape = index.spec(name).shape
-    return "unknown" if shape is None else "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
 def _looks_like_update(index: GraphIndex, w: str, form_w: Form) -> bool:
