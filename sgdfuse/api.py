@@ -195,6 +195,7 @@ def optimize(
     steps: int = 3,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    allow_rounding: bool = False,
 ) -> OptimizeResult:
     """Fuse every momentum-SGD update of an ONNX model into ``ai.sgdfuse::SGD`` nodes.
 
@@ -207,6 +208,10 @@ def optimize(
         seed: seed of the check's random inputs.
         progress: called with the name of each stage as it starts (``"load"``, ``"index"``, ``"match"``,
             ``"verify"``, ``"rewrite"``), for progress display.
+        allow_rounding: fuse an update even when the op, which takes learning rate and momentum in the
+            parameters' dtype, rounds the graph's values (a FLOAT 0.1 in a BFLOAT16 model becomes
+            0.10009765625); the report lists each rounded value. By default such an update is refused
+            (``hyperparameter-precision``).
 
     Returns:
         :class:`OptimizeResult` with the new model and the report.
@@ -217,24 +222,38 @@ def optimize(
     tell = progress or (lambda stage: None)
     tell("load")
     source_model, source, source_dir = _as_model(model)
-    report, plans, index, base = _analyse(source_model, source, verify=verify, steps=steps, seed=seed, tell=tell)
+    report, plans, index, base = _analyse(
+        source_model, source, verify=verify, steps=steps, seed=seed, tell=tell, allow_rounding=allow_rounding
+    )
     tell("rewrite")
     new_model = apply_plans(base, index, plans)
     report.nodes_after = len(new_model.graph.node)
     return OptimizeResult(new_model, report, source_dir)
 
 
-def inspect(model: str | os.PathLike | onnx.ModelProto, *, verify: bool = False, steps: int = 3, seed: int = 0) -> Report:
+def inspect(
+    model: str | os.PathLike | onnx.ModelProto, *, verify: bool = False, steps: int = 3, seed: int = 0, allow_rounding: bool = False
+) -> Report:
     """The analysis of :func:`optimize` with nothing rewritten (a dry run): which updates would fuse,
-    which candidates are refused and why. ``verify`` runs the differential check as well."""
+    which candidates are refused and why. ``verify`` runs the differential check as well;
+    ``allow_rounding`` as for :func:`optimize`."""
     source_model, source, _ = _as_model(model)
-    report, plans, _, _ = _analyse(source_model, source, verify=verify, steps=steps, seed=seed)
+    report, plans, _, _ = _analyse(source_model, source, verify=verify, steps=steps, seed=seed, allow_rounding=allow_rounding)
     report.written = False
     report.nodes_after = report.nodes_before
     return report
 
 
-def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, seed: int, tell: Callable[[str], None] = lambda stage: None):
+def _analyse(
+    model: onnx.ModelProto,
+    source: str,
+    *,
+    verify: bool,
+    steps: int,
+    seed: int,
+    tell: Callable[[str], None] = lambda stage: None,
+    allow_rounding: bool = False,
+):
     """Returns (report, plans, index, base): ``base`` is the model the plans apply to (``model`` with any
     ONNX ``Momentum`` nodes already converted)."""
     report = Report(source=source, nodes_before=len(model.graph.node))
@@ -260,7 +279,7 @@ def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, s
 
     tell("match")
     normaliser = Normaliser(index)
-    matches, found_misses = find_updates(index, normaliser)
+    matches, found_misses = find_updates(index, normaliser, allow_rounding=allow_rounding)
     misses.extend(found_misses)
 
     opset = function_opset(base)
@@ -337,8 +356,8 @@ def _fused_entry(plan, index) -> FusedUpdate:
         accum=match.accum,
         parameters_out=match.parameters_out,
         accum_out=match.accum_out,
-        learning_rate=describe_scalar(match.learning_rate),
-        momentum=describe_scalar(match.momentum),
+        learning_rate=match.rounded.get("learning_rate", describe_scalar(match.learning_rate)),
+        momentum=match.rounded.get("momentum", describe_scalar(match.momentum)),
         learning_rate_input=plan.learning_rate_input,
         momentum_input=plan.momentum_input,
         dampening=shortest_float32(match.dampening),
@@ -352,6 +371,7 @@ def _fused_entry(plan, index) -> FusedUpdate:
         accum_equation=str(match.accum_equation),
         matched_nodes=len(match.nodes),
         source="pattern" if match.first_step is None else "pattern with first-step Where",
+        rounded={name: describe_scalar(match.learning_rate if name == "learning_rate" else match.momentum) for name in match.rounded},
     )
 
 

@@ -180,6 +180,9 @@ def optimize_command(
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Check every rewrite in onnxruntime before writing it."),
     steps: int = typer.Option(3, "--steps", min=1, help="Chained steps of the check."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    allow_rounding: bool = typer.Option(
+        False, "--allow-rounding", help="Fuse even when the op's dtype (the parameters') rounds the graph's learning rate or momentum."
+    ),
 ) -> None:
     """Fuse every momentum-SGD update of MODEL into one ai.sgdfuse::SGD node each, verify, and write the result."""
     mindir = model.name.endswith(".mindir")  # a MindSpore MindIR train step: sgdfuse.mindspore
@@ -195,7 +198,7 @@ def optimize_command(
         if mindir:
             result = optimize_mindir_file(model, verify=verify, steps=steps)
         else:
-            result = api.optimize(model, verify=verify, steps=steps, progress=tell)
+            result = api.optimize(model, verify=verify, steps=steps, progress=tell, allow_rounding=allow_rounding)
         tell("save")
         with OutputBatch() as batch:  # the model and the report are written together or not at all
             result.save(destination, batch=batch)
@@ -211,9 +214,12 @@ def inspect_command(
     model: Path = typer.Argument(..., help="ONNX training graph to analyse."),
     report_path: Optional[Path] = typer.Option(None, "--report", help="Write the report as JSON here."),
     verify: bool = typer.Option(False, "--verify/--no-verify", help="Also run the differential check."),
+    allow_rounding: bool = typer.Option(
+        False, "--allow-rounding", help="Accept a learning rate or momentum that the op's dtype rounds."
+    ),
 ) -> None:
     """Report which updates of MODEL would fuse and why the other candidates would not; write nothing else."""
-    report = api.inspect(model, verify=verify)
+    report = api.inspect(model, verify=verify, allow_rounding=allow_rounding)
     if report_path is not None:
         _write_text(report_path, report.to_json())
     _print_report(report)

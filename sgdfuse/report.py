@@ -45,6 +45,8 @@ class FusedUpdate:
             before and after fusion (see :mod:`sgdfuse.passes.traffic`); None when a shape is not static.
         source: how it was found: ``"pattern"`` (algebraic matching), ``"pattern with first-step Where"``,
             ``"onnx-momentum"`` (an ``ai.onnx.preview.training::Momentum`` node converted).
+        rounded: hyper-parameters the op's dtype rounds (only with rounding allowed): name → the graph's value;
+            ``learning_rate`` and ``momentum`` above are then the values the op uses.
     """
 
     node: str
@@ -70,6 +72,7 @@ class FusedUpdate:
     source: str = "pattern"
     traffic_before_bytes: int | None = None
     traffic_after_bytes: int | None = None
+    rounded: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto
 
 import sgdfuse
-from forms import SCALAR_STYLES, Builder, outputs_agree
+from forms import SCALAR_STYLES, Builder, np_dtype, outputs_agree
 
 LR, M, D, WD = 0.01, 0.9, 0.25, 1e-3
 
@@ -19,8 +19,8 @@ def _state(b: Builder):
     return b.tensor_input("p"), b.tensor_input("g"), b.tensor_input("buf")
 
 
-def _fuses_as(model, *, lr=LR, momentum=M, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, rtol=2e-5, gradient="g"):
-    result = sgdfuse.optimize(model)
+def _fuses_as(model, *, lr=LR, momentum=M, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, rtol=2e-5, gradient="g", allow_rounding=False):
+    result = sgdfuse.optimize(model, allow_rounding=allow_rounding)
     assert not result.report.refused, result.report
     assert len(result.report.fused) == 1, result.report
     f = result.report.fused[0]
@@ -168,12 +168,16 @@ def test_ema_momentum_is_contract_with_dampening_equal_momentum():
 
 
 def test_scaled_gradient_accumulation_is_momentum_one():
+    # buf_new = buf + 0.1*g. Read with gradient g it needs dampening 0.9, and the op forms 1 - 0.9 in float32
+    # as 0.100000024 where the graph has 0.1 (3 float32 spacings off); the graph's own value 0.1*g is the
+    # exact gradient, with dampening 0.
     c = 0.1
     b = Builder()
     p, g, buf = _state(b)
-    b.add(buf, b.mul(b.scalar(c), g), out="buf_new")
+    scaled = b.mul(b.scalar(c), g)
+    b.add(buf, scaled, out="buf_new")
     b.sub(p, b.mul(b.scalar(LR), "buf_new"), out="p_new")
-    _fuses_as(b.model(["p_new", "buf_new"]), momentum=1.0, dampening=1 - c)
+    _fuses_as(b.model(["p_new", "buf_new"]), momentum=1.0, dampening=0.0, gradient=scaled)
 
 
 @pytest.mark.parametrize("style", SCALAR_STYLES)
@@ -212,8 +216,10 @@ def test_float_learning_rate_input_cast_to_float16_parameters_fuses():
     p, g, buf = _state(b)
     lr = b.scalar_input("lr", dtype=TensorProto.FLOAT)
     v, _ = _buffer(b, p, g, buf)
-    b.sub(p, b.mul(b.op("Cast", lr, to=TensorProto.FLOAT16), v), out="p_new")
-    _fuses_as(b.model(["p_new", "buf_new"]), lr="lr", momentum=float(np.float16(M)), rtol=4e-3)
+    lr16 = b.op("Cast", lr, to=TensorProto.FLOAT16)
+    b.sub(p, b.mul(lr16, v), out="p_new")
+    # The graph multiplies by the FLOAT16 cast of lr: that cast value is the op's learning rate, unrounded.
+    _fuses_as(b.model(["p_new", "buf_new"]), lr=lr16, momentum=float(np.float16(M)), rtol=4e-3)
 
 
 @pytest.mark.parametrize("momentum", [M, 0.0])
@@ -235,8 +241,7 @@ def test_momentum_graph_input_fuses_and_keeps_the_graphs_momentum_zero_behaviour
     outputs_agree(model, result.model, rtol=2e-5, momentum=momentum)
 
 
-@pytest.mark.parametrize("dtype", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
-def test_low_precision_update_computed_in_float_between_casts_fuses(dtype):
+def _low_precision_state_float_math(dtype):
     b = Builder(dtype=dtype)
     p, g, buf = _state(b)
     f = TensorProto.FLOAT
@@ -244,8 +249,31 @@ def test_low_precision_update_computed_in_float_between_casts_fuses(dtype):
     v32 = b.add(b.mul(b32, b.scalar(M, dtype=f)), b.mul(g32, b.scalar(1 - D, dtype=f)))
     b.op("Cast", v32, out="buf_new", to=dtype)
     b.op("Cast", b.sub(p32, b.mul(b.scalar(LR, dtype=f), v32)), out="p_new", to=dtype)
-    # One rounding at the end on both sides; FLOAT order differences may flip a half-way rounding: 1 ulp.
-    _fuses_as(b.model(["p_new", "buf_new"]), dampening=D, rtol=2e-3 if dtype == TensorProto.FLOAT16 else 1.6e-2)
+    return b.model(["p_new", "buf_new"])
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
+def test_low_precision_state_with_float_constants_is_refused_as_hyperparameter_precision(dtype):
+    # The graph computes in FLOAT with FLOAT lr 0.01 and momentum 0.9; the op would take both in the
+    # parameters' dtype (FLOAT16 0.0099983215, BFLOAT16 0.010009765625), a change far beyond FLOAT rounding.
+    result = sgdfuse.optimize(_low_precision_state_float_math(dtype))
+    assert not result.report.fused
+    [refusal] = result.report.refused
+    assert refusal.reason == "hyperparameter-precision", refusal
+    want = float(np.array(LR, dtype=np.float32).astype(np_dtype(dtype)))
+    assert f"{want:.9g}"[:6] in refusal.detail, refusal.detail
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
+def test_low_precision_update_computed_in_float_between_casts_fuses_when_rounding_is_allowed(dtype):
+    # One rounding at the end on both sides; FLOAT order differences may flip a half-way rounding: 1 ulp,
+    # and lr/momentum in the parameters' dtype change the step by their relative rounding.
+    result = _fuses_as(
+        _low_precision_state_float_math(dtype), dampening=D, rtol=2e-3 if dtype == TensorProto.FLOAT16 else 1.6e-2, allow_rounding=True,
+        lr=float(np.array(LR, dtype=np.float32).astype(np_dtype(dtype))), momentum=float(np.array(M, dtype=np.float32).astype(np_dtype(dtype))),
+    )
+    assert set(result.report.fused[0].rounded) == {"learning_rate", "momentum"}
+    assert result.report.fused[0].rounded["learning_rate"] == pytest.approx(LR)
 
 
 def test_float_buffer_with_float16_parameters_is_refused_as_mixed_precision():
@@ -308,7 +336,9 @@ def test_first_step_with_other_rule_is_refused():
     step = b.scalar_input("step", dtype=TensorProto.INT64)
     is_first = b.op("Equal", step, b._int64(0))
     later = b.add(b.mul(buf, b.scalar(M)), g)
-    b.op("Where", is_first, b.mul(g, b.scalar(0.5)), later, out="buf_new")
+    # First step m'*buf + g with m' = 0.5: the contract's stat = 1 step is either g (buffer fed as 0) or
+    # m*buf + g with the later steps' momentum 0.9; neither.
+    b.op("Where", is_first, b.add(b.mul(buf, b.scalar(0.5)), g), later, out="buf_new")
     b.sub(p, b.mul(b.scalar(LR), "buf_new"), out="p_new")
     result = sgdfuse.optimize(b.model(["p_new", "buf_new"]))
     assert not result.report.fused

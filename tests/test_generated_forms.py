@@ -168,13 +168,22 @@ def test_random_equivalent_forms_fuse_with_the_drawn_hyperparameters(d, data):
         COUNTS["missed_fusions"] += 1
         pytest.fail(f"missed fusion for {d}: {report}")
     f = report.fused[0]
-    assert (f.parameters, f.gradient if not d.maximize else "g", f.accum) == ("p", "g", "buf")
+    assert (f.parameters, f.accum) == ("p", "buf")
     assert f.momentum == pytest.approx(d.momentum, rel=1e-5)
-    assert f.dampening == pytest.approx(d.dampening, rel=1e-4, abs=1e-6)
-    assert f.weight_decay == pytest.approx(d.weight_decay, rel=1e-4, abs=1e-8)
+    value_reading = f.gradient != "g"
+    if not value_reading:
+        assert f.dampening == pytest.approx(d.dampening, rel=1e-4, abs=1e-6)
+    else:
+        # The graph's own (1-d)*g value read as the gradient, with dampening 0: chosen only when the op,
+        # forming 1 - d in float32 from the drawn d, would not give the graph's coefficients as exactly.
+        # The numbers are checked below.
+        assert f.dampening == 0.0
+    if not value_reading:
+        assert f.weight_decay == pytest.approx(d.weight_decay, rel=1e-4, abs=1e-8)
     assert f.learning_rate == pytest.approx(d.lr, rel=1e-5)
-    assert f.nesterov == d.nesterov and f.maximize == d.maximize
-    if COUNTS["equivalent"] % NUMERIC_EVERY == 0:
+    # A value reading carries the sign of a maximize step in the value (s*(1-d)*g) itself.
+    assert f.nesterov == d.nesterov and (value_reading or f.maximize == d.maximize)
+    if COUNTS["equivalent"] % NUMERIC_EVERY == 0 or value_reading:
         COUNTS["numeric_checks"] += 1
         outputs_agree(model, sgdfuse.optimize(model).model, rtol=1e-4)
 

@@ -302,10 +302,17 @@ def test_float16_update_reading_the_rounded_buffer_back_in_float_is_refused_as_m
     assert "FLOAT" in refusal.detail and _names(refusal.detail, "buf_out"), refusal.detail
 
 
+def test_float16_update_with_float_constants_is_refused_unless_rounding_is_allowed():
+    # FLOAT math with FLOAT lr 0.1 and momentum 0.9: the op takes both in FLOAT16 (0.099975586, 0.89990234).
+    refusal = _refusal(_float16_state_float_math("float"))
+    assert refusal.reason == "hyperparameter-precision", refusal
+    assert "0.0999755859" in refusal.detail and "0.1" in refusal.detail, refusal.detail
+
+
 def test_float16_update_computed_wholly_in_float_between_casts_fuses_and_agrees():
     # The contract's own computation: FLOAT intermediates, one round-to-nearest-even at the end.
     model = _float16_state_float_math("float")
-    result = api.optimize(model)
+    result = api.optimize(model, allow_rounding=True)
     [fused] = result.report.fused
     assert (fused.parameters, fused.gradient, fused.accum, fused.dtype) == ("p", "g", "buf", "FLOAT16")
     feeds = random_feeds(model, seed=5)

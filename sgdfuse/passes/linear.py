@@ -174,6 +174,10 @@ class Normaliser:
         self._scalars: dict[str, Poly | None] = {}
         self._plans: dict[str, tuple[str, list[tuple[str, Poly]]] | None] = {}
         self._cones: dict[str, tuple[set[int], set[str]]] = {}
+        self.cancelled: dict[str, str] = {}
+        """Values whose form or scalar lost a leaf or a symbol that its operands had (``(x + z) - z``,
+        ``0*z``, ``(x*s)/s``): value → what cancelled. Exact in real arithmetic, not in floating point (a
+        large, infinite or zero ``z`` or ``s`` changes the number), so an update read through one is refused."""
 
     # -- scalars -------------------------------------------------------------------------------------
     def scalar(self, value: str) -> Poly | None:
@@ -204,6 +208,8 @@ class Normaliser:
         if node is None or node.domain not in ("", "ai.onnx"):
             return self._symbol(value)
         op, inputs = node.op_type, [i for i in node.input]
+        if op in ("Cast", "CastLike"):
+            return self._cast_scalar(value, node)
         if op in _PASS_THROUGH or op in _SCALAR_SHAPE_OPS:
             inner = self.scalar(inputs[0]) if inputs and inputs[0] else None
             return inner if inner is not None else self._symbol(value)
@@ -220,15 +226,18 @@ class Normaliser:
         if op in ("Add", "Sub", "Mul", "Div") and len(inputs) == 2:
             a, b = self.scalar(inputs[0]), self.scalar(inputs[1])
             if a is not None and b is not None:
+                result = None
                 if op == "Add":
-                    return a + b
-                if op == "Sub":
-                    return a - b
-                if op == "Mul":
-                    return a * b
-                inverse = b.inverse()
-                if inverse is not None:
-                    return a * inverse
+                    result = a + b
+                elif op == "Sub":
+                    result = a - b
+                elif op == "Mul":
+                    result = a * b
+                elif b.inverse() is not None:
+                    result = a * b.inverse()
+                if result is not None:
+                    self._note_lost_symbols(value, (a, b), result)
+                    return result
             return self._symbol(value)
         if op == "Neg":
             inner = self.scalar(inputs[0])
@@ -238,6 +247,32 @@ class Normaliser:
             inverse = inner.inverse() if inner is not None else None
             return inverse if inverse is not None else self._symbol(value)
         return self._symbol(value)
+
+    def _cast_scalar(self, value: str, node: onnx.NodeProto) -> Poly | None:
+        """A ``Cast``/``CastLike`` of a scalar. A cast is a copy only when it cannot change the value: a
+        constant is rounded to the target type (``Cast(Cast(0.27, INT64), FLOAT)`` is 0, and a FLOAT 0.1 cast
+        to FLOAT16 is 0.0999755859375); a runtime scalar keeps its symbol only through a widening float cast,
+        otherwise the cast's output is a symbol of its own."""
+        source = node.input[0] if node.input else ""
+        if not source:
+            return None
+        target = self.index.spec(value).dtype or _cast_target(node, self.index)
+        inner = self.scalar(source)
+        if inner is None:
+            return self._symbol(value)
+        if inner.is_constant:
+            rounded = _round_to(inner.constant_value, target)
+            return None if rounded is None else Poly.const(rounded)
+        if _widens(self.index.spec(source).dtype, target):
+            return inner
+        return self._symbol(value)
+
+    def _note_lost_symbols(self, value: str, operands: Iterable[Poly], result: Poly) -> None:
+        before = {s for poly in operands for monomial in poly.terms for s, _ in monomial}
+        after = {s for monomial in result.terms for s, _ in monomial}
+        lost = before - after
+        if lost:
+            self.cancelled[value] = f"the runtime value{'s' if len(lost) > 1 else ''} {', '.join(sorted(lost))} cancel{'' if len(lost) > 1 else 's'} out"
 
     def _symbol(self, value: str) -> Poly | None:
         spec = self.index.spec(value)
@@ -265,6 +300,10 @@ class Normaliser:
             stack.pop()
             self._forms[current] = self._form_from_operands(current)
         return self._forms[value]
+
+    def is_leaf(self, value: str) -> bool:
+        """True when the form of ``value`` is ``value`` itself (an input, a constant, a non-linear result)."""
+        return self._plan(value) is None
 
     def _operands(self, value: str) -> list[str]:
         """Tensor operands the form of ``value`` is built from (empty for a leaf)."""
@@ -302,34 +341,84 @@ class Normaliser:
             return ("sum", [(i, one) for i in inputs if i])
         if op == "Mul" and len(inputs) == 2:
             a, b = self.scalar(inputs[0]), self.scalar(inputs[1])
+            if a is not None and b is not None and spec.num_elements() == 1:
+                # Two one-element values: a tensor of one element (a bias of shape [1]) times a constant
+                # coefficient is still a tensor term; two runtime scalars are a product, not linear.
+                if a.is_constant != b.is_constant:
+                    a, b = (a, None) if a.is_constant else (None, b)
             if a is not None and b is None:
-                return ("sum", [(inputs[1], a)])
+                return ("sum", [(inputs[1], a)]) if self._stays_within(inputs[0], inputs[1]) else None
             if b is not None and a is None:
-                return ("sum", [(inputs[0], b)])
+                return ("sum", [(inputs[0], b)]) if self._stays_within(inputs[1], inputs[0]) else None
             return None  # a product of two tensors (or of two scalars, which a caller reads as a scalar)
         if op == "Div" and len(inputs) == 2:
-            if self.scalar(inputs[0]) is not None:
-                return None
+            numerator = self.scalar(inputs[0])
+            if numerator is not None and (spec.num_elements() != 1 or numerator.is_constant):
+                return None  # a number divided by a tensor is not linear in it
             b = self.scalar(inputs[1])
             inverse = b.inverse() if b is not None else None
-            return None if inverse is None else ("sum", [(inputs[0], inverse)])
+            if inverse is None or not self._stays_within(inputs[1], inputs[0]):
+                return None
+            return ("sum", [(inputs[0], inverse)])
         return None
+
+    def _stays_within(self, scalar: str, value: str) -> bool:
+        """True when ``scalar`` (one number repeated) provably broadcasts into the shape of the tensor ``value``
+        it combines with, without enlarging it. A uniform constant of shape [2, 1] against [N, 4] gives [2, 4] when N is 1: it is no
+        scalar factor there. Each of the scalar's dimensions must be 1 or equal ``value``'s; with ``value``'s
+        rank unknown, only a scalar of rank 0 or shape [1] is safe."""
+        shape = self.index.spec(scalar).shape
+        if shape is None:
+            constant = self.index.constant(scalar)
+            if constant is None:
+                return False
+            shape = constant.shape
+        if all(d == 1 for d in shape) and len(shape) <= 1:
+            return True
+        target = self.index.spec(value).shape
+        if target is None or len(shape) > len(target):
+            return False
+        return all(d == 1 or d == t for d, t in zip(reversed(shape), reversed(target)))
 
     def _form_from_operands(self, value: str) -> Form:
         plan = self._plan(value)
         if plan is None:
             return {value: Poly.const(1.0)}
         result: Form = {}
+        leaves: set[str] = set()
+        symbols: set[str] = set()
         for operand, factor in plan[1]:
             operand_scalar = self.scalar(operand) if self.index.spec(operand).num_elements() == 1 else None
             if operand_scalar is not None and self.index.spec(value).num_elements() != 1:
                 # A scalar added to a tensor: a constant (or runtime-scalar) term on the ONE leaf.
-                result = add_forms(result, {ONE: operand_scalar}, factor)
+                others = [name for name, _ in plan[1] if name != operand]
+                if not all(self._stays_within(operand, other) for other in others):
+                    return {value: Poly.const(1.0)}
+                term: Form = {ONE: operand_scalar}
             else:
-                result = add_forms(result, self._forms[operand], factor)
+                term = self._forms[operand]
+            leaves.update(term)
+            symbols.update(_symbols_of(term.values()))
+            symbols.update(_symbols_of([factor]))
+            result = add_forms(result, term, factor)
+        lost_leaves = sorted(leaf for leaf in leaves - set(result))
+        lost_symbols = sorted(symbols - _symbols_of(result.values()))
+        if lost_leaves or lost_symbols:
+            what = [("the constant term" if leaf == ONE else leaf) for leaf in lost_leaves] + lost_symbols
+            self.cancelled[value] = f"{', '.join(what)} cancel{'s' if len(what) == 1 else ''} out"
         if len(result) > MAX_LEAVES:
             return {value: Poly.const(1.0)}
         return result
+
+    def cancellations(self, value: str) -> dict[str, str]:
+        """The values in ``value``'s cone (tensor and scalar nodes) whose terms cancel (:attr:`cancelled`)."""
+        nodes, values = self.cone(value)
+        found = {name: self.cancelled[name] for name in values if name in self.cancelled}
+        for k in nodes:
+            for name in self.index.graph.node[k].output:
+                if name in self.cancelled:
+                    found[name] = self.cancelled[name]
+        return found
 
     # -- selections ----------------------------------------------------------------------------------
     def where_branches(self, value: str) -> tuple[str, str, str] | None:
@@ -466,6 +555,51 @@ class _BranchNormaliser(Normaliser):
 
     def _form_from_operands(self, value: str) -> Form:
         return self.outer.form(value) if self._is_outer(value) else super()._form_from_operands(value)
+
+
+def _symbols_of(polys: Iterable[Poly]) -> set[str]:
+    return {s for poly in polys for monomial in poly.terms for s, _ in monomial}
+
+
+_FLOAT_BITS = {onnx.TensorProto.FLOAT16: 11, onnx.TensorProto.BFLOAT16: 8, onnx.TensorProto.FLOAT: 24, onnx.TensorProto.DOUBLE: 53}
+
+
+def _widens(source: int, target: int) -> bool:
+    """True when every value of float dtype ``source`` is exact in ``target`` (FLOAT16 → FLOAT, say)."""
+    if source == target:
+        return True
+    if source not in _FLOAT_BITS or target not in _FLOAT_BITS:
+        return False
+    if {source, target} == {onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}:
+        return False
+    return _FLOAT_BITS[target] > _FLOAT_BITS[source]
+
+
+def _cast_target(node: onnx.NodeProto, index: GraphIndex) -> int:
+    if node.op_type == "CastLike":
+        return index.spec(node.input[1]).dtype if len(node.input) > 1 else 0
+    for attribute in node.attribute:
+        if attribute.name == "to":
+            return attribute.i
+    return 0
+
+
+def _round_to(value: float, dtype: int) -> float | None:
+    """``value`` as ONNX ``Cast`` stores it in ``dtype`` (round to nearest even for floats, truncation for
+    integers, != 0 for BOOL); None for an unknown or non-numeric dtype."""
+    if not dtype:
+        return None
+    if dtype == onnx.TensorProto.BOOL:
+        return float(value != 0)
+    try:
+        np_dtype = _BFLOAT16 if dtype == onnx.TensorProto.BFLOAT16 else np.dtype(onnx.helper.tensor_dtype_to_np_dtype(dtype))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if np_dtype.kind not in "fiu" and np_dtype != _BFLOAT16:
+        return None
+    with np.errstate(all="ignore"):
+        rounded = float(np.array(value, dtype=np.float64).astype(np_dtype).astype(np.float64))
+    return rounded if math.isfinite(rounded) else None
 
 
 def format_poly(poly: Poly, precision: int = 6) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import onnx
 
@@ -26,6 +27,7 @@ from sgdfuse.contract import TensorSpec, check_attributes, dtype_name, format_sh
 from sgdfuse.errors import ContractError
 from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.linear import ONE, Form, Normaliser, Poly, add_forms, format_form, format_poly, scale_form
+from sgdfuse.passes.precision import FLOAT_DTYPES, SPACINGS, Precision, round_to_dtype, working_precision
 
 __all__ = ["Match", "Miss", "FirstStep", "REASONS", "find_updates", "coefficient_tolerance"]
 
@@ -101,6 +103,14 @@ class Match:
     parameter_equation: "str | LazyText"
     accum_equation: "str | LazyText"
     first_step: "FirstStep | None" = None
+    rounded: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Learning rate or momentum constants the op's dtype rounds (only with rounding allowed): name → the
+    value the op uses."""
+    coefficient_error: float = 0.0
+    """The largest difference between a coefficient of the buffer update as the op applies it and the
+    graph's, in spacings of the working precision (:mod:`sgdfuse.passes.precision`). The graph writes the
+    buffer's coefficients as single constants, so an exact reading has 0 here; one that needs a dampening
+    near 1 does not. Readings are ranked by it."""
 
 
 @dataclasses.dataclass
@@ -150,6 +160,10 @@ REASONS = {
     "parameters-not-own-previous": "the parameter update reads a different tensor than the parameters it replaces",
     "opset": "the model's opset is too old for the fused op's function body",
     "ambiguous-roles": "the algebra admits more than one choice of buffer and gradient, and nothing names the buffer",
+    "inexact-coefficients": "the coefficients the op would apply (float32 attributes, 1 - dampening) differ from the graph's",
+    "hyperparameter-precision": "the op takes learning rate and momentum in the parameters' dtype, which rounds the graph's values",
+    "cancelling-terms": "the update adds and removes the same runtime term, which floating point does not cancel",
+    "wrong-in-place-output": "another graph output is named as the next value of the state this reading would overwrite",
 }
 
 
@@ -171,10 +185,13 @@ class FirstStep:
     zero_accum: bool
 
 
-def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tuple[list[Match], list[Miss]]:
+def find_updates(
+    index: GraphIndex, normaliser: Normaliser | None = None, *, allow_rounding: bool = False
+) -> tuple[list[Match], list[Miss]]:
     """All momentum-SGD updates among the graph outputs of ``index``, and the candidates refused.
 
-    Deterministic: candidates are taken in graph-output order.
+    Deterministic: candidates are taken in graph-output order. ``allow_rounding`` accepts a learning rate or
+    momentum that the op's dtype (the parameters') rounds (reason ``hyperparameter-precision`` otherwise).
     """
     normaliser = normaliser or Normaliser(index)
     outputs = list(dict.fromkeys(index.graph_outputs))
@@ -184,6 +201,13 @@ def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tup
     outputs_by_canonical: dict[str, list[str]] = {}
     for o in float_outputs:
         outputs_by_canonical.setdefault(canonical[o], []).append(o)
+    # Name evidence of which output is the next value of which state input (buf -> buf_out): an in-place
+    # write must hit the input its output replaces, whatever order the outputs come in.
+    named_next: dict[str, str] = {}
+    for o in float_outputs:
+        previous = _previous_by_name(index, o)
+        if previous is not None:
+            named_next.setdefault(previous, canonical[o])
 
     matches: list[Match] = []
     misses: list[Miss] = []
@@ -216,9 +240,14 @@ def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tup
         found: Match | None = None
         tried_buffers.update(v for v in buffers if canonical[v] in values_w)
         for v in buffers:
-            result = _solve(index, normaliser, w, v, canonical[v])
+            result = _solve(index, normaliser, w, v, canonical[v], allow_rounding)
+            if isinstance(result, Match):
+                result = _in_place_problem(result, named_next, canonical) or result
             if isinstance(result, Match):
                 found = result
+                break
+            if result.reason == "parameters-not-own-previous" and result.score == 10:
+                best = result  # another output is this parameter's update: w is only a reader of it
                 break
             if best is None or result.score > best.score:
                 best = dataclasses.replace(result, buffer=v, buffer_in_cone=canonical[v] in values_w)
@@ -259,6 +288,31 @@ def find_updates(index: GraphIndex, normaliser: Normaliser | None = None) -> tup
     read_as_buffer = {miss.buffer for miss in misses if miss.buffer and miss.buffer_in_cone}
     misses = [miss for miss in misses if miss.buffer or miss.candidate not in read_as_buffer]
     return accepted, misses
+
+
+def _in_place_problem(match: Match, named_next: dict[str, str], canonical: dict[str, str]) -> Miss | None:
+    """A reading that would write the wrong output in place: the names say another output is the next value
+    of its parameters or of its buffer (outputs ``p_out, delta, buf_out`` with ``delta = 0.1*buf_out``: the
+    buffer is ``buf_out``, whatever the algebra of ``delta`` allows)."""
+    for role, old, new in (("parameters", match.parameters, match.parameters_out), ("momentum buffer", match.accum, match.accum_out)):
+        named = named_next.get(old)
+        if named is not None and named != canonical.get(new, new):
+            if role == "parameters":
+                return Miss(
+                    match.parameters_out,
+                    "parameters-not-own-previous",
+                    f"{match.parameters_out} reads like an update of {old}, but {named} is named as {old}'s next value; "
+                    f"{match.parameters_out} is left as it is (it reads the state, it does not replace it).",
+                    score=10,
+                )
+            return Miss(
+                match.parameters_out,
+                "wrong-in-place-output",
+                f"reading {new} as the new value of the {role} {old} would write {new} into {old} in place, but {named} "
+                f"is named as {old}'s next value.",
+                score=4,
+            )
+    return None
 
 
 def _skip_copies(index: GraphIndex, value: str) -> str:
@@ -343,9 +397,25 @@ def _substitute(form: Form, leaf: str, replacement: Form) -> Form:
     return add_forms(rest, replacement, coefficient)
 
 
-def _solve(index: GraphIndex, normaliser: Normaliser, w: str, v: str, v_source: str) -> Match | Miss:
-    dtype = index.spec(w).dtype
-    rel = coefficient_tolerance(dtype)
+def _solve(index: GraphIndex, normaliser: Normaliser, w: str, v: str, v_source: str, allow_rounding: bool = False) -> Match | Miss:
+    result = _solve_selection(index, normaliser, w, v, v_source, allow_rounding)
+    cancelled = {**normaliser.cancellations(w), **normaliser.cancellations(v)}
+    if cancelled and isinstance(result, Match):
+        # A refusal for another reason says more (momentum 0 is a buffer times 0); a match is blocked.
+        where, what = sorted(cancelled.items())[0]
+        return Miss(
+            w,
+            "cancelling-terms",
+            f"in {where}, {what}: the terms cancel in exact arithmetic but not in floating point (a large, infinite "
+            "or zero value changes the result), so the update is not exactly momentum SGD. Remove the cancelling "
+            "terms from the graph to fuse it.",
+            score=8,
+        )
+    return result
+
+
+def _solve_selection(index: GraphIndex, normaliser: Normaliser, w: str, v: str, v_source: str, allow_rounding: bool) -> Match | Miss:
+    rel = _Reading(working_precision(_coefficient_dtypes(index, normaliser, w, v), index.spec(w).dtype), allow_rounding)
     form_w = normaliser.form(w)
     source_node = index.node(v_source)
     branches = normaliser.where_branches(v_source)
@@ -376,6 +446,34 @@ def _solve(index: GraphIndex, normaliser: Normaliser, w: str, v: str, v_source: 
             best = result
     assert best is not None
     return best
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reading:
+    """How coefficients of one candidate are compared: the graph's working precision, and whether the op's
+    rounding of learning rate and momentum to the parameters' dtype is accepted."""
+
+    precision: Precision
+    allow_rounding: bool
+
+
+def _coefficient_dtypes(index: GraphIndex, normaliser: Normaliser, w: str, v: str) -> set[int]:
+    """Float dtypes the graph computes the update's coefficients in: every value a node of the two cones
+    reads or writes (constants and intermediates), except the state and gradient leaves and the two outputs,
+    whose storage dtype the op rounds to once at the end."""
+    dtypes: set[int] = set()
+    for root in (w, v):
+        nodes, values = normaliser.cone(root)
+        leaves = {value for value in values if normaliser.is_leaf(value)}
+        for k in nodes:
+            node = index.graph.node[k]
+            for name in list(node.input) + list(node.output):
+                if not name or name in (w, v) or name in leaves and index.constant(name) is None:
+                    continue
+                dtype = index.spec(name).dtype
+                if dtype in FLOAT_DTYPES:
+                    dtypes.add(dtype)
+    return dtypes
 
 
 def _solve_pair(
@@ -543,8 +641,8 @@ def _solve_roles(
             score=4,
         )
 
-    gradient = _find_gradient(index, normaliser, v, rest_v, {a, p})
-    if gradient is None:
+    readings = _gradient_readings(index, normaliser, v, rest_v, vp, p, a, rel.precision)
+    if not readings:
         return Miss(
             w,
             "gradient-not-a-value",
@@ -552,7 +650,7 @@ def _solve_roles(
             equation=equation,
             score=5,
         )
-    g, k = gradient
+    g, k, _ = readings[0]
     nesterov = not _close(beta, Poly.const(0), rel, scale=alpha * m)
     if nesterov:
         m_inverse = m.inverse()
@@ -562,39 +660,66 @@ def _solve_roles(
         lr = beta * m_inverse
         expected_alpha = -(lr + lr * m)
         if not _close(alpha, expected_alpha, rel):
-            # Say it with the new buffer and the gradient: W = P + c_v·V + c_g·g, beside both SGD forms.
-            c_v = alpha + beta * m_inverse
-            c_g = -(beta * m_inverse) * k
-            # The contract's Nesterov step is P - lr*(grad + m*V) whatever V's dampening: -c_g/s and -c_v/m are
-            # then one learning rate, and only the dampening stands in the way (the contract needs 0).
-            sign = -1.0 if (k.is_constant and k.constant_value < 0) else 1.0
-            lr_g, lr_v = c_g.scale(-sign), -(c_v * m_inverse)
-            if k.is_constant and _close(lr_g, lr_v, rel) and abs(1.0 - abs(k.constant_value)) > rel:
-                return Miss(
-                    w,
-                    "contract",
-                    f"{w} = {p} - {format_poly(lr_g)}*({g} + {format_poly(m)}*{v}) is a Nesterov step, but its buffer "
-                    f"{v} has dampening {1.0 - abs(k.constant_value):g}; the SGD operator requires dampening 0 with "
-                    "Nesterov (contract: nesterov requires dampening == 0).",
-                    equation=f"{w} = {format_form({p: Poly.const(1), v: c_v, g: c_g}, [p, v, g])};  {v} = {format_form(form_v, [a])}",
-                    score=7,
-                )
-            plain_differs = f"{format_poly(c_g)}*{g}"
-            nesterov_differs = f"{format_poly(c_v - (-(lr * m)))}*{v}"
-            return Miss(
-                w,
-                "nesterov-momentum-mismatch",
-                f"{w} = {p} {_signed(c_v)}*{v} {_signed(c_g)}*{g} is neither plain momentum ({p} - "
-                f"{format_poly(-c_v)}*{v}; differs by {plain_differs}) nor Nesterov with the buffer's momentum "
-                f"{format_poly(m)} ({p} - {format_poly(lr)}*({g} + {format_poly(m)}*{v}); differs by {nesterov_differs}).",
-                equation=f"{w} = {format_form({p: Poly.const(1), v: c_v, g: c_g}, [p, v, g])};  {v} = {format_form(form_v, [a])}",
-                nearest=f"{w} = {p} - {format_poly(-c_v)}*{v}  or  {w} = {p} - {format_poly(lr)}*({g} + {format_poly(m)}*{v})",
-                differing=f"{plain_differs} (plain) / {nesterov_differs} (Nesterov)",
-                score=5,
-            )
+            return _nesterov_miss(w, v, p, a, g, k, m, m_inverse, alpha, beta, lr, form_v, rel)
     else:
         lr = lr_plain
 
+    state_problem = _state_problem(index, w, v, p, a)
+    if state_problem is not None:
+        # A constant or computed state is the graph's own fact; a name mismatch may just be a wrong reading.
+        score = 8 if state_problem.reason in ("constant-state", "computed-state") else 7
+        return dataclasses.replace(state_problem, equation=equation, score=score)
+
+    # Each way of naming the gradient (the leaf itself, or a value of the graph that computes the scaled
+    # gradient: Keras's lr*g, a clipped g*s, an upcast g) is tried in turn; the first exact one fuses.
+    best: Miss | None = None
+    chosen: Match | None = None
+    solved = _Solved(w, v, p, a, m, lr, nesterov, alpha, beta, form_w, form_v, equation, selection)
+    for g, k, absorbs_decay in readings:
+        result = _try_reading(index, normaliser, solved, g, k, Poly.const(0) if absorbs_decay else vp, rel)
+        if isinstance(result, Match):
+            # Readings that need a dampening near 1 (the graph's lr*g read as g with 1 - d = lr) lose to
+            # the exact ones: the op forms 1 - d in float32, which cancels.
+            # One spacing is the rounding of a folded constant (1 - d, (1 - d)*wd): such readings tie, and
+            # the first (the leaf gradient, with the graph's own hyper-parameters) wins.
+            if chosen is None or max(result.coefficient_error, 1.0) < max(chosen.coefficient_error, 1.0):
+                chosen = result
+            if chosen.coefficient_error <= 1.0:
+                break
+            continue
+        # The first reading's refusal is the one to report; a later value reading's own typing (a FLOAT
+        # Cast of a FLOAT16 gradient) is no news about the update.
+        if best is None or (result.score > best.score and result.reason not in ("mixed-precision", "dtype-mismatch")):
+            best = result
+    if chosen is not None:
+        return chosen
+    assert best is not None
+    return best
+
+
+@dataclasses.dataclass(frozen=True)
+class _Solved:
+    """What one (parameters, buffer) reading of a candidate fixed before its gradient is chosen."""
+
+    w: str
+    v: str
+    p: str
+    a: str
+    m: Poly
+    lr: Poly
+    nesterov: bool
+    alpha: Poly
+    beta: Poly
+    form_w: Form
+    form_v: Form
+    equation: object
+    selection: tuple | None
+
+
+def _try_reading(index: GraphIndex, normaliser: Normaliser, solved: _Solved, g: str, k: Poly, vp: Poly, rel: "_Reading") -> Match | Miss:
+    """The update read with gradient ``g`` entering the buffer as ``k·g`` (and ``vp·p``): its attributes,
+    its exactness in the op's own arithmetic, its first step and its typing; a :class:`Match` or why not."""
+    w, v, p, a, m, lr, equation = solved.w, solved.v, solved.p, solved.a, solved.m, solved.lr, solved.equation
     mixed = _mixed_gradient(normaliser, g, rel)
     if mixed is not None:
         form_g = normaliser.form(g)
@@ -621,22 +746,46 @@ def _solve_roles(
             score=6,
         )
     k_value = k.constant_value
-    maximize = k_value < 0
-    one_minus_d = abs(k_value)
-    dampening = 1.0 - one_minus_d
-    if one_minus_d == 0:
+    if k_value == 0:
         return Miss(w, "no-gradient", f"{v} has dampening 1: the gradient never enters the buffer.", equation=equation, score=6)
-    weight_decay = vp.constant_value / one_minus_d
-    if abs(dampening) < rel:
-        dampening = 0.0
+    # k = s·(1 - d): s = -1 is maximize. Both signs are one update on later steps; a first-step rule
+    # (no dampening when stat = 1) tells them apart, so with one the other sign is tried as well.
+    signs = [1.0 if k_value > 0 else -1.0]
+    if solved.selection is not None:
+        signs.append(-signs[0])
+    best: Miss | None = None
+    for sign in signs:
+        one_minus_d = k_value / sign
+        dampening = 1.0 - one_minus_d  # not rounded to 0: a dampening of 2^-6 in BFLOAT16 is one
+        weight_decay = vp.constant_value / one_minus_d
+        result = _attributes_reading(index, normaliser, solved, g, sign < 0, dampening, weight_decay, rel)
+        if isinstance(result, Match):
+            return result
+        if best is None or result.score > best.score:
+            best = result
+    assert best is not None
+    return best
 
+
+def _attributes_reading(
+    index: GraphIndex, normaliser: Normaliser, solved: _Solved, g: str, maximize: bool, dampening: float, weight_decay: float, rel: "_Reading"
+) -> Match | Miss:
+    w, v, p, a, m, lr, nesterov, equation = solved.w, solved.v, solved.p, solved.a, solved.m, solved.lr, solved.nesterov, solved.equation
+    form_v = solved.form_v
+    typing_problem = _typing_problem(index, normaliser, w, v, p, a, g)
+    if typing_problem is not None:
+        return dataclasses.replace(typing_problem, equation=equation, score=8)
     try:
         check_attributes(dampening, weight_decay, nesterov, subject=w)
     except ContractError as error:
         return Miss(w, "contract", str(error), equation=equation, score=7)
+    inexact, error = _inexact_coefficients(index, normaliser, solved, g, maximize, dampening, weight_decay, rel)
+    if inexact is not None:
+        return dataclasses.replace(inexact, equation=equation)
     first_step = None
-    if selection is not None:
-        condition, form_first, when_true, _ = selection
+    if solved.selection is not None:
+        condition, form_first, when_true, _ = solved.selection
+        one_minus_d = 1.0 - dampening
         grad_eff = scale_form(add_forms(form_v, {a: m}, Poly.const(-1)), Poly.const(1.0 / one_minus_d))
         if not _differing_terms(form_first, grad_eff, rel):
             first_step = FirstStep(condition, when_true, zero_accum=True)
@@ -654,18 +803,9 @@ def _solve_roles(
                 differing=", ".join(_differing_terms(form_first, grad_eff, rel)),
                 score=7,
             )
-
-    state_problem = _state_problem(index, w, v, p, a)
-    if state_problem is not None:
-        # A constant or computed state is the graph's own fact; a name mismatch may just be a wrong reading.
-        score = 8 if state_problem.reason in ("constant-state", "computed-state") else 7
-        return dataclasses.replace(state_problem, equation=equation, score=score)
-    typing_problem = _typing_problem(index, normaliser, w, v, p, a, g)
-    if typing_problem is not None:
-        return dataclasses.replace(typing_problem, equation=equation, score=8)
-
     nodes_w, _ = normaliser.cone(w)
     nodes_v, _ = normaliser.cone(v)
+    alpha, beta = solved.alpha, solved.beta
     return Match(
         parameters=p,
         gradient=g,
@@ -686,6 +826,177 @@ def _solve_roles(
         ),
         accum_equation=LazyText(lambda: f"{v} = {format_form(form_v, [a, g, p])}"),
         first_step=first_step,
+        rounded=_rounded_hyperparameters(lr, m, index.spec(p).dtype, rel),
+        coefficient_error=error,
+    )
+
+
+def _op_forms(normaliser: Normaliser, solved: _Solved, g: str, sign: float, lr: Poly, m: Poly, dampening: float, weight_decay: float) -> tuple[Form, Form]:
+    """The forms the SGD op computes (contract, stat = 0) over the graph's leaves: ``V = m·A + (1-d)·grad``,
+    ``grad = s·g + wd·P``; ``W = P - lr·V``, or ``P - lr·(grad + m·V)`` for Nesterov. ``dampening`` and
+    ``weight_decay`` are taken as the float32 attributes store them, ``1 - d`` exactly from that."""
+    d32 = round_to_dtype(dampening, onnx.TensorProto.FLOAT)
+    wd32 = round_to_dtype(weight_decay, onnx.TensorProto.FLOAT)
+    grad = scale_form(normaliser.form(g), Poly.const(sign))
+    if wd32:
+        grad = add_forms(grad, {solved.p: Poly.const(wd32)})
+    buffer = add_forms({solved.a: m}, grad, Poly.const(1.0 - d32))
+    weights: Form = {solved.p: Poly.const(1.0)}
+    if solved.nesterov:
+        weights = add_forms(add_forms(weights, grad, -lr), buffer, -(lr * m))
+    else:
+        weights = add_forms(weights, buffer, -lr)
+    return weights, buffer
+
+
+def _worst_difference(
+    have: tuple[Form, Form], want: tuple[Form, Form], solved: _Solved, rel: "_Reading", exact_parameters: bool
+) -> tuple[tuple[float, str, str, Poly, Poly], float]:
+    """The coefficient where the op's forms ``have`` and the graph's ``want`` differ most, in spacings of the
+    working precision: ``(spacings, output, leaf, op's, graph's)``. With ``exact_parameters`` (no weight
+    decay) the parameters' own coefficient is 1 in the op with no arithmetic, so any difference from the
+    graph's is a real term (``p*(1 - 2^-10)`` in FLOAT16 is decoupled weight decay, not a rounding of 1).
+    Also returns the largest difference in the buffer update alone."""
+    worst: tuple[float, str, str, Poly, Poly] = (0.0, "", "", Poly.const(0), Poly.const(0))
+    buffer_worst = 0.0
+    for op_form, graph_form, output in ((have[0], want[0], solved.w), (have[1], want[1], solved.v)):
+        for leaf in sorted(set(op_form) | set(graph_form)):
+            x, y = op_form.get(leaf, Poly.const(0)), graph_form.get(leaf, Poly.const(0))
+            if exact_parameters and leaf == solved.p:
+                spacings = 0.0 if dict(x.terms) == dict(y.terms) else math.inf
+            else:
+                spacings = rel.precision.spacings_poly(x, y)
+            if spacings > worst[0]:
+                worst = (spacings, output, leaf, x, y)
+            if output == solved.v:
+                buffer_worst = max(buffer_worst, spacings)
+    return worst, buffer_worst
+
+
+def _inexact_coefficients(
+    index: GraphIndex, normaliser: Normaliser, solved: _Solved, g: str, maximize: bool, dampening: float, weight_decay: float, rel: "_Reading"
+) -> tuple[Miss | None, float]:
+    """Compare the coefficients the op applies with the graph's: first with the graph's own learning rate and
+    momentum (``inexact-coefficients``: float32 attributes, ``1 - d``), then with both rounded to the
+    parameters' dtype as the op takes them (``hyperparameter-precision`` when that dtype is coarser than the
+    graph's working precision, unless rounding is allowed). Returns the refusal, or None and the largest
+    difference in spacings."""
+    sign = -1.0 if maximize else 1.0
+    graph = (solved.form_w, solved.form_v)
+    exact_parameters = round_to_dtype(weight_decay, onnx.TensorProto.FLOAT) == 0
+    have = _op_forms(normaliser, solved, g, sign, solved.lr, solved.m, dampening, weight_decay)
+    (spacings, output, leaf, op_value, graph_value), buffer_spacings = _worst_difference(have, graph, solved, rel, exact_parameters)
+    if spacings > SPACINGS:
+        return Miss(
+            solved.w,
+            "inexact-coefficients",
+            f"read with gradient {g}, dampening {dampening:.9g} and weight decay {weight_decay:.9g} (float32 attributes), "
+            f"the op would give {leaf or '1'} the coefficient {format_poly(op_value, 9)} in {output}, the graph "
+            f"{format_poly(graph_value, 9)} ({_relative(op_value, graph_value)} relative, more than "
+            f"{dtype_name(rel.precision.dtype)} rounding).",
+            differing=f"{format_poly(op_value - graph_value, 9)}*{leaf or '1'} in {output}",
+            score=6,
+        ), buffer_spacings
+    dtype = index.spec(solved.p).dtype
+    lr_op, m_op = _in_dtype(solved.lr, dtype, index), _in_dtype(solved.m, dtype, index)
+    coarser = dtype in FLOAT_DTYPES and Precision(dtype).unit_roundoff > rel.precision.unit_roundoff
+    if lr_op is None or m_op is None:
+        runtime = [name for name, op in (("learning rate", lr_op), ("momentum", m_op)) if op is None]
+        if rel.allow_rounding or not coarser:
+            return None, buffer_spacings
+        return Miss(
+            solved.w,
+            "hyperparameter-precision",
+            f"the {' and '.join(runtime)} is a runtime value that the op takes in {dtype_name(dtype)}, the parameters' "
+            "dtype, which rounds it; give it in that dtype, or allow rounding (--allow-rounding).",
+            score=6,
+        ), spacings
+    have = _op_forms(normaliser, solved, g, sign, lr_op, m_op, dampening, weight_decay)
+    rounded_spacings = _worst_difference(have, graph, solved, rel, exact_parameters)[0][0]
+    if rounded_spacings <= SPACINGS or rel.allow_rounding:
+        return None, buffer_spacings
+    changes = [
+        f"{name} {format_poly(graph_value, 9)} becomes {format_poly(op_value, 9)} ({_relative(op_value, graph_value)} relative)"
+        for name, graph_value, op_value in (("learning rate", solved.lr, lr_op), ("momentum", solved.m, m_op))
+        if graph_value != op_value
+    ]
+    return Miss(
+        solved.w,
+        "hyperparameter-precision",
+        f"the op takes learning rate and momentum in {dtype_name(dtype)} (the parameters' dtype): {'; '.join(changes)}, "
+        f"while the graph computes in {dtype_name(rel.precision.dtype)}. Allow the rounding with --allow-rounding "
+        "(allow_rounding=True) if that is acceptable.",
+        score=6,
+    ), rounded_spacings
+
+
+def _relative(have: Poly, want: Poly) -> str:
+    errors = []
+    for monomial in set(have.terms) | set(want.terms):
+        x, y = have.terms.get(monomial, 0.0), want.terms.get(monomial, 0.0)
+        errors.append(abs(x - y) / abs(y) if y else float("inf"))
+    worst = max(errors, default=0.0)
+    return "infinitely" if worst == float("inf") else f"{worst:.2g}"
+
+
+def _in_dtype(poly: Poly, dtype: int, index: GraphIndex) -> Poly | None:
+    """``poly`` as the op receives it in ``dtype``: a constant rounded; a runtime value unchanged when it is
+    one symbol already of a dtype that ``dtype`` holds exactly, else None (rounded at run time)."""
+    if poly.is_constant:
+        return Poly.const(round_to_dtype(poly.constant_value, dtype)) if dtype in FLOAT_DTYPES else poly
+    if dtype == onnx.TensorProto.FLOAT and all(value == round_to_dtype(value, dtype) for value in poly.terms.values()):
+        return poly
+    if poly.is_monomial:
+        ((monomial, coefficient),) = poly.terms.items()
+        if coefficient == 1 and len(monomial) == 1 and monomial[0][1] == 1 and index.spec(monomial[0][0]).dtype == dtype:
+            return poly
+    return None
+
+
+def _rounded_hyperparameters(lr: Poly, m: Poly, dtype: int, rel: "_Reading") -> dict[str, float]:
+    """With rounding allowed, the learning rate and momentum constants that the op's dtype changes beyond
+    the working precision: name → the value the op uses."""
+    rounded: dict[str, float] = {}
+    if not rel.allow_rounding or dtype not in FLOAT_DTYPES:
+        return rounded
+    for name, poly in (("learning_rate", lr), ("momentum", m)):
+        if poly.is_constant:
+            value = round_to_dtype(poly.constant_value, dtype)
+            if not rel.precision.close(value, poly.constant_value):
+                rounded[name] = value
+    return rounded
+
+
+def _nesterov_miss(w, v, p, a, g, k, m, m_inverse, alpha, beta, lr, form_v, rel) -> Miss:
+    """Say a Nesterov candidate's misfit with the new buffer and the gradient: ``W = P + c_v·V + c_g·g``."""
+    c_v = alpha + beta * m_inverse
+    c_g = -(beta * m_inverse) * k
+    # The contract's Nesterov step is P - lr*(grad + m*V) whatever V's dampening: -c_g/s and -c_v/m are
+    # then one learning rate, and only the dampening stands in the way (the contract needs 0).
+    sign = -1.0 if (k.is_constant and k.constant_value < 0) else 1.0
+    lr_g, lr_v = c_g.scale(-sign), -(c_v * m_inverse)
+    if k.is_constant and _close(lr_g, lr_v, rel) and not rel.precision.close(abs(k.constant_value), 1.0):
+        return Miss(
+            w,
+            "contract",
+            f"{w} = {p} - {format_poly(lr_g)}*({g} + {format_poly(m)}*{v}) is a Nesterov step, but its buffer "
+            f"{v} has dampening {1.0 - abs(k.constant_value):g}; the SGD operator requires dampening 0 with "
+            "Nesterov (contract: nesterov requires dampening == 0).",
+            equation=f"{w} = {format_form({p: Poly.const(1), v: c_v, g: c_g}, [p, v, g])};  {v} = {format_form(form_v, [a])}",
+            score=7,
+        )
+    plain_differs = f"{format_poly(c_g)}*{g}"
+    nesterov_differs = f"{format_poly(c_v - (-(lr * m)))}*{v}"
+    return Miss(
+        w,
+        "nesterov-momentum-mismatch",
+        f"{w} = {p} {_signed(c_v)}*{v} {_signed(c_g)}*{g} is neither plain momentum ({p} - "
+        f"{format_poly(-c_v)}*{v}; differs by {plain_differs}) nor Nesterov with the buffer's momentum "
+        f"{format_poly(m)} ({p} - {format_poly(lr)}*({g} + {format_poly(m)}*{v}); differs by {nesterov_differs}).",
+        equation=f"{w} = {format_form({p: Poly.const(1), v: c_v, g: c_g}, [p, v, g])};  {v} = {format_form(form_v, [a])}",
+        nearest=f"{w} = {p} - {format_poly(-c_v)}*{v}  or  {w} = {p} - {format_poly(lr)}*({g} + {format_poly(m)}*{v})",
+        differing=f"{plain_differs} (plain) / {nesterov_differs} (Nesterov)",
+        score=5,
     )
 
 
@@ -717,16 +1028,10 @@ def _mixed_gradient(normaliser: Normaliser, g: str, rel: float) -> str | None:
     )
 
 
-def _close(a: Poly, b: Poly, rel: float, scale: Poly | None = None) -> bool:
-    """``a ≈ b`` per monomial, relative to the larger magnitude among a, b and ``scale``."""
-    reference = max(
-        [abs(x) for x in a.terms.values()] + [abs(x) for x in b.terms.values()] + ([abs(x) for x in scale.terms.values()] if scale else []),
-        default=0.0,
-    )
-    for monomial in set(a.terms) | set(b.terms):
-        if abs(a.terms.get(monomial, 0.0) - b.terms.get(monomial, 0.0)) > rel * reference:
-            return False
-    return True
+def _close(a: Poly, b: Poly, rel: "_Reading", scale: Poly | None = None) -> bool:
+    """``a`` and ``b`` are one coefficient at the candidate's working precision (per monomial, relative to
+    the larger magnitude among a, b and ``scale``; see :mod:`sgdfuse.passes.precision`)."""
+    return rel.precision.close_poly(a, b, scale)
 
 
 def _differing_terms(actual: Form, predicted: Form, rel: float) -> list[str]:
@@ -739,7 +1044,59 @@ def _differing_terms(actual: Form, predicted: Form, rel: float) -> list[str]:
     return differing
 
 
-def _find_gradient(index: GraphIndex, normaliser: Normaliser, v: str, rest: Form, exclude: set[str]) -> tuple[str, Poly] | None:
+def _gradient_readings(
+    index: GraphIndex, normaliser: Normaliser, v: str, rest: Form, vp: Poly, p: str, a: str, precision: Precision
+) -> list[tuple[str, Poly, bool]]:
+    """Ways to name the gradient of ``v``: ``(g, k, absorbs_decay)`` with ``rest = k·form(g)`` (or, when
+    ``absorbs_decay``, ``rest + vp·p = k·form(g)``: a weight-decay term inside a scaled gradient belongs to it).
+
+    First the reading of :func:`_find_gradient` (the leaf itself, or the one value computing the sum); then
+    every other value of ``v``'s cone that computes the whole term (up to its sign): the graph's own ``lr*g``
+    (Keras), ``g*clip_scale``, ``Cast(g16, FLOAT)``. A value computed by the graph is exact as the op's
+    gradient with dampening 0, where a factor folded into dampening may not be.
+    """
+    readings: list[tuple[str, Poly, bool]] = []
+    first = _find_gradient(index, normaliser, v, rest, {a, p}, precision)
+    if first is not None:
+        readings.append((first[0], first[1], False))
+    targets = [(rest, False)]
+    if not vp.is_zero:
+        targets.append((add_forms(rest, {p: vp}), True))
+    _, values = normaliser.cone(v)
+    more: list[tuple[str, Poly, bool]] = []
+    for value in sorted(values):
+        if value in (v, a, p, ONE) or (first is not None and value == first[0]) or index.spec(value).dtype not in FLOAT_DTYPES:
+            continue
+        form = normaliser.form(value)
+        for target, absorbs in targets:
+            k = _proportional(target, form, precision)
+            # Only the value that is the whole term (k = ±1, dampening 0): a value that is a part of it
+            # (0.05*g of a 0.1*g term) would need a dampening of its own, which says nothing clearer.
+            if k is not None and k.is_constant and abs(k.constant_value) == 1.0:
+                more.append((value, k, absorbs))
+    more.sort(key=lambda r: r[2])
+    return readings + more
+
+
+def _proportional(target: Form, form: Form, precision: Precision) -> Poly | None:
+    """``k`` with ``target = k·form`` for one scalar ``k`` (per-leaf ratios equal at ``precision``), or None."""
+    if set(form) != set(target) or not form:
+        return None
+    pivot = sorted(form)[0]
+    inverse = form[pivot].inverse()
+    if inverse is None:
+        return None
+    k = target[pivot] * inverse
+    if k.is_constant and abs(abs(k.constant_value) - 1.0) < 1e-12:
+        k = Poly.const(math.copysign(1.0, k.constant_value))  # x/x is 1, not 1 + 2^-52
+    if all(precision.close_poly(target[leaf], form[leaf] * k) for leaf in target):
+        return k
+    return None
+
+
+def _find_gradient(
+    index: GraphIndex, normaliser: Normaliser, v: str, rest: Form, exclude: set[str], precision: Precision
+) -> tuple[str, Poly] | None:
     """A tensor ``g`` of the graph with ``rest = k·form(g)`` for a scalar ``k``: a single leaf itself, or
     an intermediate of ``v``'s cone (a gradient summed from several contributions, say)."""
     if len(rest) == 1:
@@ -757,7 +1114,7 @@ def _find_gradient(index: GraphIndex, normaliser: Normaliser, v: str, rest: Form
         if inverse is None:
             continue
         k = rest[pivot] * inverse
-        if all(_close(rest[leaf], form[leaf] * k, 1e-6) for leaf in rest):
+        if all(precision.close_poly(rest[leaf], form[leaf] * k) for leaf in rest):
             return value, k
     return None
 
