@@ -76,7 +76,12 @@ def load_model(path: str | os.PathLike, *, load_external_data: bool = False) -> 
 
 
 def save_model(
-    model: onnx.ModelProto, path: str | os.PathLike, *, source_dir: str | None = None, batch: OutputBatch | None = None
+    model: onnx.ModelProto,
+    path: str | os.PathLike,
+    *,
+    source_dir: str | None = None,
+    batch: OutputBatch | None = None,
+    source: str | None = None,
 ) -> None:
     """Write ``model`` to ``path`` whole or not at all (see :mod:`sgdfuse.output`).
 
@@ -90,6 +95,7 @@ def save_model(
     Args:
         batch: stage the files in this :class:`~sgdfuse.output.OutputBatch` (committed by the caller together
             with other outputs) instead of writing them now.
+        source: the model file it was read from, for messages (default: the directory).
 
     Raises:
         ExternalDataError: an external data location is absolute, climbs out with ``..``, or (with
@@ -99,12 +105,12 @@ def save_model(
     """
     if batch is None:
         with OutputBatch() as own:
-            save_model(model, path, source_dir=source_dir, batch=own)
+            save_model(model, path, source_dir=source_dir, batch=own, source=source)
             own.commit()
         return
     target = resolve_destination(path)
     if source_dir:
-        model = external_data.copy_data_files(model, source_dir, target, batch, source=os.fspath(path))
+        model = external_data.copy_data_files(model, source_dir, target, batch, source=source or source_dir)
     else:
         model = external_data.normalised_locations(model)
     batch.stage(path, model.SerializeToString())
@@ -127,7 +133,7 @@ class OptimizeResult:
     def save(self, path: str | os.PathLike, *, batch: OutputBatch | None = None) -> None:
         """Write :attr:`model` to ``path`` whole or not at all, external data placed beside it (see
         :func:`save_model`); with ``batch``, staged there for the caller to commit."""
-        save_model(self.model, path, source_dir=self.source_dir, batch=batch)
+        save_model(self.model, path, source_dir=self.source_dir, batch=batch, source=self.report.source)
 
 
 def _as_model(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str, str | None]:

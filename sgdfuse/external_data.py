@@ -50,6 +50,8 @@ __all__ = [
     "load_external_data",
     "tensor_to_array",
     "copy_data_files",
+    "stage_data_files",
+    "normalised_locations",
 ]
 
 logger = logging.getLogger(__name__)
@@ -346,22 +348,35 @@ def copy_data_files(model: onnx.ModelProto, source_dir: str, target: str, batch,
         ExternalDataError: a location breaks a rule.
         OutputWriteError: a destination is taken by another file, or a copy failed.
     """
-    checked = check_model(model, source, base_dir=source_dir)
+    stage_data_files(check_model(model, source, base_dir=source_dir), source_dir, target, batch, source=source)
+    return normalised_locations(model)
+
+
+def stage_data_files(checked: list[ExternalData], source_dir: str, target: str, batch, *, source: str = "<model>") -> None:
+    """Stage in ``batch`` one copy of each data file in ``checked`` (from :func:`check_tensor`), at its
+    normalised location inside the directory of ``target``; nothing when that is ``source_dir`` itself.
+    The model-format-neutral half of :func:`copy_data_files` (the MindIR writer uses it too).
+
+    Raises:
+        OutputWriteError: ``target`` is one of the data files, a destination is taken by another file or
+            passes a symbolic link, or a copy failed.
+        ExternalDataError: a data file changed since it was checked.
+    """
     directory = os.path.dirname(target)
     for data in checked:
         if data.path == target:
             raise OutputWriteError(target, f"is the external data file {data.location!r} of tensor {data.tensor!r}; write the model elsewhere")
-    if os.path.realpath(source_dir) != os.path.realpath(directory):
-        files: dict[str, ExternalData] = {}
-        for data in checked:
-            files.setdefault(data.normalised, data)
-        for normalised, data in sorted(files.items()):
-            descriptor = _open(dataclasses.replace(data, offset=0, length=0), source)
-            try:
-                batch.stage_copy(os.path.join(directory, *normalised.split("/")), descriptor, within=directory)
-            finally:
-                os.close(descriptor)
-    return normalised_locations(model)
+    if os.path.realpath(source_dir) == os.path.realpath(directory):
+        return  # the data files are already there
+    files: dict[str, ExternalData] = {}
+    for data in checked:
+        files.setdefault(data.normalised, data)
+    for normalised, data in sorted(files.items()):
+        descriptor = _open(dataclasses.replace(data, offset=0, length=0), source)
+        try:
+            batch.stage_copy(os.path.join(directory, *normalised.split("/")), descriptor, within=directory)
+        finally:
+            os.close(descriptor)
 
 
 def normalised_locations(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -374,3 +374,64 @@ def test_data_files_and_directories_go_when_another_output_fails(layout):
             batch.stage(blocked / "r.json", b"{}")
             batch.commit()
     assert _tree(layout) == before
+
+
+# MindIR: a large model's parameters live in data files the model names (``<name>_variables/data_N``).
+
+MINDIR = os.path.join(os.path.dirname(__file__), os.pardir, "testdata", "mindspore", "train_step_sgd.mindir")
+
+
+def _split_mindir(path, location: str) -> None:
+    """``train_step_sgd.mindir`` with its parameters moved to the data file ``location``, laid out as
+    MindSpore's own split export writes it (a 64-byte header whose first byte marks little-endian data, each
+    parameter at a 64-byte boundary)."""
+    from mindspore.train import mind_ir_pb2
+
+    model = mind_ir_pb2.ModelProto()
+    with open(MINDIR, "rb") as handle:
+        model.ParseFromString(handle.read())
+    blob = bytearray(b"\x01" + bytes(63))
+    for parameter in model.graph.parameter:
+        if parameter.raw_data:
+            parameter.external_data.location = location
+            parameter.external_data.offset = len(blob)
+            parameter.external_data.length = len(parameter.raw_data)
+            blob += parameter.raw_data + bytes(-len(parameter.raw_data) % 64)
+            parameter.ClearField("raw_data")
+    data = os.path.join(os.path.dirname(path), location)
+    if not os.path.lexists(data) and ".." not in location:  # an attacker's location: its target is left as it is
+        os.makedirs(os.path.dirname(data), exist_ok=True)
+        with open(data, "wb") as handle:
+            handle.write(bytes(blob))
+    with open(path, "wb") as handle:
+        handle.write(model.SerializeToString())
+
+
+def test_a_split_mindir_is_fused_checked_and_written_with_its_data_file_inside_the_output(layout, capsys):
+    pytest.importorskip("mindspore", reason="MindSpore is not installed here (CI installs .[test,mindspore])")
+    from sgdfuse.mindspore import check_mindir
+
+    model = layout / "in" / "a" / "b" / "step.mindir"
+    _split_mindir(model, "step_variables/data_0")
+    out = layout / "out" / "fused.mindir"
+    code, stdout, err, _ = _run("optimize", model, "-o", out, capsys=capsys)
+    assert code == 0, err
+    assert "agree within the derived bound" in stdout and "failed" not in stdout  # checked on the real bytes
+    copy = layout / "out" / "step_variables" / "data_0"
+    assert copy.read_bytes() == (model.parent / "step_variables" / "data_0").read_bytes()
+    assert check_mindir(str(model), str(out), steps=2).passed  # MindSpore loads the written file and its data
+
+
+@pytest.mark.parametrize("plant, location", [(_as_is, "../secret.bin"), (_plant_link_out, "link.bin")], ids=["dot-dot", "symlink out"])
+def test_a_mindir_naming_a_data_file_outside_its_directory_is_refused(layout, capsys, plant, location):
+    pytest.importorskip("mindspore", reason="MindSpore is not installed here (CI installs .[test,mindspore])")
+    model_dir = layout / "in" / "a" / "b"
+    location = plant(model_dir, location)
+    model = model_dir / "step.mindir"
+    _split_mindir(model, location)
+    before = _tree(layout)
+    code, _, err, opened = _run("optimize", model, "-o", layout / "out" / "fused.mindir", capsys=capsys)
+    assert code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert f"location {location!r}" in err and "opt.l1.weight" in err
+    assert _tree(layout) == before
+    assert str(layout / "in" / "a" / "secret.bin") not in opened
