@@ -112,7 +112,7 @@ def save_model(
     if source_dir:
         model = external_data.copy_data_files(model, source_dir, target, batch, source=source or source_dir)
     else:
-        model = external_data.normalised_locations(model)
+        model = external_data.normalised_locations(model, os.fspath(path))
     batch.stage(path, model.SerializeToString())
 
 

@@ -157,6 +157,8 @@ def _refusal_of_location(location: str) -> str:
     unified = location.replace("\\", "/")
     if unified.startswith("/") or _DRIVE.match(unified):
         return "is an absolute path"
+    if posixpath.normpath(unified) == ".":
+        return "names the model's directory itself, not a data file"
     return "points outside the model's directory (a '..' part)"
 
 
@@ -349,7 +351,7 @@ def copy_data_files(model: onnx.ModelProto, source_dir: str, target: str, batch,
         OutputWriteError: a destination is taken by another file, or a copy failed.
     """
     stage_data_files(check_model(model, source, base_dir=source_dir), source_dir, target, batch, source=source)
-    return normalised_locations(model)
+    return normalised_locations(model, target)
 
 
 def stage_data_files(checked: list[ExternalData], source_dir: str, target: str, batch, *, source: str = "<model>") -> None:
@@ -379,8 +381,9 @@ def stage_data_files(checked: list[ExternalData], source_dir: str, target: str, 
             os.close(descriptor)
 
 
-def normalised_locations(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with every external location in normalised form (a copy when one changes; else ``model``).
+def normalised_locations(model: onnx.ModelProto, path: str | os.PathLike = "<model>") -> onnx.ModelProto:
+    """``model`` with every external location in normalised form (a copy when one changes; else ``model``);
+    ``path`` is the file it is about to be written to, for messages.
 
     Raises:
         ExternalDataError: a location is empty, absolute or climbs out with ``..`` (see
@@ -391,7 +394,7 @@ def normalised_locations(model: onnx.ModelProto) -> onnx.ModelProto:
         location, _, _ = _fields(tensor, "<model>")
         normalised = normalise_location(location)
         if normalised is None:
-            raise ExternalDataError("<model to write>", tensor.name, location, _refusal_of_location(location))
+            raise ExternalDataError(os.fspath(path), tensor.name, location, _refusal_of_location(location))
         if normalised != location:
             changes.append(tensor.name)
     if not changes:

@@ -97,7 +97,7 @@ def write_onnx_atc(
     """
     # A path is loaded with its external data (checked); a ModelProto may still name data files, and none
     # that escapes the output's directory is written.
-    prepared = normalised_locations(to_onnx_atc(model, soc=soc, optimise=optimise))
+    prepared = normalised_locations(to_onnx_atc(model, soc=soc, optimise=optimise), path)
     plugin = plugin_path_for(path)
     with OutputBatch() as batch:  # the model and its plugin source together or not at all
         batch.stage(path, prepared.SerializeToString())
