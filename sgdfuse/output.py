@@ -107,6 +107,7 @@ class OutputBatch:
         target = os.path.normpath(os.path.join(root, shown))
         if os.path.commonpath([root, target]) != root or target == root:
             raise OutputWriteError(shown, f"is outside the output directory {root}; not written")
+        self._claim(target, shown)  # also when an identical file is already there: no other output may replace it
         self._make_parents(root, target, shown)
         if os.path.lexists(target):
             info = os.lstat(target)
@@ -117,7 +118,6 @@ class OutputBatch:
             if _same_contents(source, target):
                 return
             raise OutputWriteError(shown, "already exists with other contents; write the model elsewhere")
-        self._claim(target, shown)
         self._stage_via(target, shown, lambda descriptor: _copy(source, descriptor))
 
     def _claim(self, target: str, shown: str) -> None:

@@ -435,3 +435,17 @@ def test_a_mindir_naming_a_data_file_outside_its_directory_is_refused(layout, ca
     assert f"location {location!r}" in err and "opt.l1.weight" in err
     assert _tree(layout) == before
     assert str(layout / "in" / "a" / "secret.bin") not in opened
+
+    from sgdfuse.mindspore import check_mindir
+
+    for pair in ((model, MINDIR), (MINDIR, model)):  # sgdfuse's MindSpore check refuses it on either side
+        with pytest.raises(ExternalDataError, match="opt.l1.weight"):
+            check_mindir(str(pair[0]), str(pair[1]), steps=1)
+
+
+def test_two_outputs_naming_one_file_are_refused(layout, capsys):
+    model = _valid_model(layout)
+    same = layout / "out" / "fused.onnx"
+    code, _, err, _ = _run("optimize", model, "-o", same, "--report", same, capsys=capsys)
+    assert code == 1 and "named twice" in err, err
+    assert list((layout / "out").iterdir()) == []
