@@ -46,6 +46,7 @@ __all__ = [
     "normalise_location",
     "check_tensor",
     "check_model",
+    "open_checked",
     "read_bytes",
     "load_external_data",
     "tensor_to_array",
@@ -175,7 +176,7 @@ def _fields(tensor, source: str) -> tuple[str, str | None, str | None]:
     return seen.get("location", ""), seen.get("offset"), seen.get("length")
 
 
-def check_tensor(tensor, base_dir: str, *, source: str) -> ExternalData:
+def check_tensor(tensor, base_dir: str, *, source: str, files: dict | None = None) -> ExternalData:
     """Check one tensor's external data against the rules in this module's docstring.
 
     Args:
@@ -183,9 +184,12 @@ def check_tensor(tensor, base_dir: str, *, source: str) -> ExternalData:
             an ``external_data`` message (``location``, ``offset``, ``length`` as int64).
         base_dir: the model's directory.
         source: the model file, for messages.
+        files: a cache (normalised location → resolved path and ``stat``) shared by the tensors of one model,
+            so that a file many tensors share is resolved once.
 
     Raises:
         ExternalDataError: the location, file, offset or length breaks a rule.
+        ModelLoadError: the data file is missing.
     """
     if isinstance(tensor, onnx.TensorProto):
         location, offset_text, length_text = _fields(tensor, source)
@@ -209,19 +213,19 @@ def check_tensor(tensor, base_dir: str, *, source: str) -> ExternalData:
     if length_text is not None:
         length = int(length_text)
 
-    base = os.path.realpath(base_dir)
-    path = os.path.realpath(os.path.join(base, normalised))
-    if os.path.commonpath([base, path]) != base:
+    files = {} if files is None else files
+    if normalised not in files:
+        files[normalised] = _resolve(base_dir, normalised)
+    base, path, info, inside = files[normalised]
+    if not inside:
         raise refuse(f"resolves through a symbolic link to {path}, outside the model's directory {base}")
-    try:
-        info = os.stat(path)
-    except FileNotFoundError as error:
+    if isinstance(info, FileNotFoundError):
         raise ModelLoadError(
             source,
             f"external data file {location!r} of tensor {name!r} is missing (looked in {base}); keep the data files beside the model",
-        ) from error
-    except OSError as error:
-        raise refuse(f"cannot be read ({error.strerror or error})") from error
+        ) from info
+    if isinstance(info, OSError):
+        raise refuse(f"cannot be read ({info.strerror or info})") from info
     _check_file(info, refuse)
     if offset > info.st_size:
         raise refuse(f"has offset {offset}, past the end of the {info.st_size}-byte file")
@@ -230,6 +234,18 @@ def check_tensor(tensor, base_dir: str, *, source: str) -> ExternalData:
     elif offset + length > info.st_size:
         raise refuse(f"has offset {offset} and length {length}, past the end of the {info.st_size}-byte file")
     return ExternalData(name, location, normalised, path, offset, length, info.st_dev, info.st_ino)
+
+
+def _resolve(base_dir: str, normalised: str) -> tuple[str, str, os.stat_result | OSError, bool]:
+    """(real base directory, real path of the location, its ``stat`` or the error stat raised, whether the
+    real path lies inside the real base directory)."""
+    base = os.path.realpath(base_dir)
+    path = os.path.realpath(os.path.join(base, normalised))
+    inside = os.path.commonpath([base, path]) == base
+    try:
+        return base, path, os.stat(path), inside
+    except OSError as error:
+        return base, path, error, inside
 
 
 def _check_file(info: os.stat_result, refuse) -> None:
@@ -253,11 +269,19 @@ def check_model(model: onnx.ModelProto, path: str | os.PathLike, *, base_dir: st
     """
     source = os.fspath(path)
     base = base_dir if base_dir is not None else os.path.dirname(os.path.abspath(source))
-    return [check_tensor(tensor, base, source=source) for tensor in external_tensors(model)]
+    files: dict = {}
+    return [check_tensor(tensor, base, source=source, files=files) for tensor in external_tensors(model)]
 
 
-def _open(data: ExternalData, source: str) -> int:
-    """A read-only descriptor on the checked file, refused if what is there now is not what was checked."""
+def open_checked(data: ExternalData, *, source: str, whole: bool = False) -> int:
+    """A read-only descriptor on a checked data file (the caller closes it), refused if what is there now is
+    not the file that was checked. ``whole``: only the file's identity is compared, not ``data``'s range
+    (the caller reads several ranges, each checked by :func:`check_tensor`, or copies the whole file).
+
+    Raises:
+        ExternalDataError: the file cannot be opened, or changed (another file, no longer regular, a second
+            hard link, shorter than the checked range) since it was checked.
+    """
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         descriptor = os.open(data.path, flags)
@@ -267,19 +291,22 @@ def _open(data: ExternalData, source: str) -> int:
     if (info.st_dev, info.st_ino) != (data.device, data.inode) or not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
         os.close(descriptor)
         raise ExternalDataError(source, data.tensor, data.location, "changed between its check and its reading")
-    if info.st_size < data.offset + data.length:
+    if not whole and info.st_size < data.offset + data.length:
         os.close(descriptor)
         raise ExternalDataError(source, data.tensor, data.location, "shrank between its check and its reading")
     return descriptor
 
 
-def read_bytes(data: ExternalData, *, source: str) -> bytes:
-    """The ``data.length`` bytes at ``data.offset`` of a checked data file.
+def read_bytes(data: ExternalData, *, source: str, descriptor: int | None = None) -> bytes:
+    """The ``data.length`` bytes at ``data.offset`` of a checked data file (read through ``descriptor``
+    when the caller opened the file already, with :func:`open_checked`).
 
     Raises:
         ExternalDataError: the file changed since it was checked, or cannot be read.
     """
-    descriptor = _open(data, source)
+    own = descriptor is None
+    if own:
+        descriptor = open_checked(data, source=source)
     try:
         chunks, position, remaining = [], data.offset, data.length
         while remaining:
@@ -291,7 +318,8 @@ def read_bytes(data: ExternalData, *, source: str) -> bytes:
             remaining -= len(chunk)
         return b"".join(chunks)
     finally:
-        os.close(descriptor)
+        if own:
+            os.close(descriptor)
 
 
 def load_external_data(model: onnx.ModelProto, path: str | os.PathLike) -> None:
@@ -304,10 +332,17 @@ def load_external_data(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     source = os.fspath(path)
     tensors = list(external_tensors(model))
     checked = check_model(model, source)
-    for tensor, data in zip(tensors, checked):
-        tensor.raw_data = read_bytes(data, source=source)
-        tensor.data_location = onnx.TensorProto.DEFAULT
-        del tensor.external_data[:]
+    descriptors: dict[str, int] = {}  # one open descriptor per data file
+    try:
+        for tensor, data in zip(tensors, checked):
+            if data.path not in descriptors:
+                descriptors[data.path] = open_checked(data, source=source, whole=True)
+            tensor.raw_data = read_bytes(data, source=source, descriptor=descriptors[data.path])
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+    finally:
+        for descriptor in descriptors.values():
+            os.close(descriptor)
 
 
 def tensor_to_array(tensor: onnx.TensorProto) -> np.ndarray:
@@ -374,7 +409,7 @@ def stage_data_files(checked: list[ExternalData], source_dir: str, target: str, 
     for data in checked:
         files.setdefault(data.normalised, data)
     for normalised, data in sorted(files.items()):
-        descriptor = _open(dataclasses.replace(data, offset=0, length=0), source)
+        descriptor = open_checked(data, source=source, whole=True)
         try:
             batch.stage_copy(os.path.join(directory, *normalised.split("/")), descriptor, within=directory)
         finally:
