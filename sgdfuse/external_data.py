@@ -37,13 +37,13 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from sgdfuse.errors import ModelLoadError, OutputWriteError
+from sgdfuse.errors import ExternalDataError, ModelLoadError, OutputWriteError
 
 __all__ = [
     "ExternalData",
-    "ExternalDataError",
     "external_tensors",
     "normalise_location",
+    "check_location",
     "check_tensor",
     "check_model",
     "open_checked",
@@ -60,24 +60,6 @@ logger = logging.getLogger(__name__)
 _KEYS = {"location", "offset", "length", "checksum", "basepath"}
 _DECIMAL = re.compile(r"[0-9]+\Z")
 _DRIVE = re.compile(r"[A-Za-z]:")
-
-
-class ExternalDataError(ModelLoadError):
-    """A model names external tensor data that sgdfuse will not read: a location outside the model's
-    directory, a link out of it, something that is not a regular file, or an offset/length past the file.
-
-    Attributes:
-        path: the model file. tensor: the tensor's name. location: the location as the model gives it.
-    """
-
-    def __init__(self, path: str, tensor: str, location: str, reason: str) -> None:
-        super().__init__(
-            path,
-            f"tensor {tensor!r}: external data location {location!r} {reason}; refused: sgdfuse reads external "
-            "data only from regular files inside the model's directory",
-        )
-        self.tensor = tensor
-        self.location = location
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +132,19 @@ def normalise_location(location: str) -> str | None:
     return normalised
 
 
+def check_location(location: str, *, tensor: str, source: str) -> str:
+    """``location`` normalised (:func:`normalise_location`), checked by itself, without the file system.
+
+    Raises:
+        ExternalDataError: it is empty, holds a NUL byte, is absolute, names the directory itself or climbs
+            out with ``..``.
+    """
+    normalised = normalise_location(location)
+    if normalised is None:
+        raise ExternalDataError(source, tensor, location, _refusal_of_location(location))
+    return normalised
+
+
 def _refusal_of_location(location: str) -> str:
     if not location:
         return "is empty"
@@ -201,9 +196,7 @@ def check_tensor(tensor, base_dir: str, *, source: str, files: dict | None = Non
     def refuse(reason: str) -> ExternalDataError:
         return ExternalDataError(source, name, location, reason)
 
-    normalised = normalise_location(location)
-    if normalised is None:
-        raise refuse(_refusal_of_location(location))
+    normalised = check_location(location, tensor=name, source=source)
     offset, length = 0, None
     for key, text in (("offset", offset_text), ("length", length_text)):
         if text is not None and not _DECIMAL.match(text):
@@ -426,11 +419,8 @@ def normalised_locations(model: onnx.ModelProto, path: str | os.PathLike = "<mod
     """
     changes = []
     for tensor in external_tensors(model):
-        location, _, _ = _fields(tensor, "<model>")
-        normalised = normalise_location(location)
-        if normalised is None:
-            raise ExternalDataError(os.fspath(path), tensor.name, location, _refusal_of_location(location))
-        if normalised != location:
+        location, _, _ = _fields(tensor, os.fspath(path))
+        if check_location(location, tensor=tensor.name, source=os.fspath(path)) != location:
             changes.append(tensor.name)
     if not changes:
         return model

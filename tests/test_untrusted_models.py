@@ -19,8 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import sgdfuse
 from sgdfuse.cli import main
-from sgdfuse.errors import ModelLoadError, OutputWriteError
-from sgdfuse.external_data import ExternalDataError
+from sgdfuse.errors import ExternalDataError, ModelLoadError, OutputWriteError
 
 SIDE = 8
 WEIGHT = np.arange(SIDE * SIDE, dtype=np.float32).reshape(SIDE, SIDE)

@@ -27,7 +27,7 @@ import os
 import struct
 from typing import Any
 
-from sgdfuse.external_data import ExternalData, ExternalDataError, check_tensor, normalise_location, read_bytes, stage_data_files
+from sgdfuse.external_data import ExternalData, check_location, check_tensor, normalise_location, read_bytes, stage_data_files
 from sgdfuse.mindspore.errors import MindIRLoadError, MindSporeMissingError
 from sgdfuse.mindspore.plugin import report_from_records
 from sgdfuse.report import Refusal, Report, Verification
@@ -124,9 +124,7 @@ def check_external_data(model: Any, path: str | None) -> list[ExternalData]:
     tensors = external_tensors(model)
     if path is None:
         for tensor in tensors:
-            location = tensor.external_data.location
-            if normalise_location(location) is None:
-                raise ExternalDataError("<bytes>", tensor.name, location, "is absolute, empty or climbs out with '..'")
+            check_location(tensor.external_data.location, tensor=tensor.name, source="<bytes>")
         return []
     base = os.path.dirname(os.path.abspath(path))
     return [check_tensor(tensor, base, source=path) for tensor in tensors]
