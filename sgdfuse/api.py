@@ -11,13 +11,13 @@ import dataclasses
 import logging
 from collections.abc import Callable
 import os
-import shutil
 
 import onnx
 from google.protobuf.message import DecodeError
 
-from sgdfuse.errors import ModelLoadError, OutputWriteError
-from sgdfuse.output import OutputBatch, resolve_destination, write_bytes
+from sgdfuse import external_data
+from sgdfuse.errors import ModelLoadError
+from sgdfuse.output import OutputBatch, resolve_destination
 from sgdfuse.fused_op import MIN_OPSET, function_opset
 from sgdfuse.passes.index import build_index
 from sgdfuse.passes.linear import Normaliser
@@ -39,11 +39,16 @@ def load_model(path: str | os.PathLike, *, load_external_data: bool = False) -> 
 
     Tensor data stored outside the file (ONNX external data, ``TensorProto.data_location == EXTERNAL``) is
     left on disk unless ``load_external_data``: the pass reads only shapes and small scalars, so a model far
-    past protobuf's 2 GB limit costs no more memory than its graph. Every external file is checked to exist.
+    past protobuf's 2 GB limit costs no more memory than its graph. Every external location is untrusted and
+    checked first (:mod:`sgdfuse.external_data`): a relative path to a regular file inside the model's
+    directory, offset and length within the file; with ``load_external_data`` the bytes are read through
+    the same checked path.
 
     Raises:
         ModelLoadError: the file is missing, unreadable, empty, truncated or not an ONNX ``ModelProto``, or an
             external data file it references is missing.
+        ExternalDataError: an external data location is refused (absolute, ``..``, a link out of the model's
+            directory, not a regular file, offset or length past the end of the file); nothing is read.
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -63,103 +68,52 @@ def load_model(path: str | os.PathLike, *, load_external_data: bool = False) -> 
     if not model.opset_import:
         # Every exporter writes opset_import, after the graph: a model without one is truncated or broken.
         raise ModelLoadError(path, "the model declares no opset_import; the file is truncated or not a complete ONNX model")
-    base = os.path.dirname(os.path.abspath(path))
-    for tensor in _external_tensors(model):
-        location = _external_location(tensor)
-        if not os.path.isfile(os.path.join(base, location)):
-            raise ModelLoadError(
-                path,
-                f"external data file {location!r} of tensor {tensor.name!r} is missing (looked in {base}); "
-                "keep the data files beside the model",
-            )
+    # Locations inside a model are untrusted: every one is checked before any data file is opened.
+    external_data.check_model(model, path)
     if load_external_data:
-        try:
-            onnx.load_external_data_for_model(model, base)
-        except Exception as error:
-            raise ModelLoadError(path, f"cannot read external data: {error}") from error
+        external_data.load_external_data(model, path)
     return model
 
 
-def _external_tensors(model: onnx.ModelProto):
-    for tensor in model.graph.initializer:
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            yield tensor
-    for node in model.graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_location == onnx.TensorProto.EXTERNAL:
-                yield attribute.t
-
-
-def _external_location(tensor: onnx.TensorProto) -> str:
-    for entry in tensor.external_data:
-        if entry.key == "location":
-            return entry.value
-    return ""
-
-
 def save_model(
-    model: onnx.ModelProto, path: str | os.PathLike, *, source_dir: str | None = None, batch: OutputBatch | None = None
+    model: onnx.ModelProto,
+    path: str | os.PathLike,
+    *,
+    source_dir: str | None = None,
+    batch: OutputBatch | None = None,
+    source: str | None = None,
 ) -> None:
     """Write ``model`` to ``path`` whole or not at all (see :mod:`sgdfuse.output`).
 
-    Tensors whose data is external keep their ``location``; when the model is written to another directory
-    than ``source_dir`` (the one it was read from), each data file is copied there first, since ONNX resolves
-    external data only inside the model's directory (and refuses hard links). An existing different file at a
-    data file's destination is never overwritten.
+    Tensors whose data is external keep their ``location`` (normalised: ``/``-separated, no ``.`` parts);
+    when the model is written to another directory than ``source_dir`` (the one it was read from), each data
+    file is copied there, into the output's directory and never outside it, since ONNX resolves external
+    data only inside the model's directory (and refuses hard links). Data files are written in the same
+    batch as the model: all or nothing. An existing different file at a data file's destination is never
+    overwritten, and no symbolic link is followed there (:func:`sgdfuse.external_data.copy_data_files`).
 
     Args:
-        batch: stage the file in this :class:`~sgdfuse.output.OutputBatch` (committed by the caller together
-            with other outputs) instead of writing it now.
+        batch: stage the files in this :class:`~sgdfuse.output.OutputBatch` (committed by the caller together
+            with other outputs) instead of writing them now.
+        source: the model file it was read from, for messages (default: the directory).
 
     Raises:
+        ExternalDataError: an external data location is absolute, climbs out with ``..``, or (with
+            ``source_dir``) breaks another rule of :mod:`sgdfuse.external_data`.
         OutputWriteError: the destination cannot be written (missing directory, a directory, a device), a
             data file's destination is taken by another file, or a write failed.
     """
+    if batch is None:
+        with OutputBatch() as own:
+            save_model(model, path, source_dir=source_dir, batch=own, source=source)
+            own.commit()
+        return
     target = resolve_destination(path)
-    directory = os.path.dirname(target)
-    if source_dir and os.path.abspath(source_dir) != directory:
-        locations = sorted({_external_location(t) for t in _external_tensors(model)})
-        for location in locations:
-            _place_data_file(os.path.join(source_dir, location), os.path.join(directory, location), os.fspath(path))
-    data = model.SerializeToString()
-    if batch is not None:
-        batch.stage(path, data)
+    if source_dir:
+        model = external_data.copy_data_files(model, source_dir, target, batch, source=source or source_dir)
     else:
-        write_bytes(path, data)
-
-
-def _place_data_file(source: str, destination: str, model_path: str) -> None:
-    """Make ``destination`` hold the external data file ``source``: a copy written to a temporary name, then
-    renamed (the kernel copies it; the bytes never pass through Python)."""
-    if os.path.exists(destination):
-        if os.path.samefile(source, destination) or _same_bytes(source, destination):
-            return
-        raise OutputWriteError(
-            model_path, f"external data file {destination} already exists with other contents; write the model elsewhere"
-        )
-    os.makedirs(os.path.dirname(destination), exist_ok=True)
-    # A copy, not a link: onnx refuses external data outside the model's directory and files with several
-    # hard links (its hardlink-attack check), so the written model would not load.
-    temporary = destination + ".sgdfuse-tmp"
-    try:
-        shutil.copyfile(source, temporary)
-        os.replace(temporary, destination)
-    except OSError as error:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise OutputWriteError(model_path, f"cannot place external data file {destination}: {error.strerror or error}") from error
-
-
-def _same_bytes(a: str, b: str) -> bool:
-    if os.path.getsize(a) != os.path.getsize(b):
-        return False
-    with open(a, "rb") as x, open(b, "rb") as y:
-        while True:
-            chunk = x.read(1 << 20)
-            if chunk != y.read(1 << 20):
-                return False
-            if not chunk:
-                return True
+        model = external_data.normalised_locations(model, os.fspath(path))
+    batch.stage(path, model.SerializeToString())
 
 
 @dataclasses.dataclass
@@ -179,7 +133,7 @@ class OptimizeResult:
     def save(self, path: str | os.PathLike, *, batch: OutputBatch | None = None) -> None:
         """Write :attr:`model` to ``path`` whole or not at all, external data placed beside it (see
         :func:`save_model`); with ``batch``, staged there for the caller to commit."""
-        save_model(self.model, path, source_dir=self.source_dir, batch=batch)
+        save_model(self.model, path, source_dir=self.source_dir, batch=batch, source=self.report.source)
 
 
 def _as_model(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str, str | None]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "SgdfuseError",
     "ModelLoadError",
+    "ExternalDataError",
     "OutputWriteError",
     "ContractError",
     "AttributeContractError",
@@ -32,6 +33,25 @@ class ModelLoadError(SgdfuseError):
     def __init__(self, path: str, message: str) -> None:
         super().__init__(f"{path}: {message}")
         self.path = path
+
+
+class ExternalDataError(ModelLoadError):
+    """A model names external tensor data that sgdfuse will not read: a location that is absolute or climbs
+    out with ``..``, a link out of the model's directory, something that is not a regular file, or an offset
+    or length past the end of the file (rules: :mod:`sgdfuse.external_data`).
+
+    Attributes:
+        path: the model file. tensor: the tensor's name. location: the location as the model gives it.
+    """
+
+    def __init__(self, path: str, tensor: str, location: str, reason: str) -> None:
+        super().__init__(
+            path,
+            f"tensor {tensor!r}: external data location {location!r} {reason}; refused: sgdfuse reads external "
+            "data only from regular files inside the model's directory",
+        )
+        self.tensor = tensor
+        self.location = location
 
 
 class OutputWriteError(SgdfuseError):

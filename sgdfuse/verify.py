@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from sgdfuse.external_data import tensor_to_array
 from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.rewrite import Plan, _reads
 from sgdfuse.runtime import make_session, onnx_to_numpy_dtype, run
@@ -143,7 +144,9 @@ def _slice_model(
             if not name or name in produced or name in own or name in inputs:
                 continue
             tensor = index.initializers.get(name)
-            if tensor is not None and name not in index.graph_inputs:
+            # An initializer whose data is external (not loaded) is fed like an input: onnxruntime would
+            # resolve its location against the current directory, unchecked (sgdfuse.external_data).
+            if tensor is not None and name not in index.graph_inputs and tensor.data_location != onnx.TensorProto.EXTERNAL:
                 needed_initializers.append(tensor)
                 own.add(name)
             else:
@@ -310,7 +313,7 @@ def _value(name: str, computed: dict, feeds: dict, index: GraphIndex) -> np.ndar
         return computed[name]
     if name in feeds:
         return feeds[name]
-    return onnx.numpy_helper.to_array(index.initializers[name])
+    return tensor_to_array(index.initializers[name])
 
 
 def _learning_rate_value(plan: Plan, feeds: dict[str, np.ndarray]) -> float:

@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from sgdfuse.contract import TensorSpec
+from sgdfuse.external_data import tensor_to_array
 from sgdfuse.lowering.errors import LoweringError
 from sgdfuse.lowering.graph_builder import GraphBuilder, OpRecord, Tensor, add_const
 from sgdfuse.passes.index import GraphIndex
@@ -77,7 +78,7 @@ class GraphLowering:
             return found
         initializer = self.scoped_initializers.get(name) or self.index.initializers.get(name)
         if initializer is not None:
-            tensor = self.const(numpy_helper.to_array(initializer), name, onnx_dtype=initializer.data_type, spec_name=name)
+            tensor = self.const(tensor_to_array(initializer), name, onnx_dtype=initializer.data_type, spec_name=name)
             self.values[name] = tensor
             return tensor
         raise LoweringError(f"node {reader}", f"reads value {name!r}, which no graph input, initializer or earlier node provides")
@@ -103,10 +104,10 @@ class GraphLowering:
     def _fold(self, name: str) -> np.ndarray | None:
         initializer = self.scoped_initializers.get(name)
         if initializer is not None:
-            return numpy_helper.to_array(initializer)
+            return tensor_to_array(initializer)
         initializer = self.index.initializers.get(name)
         if initializer is not None:
-            return None if self.index.is_input_name(name) else numpy_helper.to_array(initializer)
+            return None if self.index.is_input_name(name) else tensor_to_array(initializer)
         node = self.producer(name)
         if node is None or node.domain not in ("", "ai.onnx"):
             return None
@@ -191,7 +192,7 @@ class NodeLowering:
             raise self.error(f"attribute {name} refers to an enclosing function's attribute; lower the inlined model")
         value = helper.get_attribute_value(attribute)
         if isinstance(value, onnx.TensorProto):
-            return numpy_helper.to_array(value)
+            return tensor_to_array(value)
         if isinstance(value, bytes):
             return value.decode()
         return value
@@ -234,7 +235,7 @@ def constant_node_value(node: onnx.NodeProto) -> np.ndarray | None:
             return None
         value = helper.get_attribute_value(attribute)
         if attribute.name == "value":
-            return numpy_helper.to_array(value)
+            return tensor_to_array(value)
         if attribute.name == "value_float":
             return np.array(value, dtype=np.float32)
         if attribute.name == "value_floats":

@@ -31,6 +31,7 @@ import onnx
 import sgdfuse
 from sgdfuse.contract import product_line_for_soc
 from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, is_sgd_node
+from sgdfuse.external_data import normalised_locations
 from sgdfuse.output import OutputBatch
 from sgdfuse.lowering.lower import prepare
 from sgdfuse.lowering.soc import check_product_line
@@ -94,7 +95,9 @@ def write_onnx_atc(
     Returns:
         ``(model path, plugin source path)``.
     """
-    prepared = to_onnx_atc(model, soc=soc, optimise=optimise)
+    # A path is loaded with its external data (checked); a ModelProto may still name data files, and none
+    # that escapes the output's directory is written.
+    prepared = normalised_locations(to_onnx_atc(model, soc=soc, optimise=optimise), path)
     plugin = plugin_path_for(path)
     with OutputBatch() as batch:  # the model and its plugin source together or not at all
         batch.stage(path, prepared.SerializeToString())

@@ -80,9 +80,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from sgdfuse.contract import INPUTS, TensorSpec
+from sgdfuse.external_data import tensor_to_array
 from sgdfuse.fused_op import DOMAIN, OP_TYPE, read_sgd_attributes
 from sgdfuse.lowering import ge_ir
 from sgdfuse.lowering.context import GraphLowering, NodeLowering
@@ -195,7 +196,7 @@ def _zero_fill(index: GraphIndex, value: str) -> bool:
         return False
     for attribute in node.attribute:
         if attribute.name == "value":
-            return not np.any(numpy_helper.to_array(helper.get_attribute_value(attribute)).astype(np.float64))
+            return not np.any(tensor_to_array(helper.get_attribute_value(attribute)).astype(np.float64))
     return True  # the default value is a float 0
 
 
@@ -283,7 +284,7 @@ def plan_state(index: GraphIndex) -> StatePlan:
             if index.is_input_name(value):
                 source, initial = _SOURCE_INPUT, None
             elif value in index.initializers:
-                source, initial = _SOURCE_INITIALIZER, numpy_helper.to_array(index.initializers[value])
+                source, initial = _SOURCE_INITIALIZER, tensor_to_array(index.initializers[value])
             elif role == "stat" and _zero_fill(index, value):
                 # Exact only for stat: the kernel writes 0 there or leaves it, so zeros stay zeros.
                 source, initial = _SOURCE_ZEROS, None
@@ -393,7 +394,7 @@ def _computed_state(
     state = candidates[0]
     if index.is_input_name(state):
         return state, _SOURCE_INPUT, None
-    return state, _SOURCE_INITIALIZER, numpy_helper.to_array(index.initializers[state])
+    return state, _SOURCE_INITIALIZER, tensor_to_array(index.initializers[state])
 
 
 def add_variables(graph: GraphLowering, plan: StatePlan) -> dict[str, str]:

@@ -104,6 +104,7 @@ def check_mindir(original: Any, rewritten: Any, *, steps: int = 3, seed: int = 0
     Raises:
         MindSporeMissingError: MindSpore is not installed.
         MindIRCheckError: a model cannot be loaded or run, or the two have different Parameters or outputs.
+        ExternalDataError: a file names a data file sgdfuse refuses to read (:mod:`sgdfuse.external_data`).
     """
     try:
         import mindspore as ms
@@ -112,6 +113,7 @@ def check_mindir(original: Any, rewritten: Any, *, steps: int = 3, seed: int = 0
         raise MindSporeMissingError(f"the MindIR check runs MindSpore, which cannot be imported: {error}") from error
     if steps < 1:
         raise ValueError("steps must be >= 1")
+    from sgdfuse.mindspore.mindir import load_mindir
     from sgdfuse.mindspore.plugin import paused
 
     # Were the registered custom pass to run when GraphCell compiles the *original* file, the check would
@@ -120,6 +122,7 @@ def check_mindir(original: Any, rewritten: Any, *, steps: int = 3, seed: int = 0
     with paused(), tempfile.TemporaryDirectory(prefix="sgdfuse-mindir-check-") as tmp:
         directory = Path(tmp)
         paths = [_as_file(original, directory, "original.mindir"), _as_file(rewritten, directory, "rewritten.mindir")]
+        load_mindir(paths[1])  # its data file locations are checked before MindSpore reads them (paths[0]: below)
         batches = _inputs(paths[0], steps, seed)
         cells = []
         for path in paths:

@@ -27,11 +27,21 @@ import os
 import struct
 from typing import Any
 
+from sgdfuse.external_data import ExternalData, check_location, check_tensor, normalise_location, read_bytes, stage_data_files
 from sgdfuse.mindspore.errors import MindIRLoadError, MindSporeMissingError
 from sgdfuse.mindspore.plugin import report_from_records
 from sgdfuse.report import Refusal, Report, Verification
 
-__all__ = ["load_mindir", "save_mindir", "optimize_mindir", "optimize_mindir_file", "MindIRResult", "TOLERANCE"]
+__all__ = [
+    "load_mindir",
+    "save_mindir",
+    "optimize_mindir",
+    "optimize_mindir_file",
+    "MindIRResult",
+    "TOLERANCE",
+    "external_tensors",
+    "check_external_data",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +71,7 @@ def load_mindir(source: str | os.PathLike | bytes) -> tuple[Any, str]:
 
     Raises:
         MindIRLoadError: missing, unreadable, or not a MindIR model with a graph.
+        ExternalDataError: a parameter's data file location is refused (see :mod:`sgdfuse.external_data`).
     """
     pb = _mind_ir()
     if isinstance(source, (bytes, bytearray)):
@@ -83,14 +94,91 @@ def load_mindir(source: str | os.PathLike | bytes) -> tuple[Any, str]:
         raise MindIRLoadError(name, f"not a MindIR file, or truncated (protobuf parse failed: {error})") from error
     if not model.HasField("graph") or not model.graph.node:
         raise MindIRLoadError(name, "not a MindIR model (no graph); is this the right file?")
+    # Parameters of a large model live in data files (``<name>_variables/data_N``) that the model names:
+    # untrusted locations, checked before anything reads them (sgdfuse.external_data).
+    check_external_data(model, None if isinstance(source, (bytes, bytearray)) else name)
     return model, name
 
 
-def save_mindir(model: Any, path: str | os.PathLike, *, batch: Any = None) -> None:
-    """Write ``model`` whole or not at all (:mod:`sgdfuse.output`); with ``batch``, staged there."""
-    from sgdfuse.output import write_bytes
+def external_tensors(model: Any) -> list[Any]:
+    """The ``mind_ir_pb2.TensorProto`` of ``model`` whose data is in a file (``external_data`` set):
+    parameters of the graph and of every function, and tensors in node attributes."""
+    found = []
+    for graph in [model.graph, *model.functions]:
+        found.extend(t for t in graph.parameter if t.HasField("external_data"))
+        for node in graph.node:
+            for attribute in node.attribute:
+                tensors = [attribute.t] if attribute.HasField("t") else []
+                found.extend(t for t in [*tensors, *attribute.tensors] if t.HasField("external_data"))
+    return found
 
-    (batch.stage if batch is not None else write_bytes)(path, model.SerializeToString())
+
+def check_external_data(model: Any, path: str | None) -> list[ExternalData]:
+    """Check every external data reference of ``model`` read from the file ``path`` (relative to its
+    directory) by the rules of :mod:`sgdfuse.external_data`; with no path (bytes), only the locations
+    themselves (relative, no ``..``).
+
+    Raises:
+        ExternalDataError: a location, file, offset or length breaks a rule.
+    """
+    tensors = external_tensors(model)
+    if path is None:
+        for tensor in tensors:
+            check_location(tensor.external_data.location, tensor=tensor.name, source="<bytes>")
+        return []
+    base = os.path.dirname(os.path.abspath(path))
+    return [check_tensor(tensor, base, source=path) for tensor in tensors]
+
+
+def _with_data_inline(model: Any, path: str) -> Any:
+    """A copy of ``model`` (read from ``path``) with every external tensor's bytes read, through the checked
+    path, into ``raw_data``: what the MindIR check runs, from a temporary directory where the data files
+    are not."""
+    checked = check_external_data(model, path)
+    if not checked:
+        return model
+    copy = type(model)()
+    copy.CopyFrom(model)
+    for tensor, data in zip(external_tensors(copy), checked):
+        tensor.raw_data = read_bytes(data, source=path)
+        tensor.ClearField("external_data")
+    return copy
+
+
+def save_mindir(model: Any, path: str | os.PathLike, *, batch: Any = None, source: str | None = None) -> None:
+    """Write ``model`` whole or not at all (:mod:`sgdfuse.output`); with ``batch``, staged there.
+
+    A model read from the file ``source`` whose parameters live in data files gets those files copied into
+    the output's directory, in the same batch (:func:`sgdfuse.external_data.stage_data_files`: never outside
+    it, never through a symbolic link, never over another file), and its locations normalised.
+
+    Raises:
+        ExternalDataError: a data file location breaks a rule of :mod:`sgdfuse.external_data`.
+        OutputWriteError: an output cannot be written.
+    """
+    from sgdfuse.output import OutputBatch, resolve_destination
+
+    if batch is None:
+        with OutputBatch() as own:
+            save_mindir(model, path, batch=own, source=source)
+            own.commit()
+        return
+    target = resolve_destination(path)
+    checked = check_external_data(model, source)
+    if source is not None:
+        stage_data_files(checked, os.path.dirname(os.path.abspath(source)), target, batch, source=source)
+    batch.stage(path, _normalised(model).SerializeToString())
+
+
+def _normalised(model: Any) -> Any:
+    """``model``, or a copy with every external location in normalised form (already checked)."""
+    if all(normalise_location(t.external_data.location) == t.external_data.location for t in external_tensors(model)):
+        return model
+    copy = type(model)()
+    copy.CopyFrom(model)
+    for tensor in external_tensors(copy):
+        tensor.external_data.location = normalise_location(tensor.external_data.location)
+    return copy
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -875,8 +963,10 @@ def optimize_mindir(
     pb = _mind_ir()
     if isinstance(source, pb.ModelProto):
         original, name = source, "<ModelProto>"
+        check_external_data(original, None)
     else:
         original, name = load_mindir(source)
+    path = None if isinstance(source, (pb.ModelProto, bytes, bytearray)) else os.fspath(source)
     calls = _call_sites(original)
     plans: list[_Plan] = []
     records: list[dict] = []
@@ -906,7 +996,12 @@ def optimize_mindir(
     if verify and plans:
         from sgdfuse.mindspore.check import check_mindir
 
-        result = check_mindir(original, model, steps=steps, seed=seed)
+        # The check runs copies from a temporary directory: parameters in data files go inline, read
+        # through the checked path (MindSpore would look for the data files there).
+        if path is not None:
+            result = check_mindir(_with_data_inline(original, path), _with_data_inline(model, path), steps=steps, seed=seed)
+        else:
+            result = check_mindir(original, model, steps=steps, seed=seed)
         report.verification.updates = [
             {"parameters_out": v["name"], "passed": v["passed"], "max_abs_error": v["max_abs_error"],
              "max_bound_ratio": v["max_bound_ratio"], "message": v["message"]}
@@ -955,10 +1050,13 @@ class MindIRResult:
 
     model: Any
     report: Report
+    source: str | None = None
+    """The file the model was read from: its data file locations are relative to its directory."""
 
     def save(self, path: str | os.PathLike, *, batch: Any = None) -> None:
-        """Write :attr:`model` whole or not at all to ``path`` (staged in ``batch`` when given)."""
-        save_mindir(self.model, path, batch=batch)
+        """Write :attr:`model` whole or not at all to ``path`` (staged in ``batch`` when given), data files
+        copied beside it (:func:`save_mindir`)."""
+        save_mindir(self.model, path, batch=batch, source=self.source)
 
     @staticmethod
     def default_output(source: str | os.PathLike) -> str:
@@ -971,4 +1069,4 @@ class MindIRResult:
 def optimize_mindir_file(source: str | os.PathLike, *, verify: bool = True, steps: int = 3) -> MindIRResult:
     """:func:`optimize_mindir` on a file, packaged for ``sgdfuse optimize NAME.mindir``."""
     model, report = optimize_mindir(source, verify=verify, steps=steps)
-    return MindIRResult(model, report)
+    return MindIRResult(model, report, os.fspath(source))

@@ -12,9 +12,9 @@ import logging
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from sgdfuse.contract import TensorSpec
+from sgdfuse.external_data import tensor_to_array
 
 __all__ = ["GraphIndex", "build_index", "SMALL_CONSTANT_ELEMENTS"]
 
@@ -82,7 +82,7 @@ class GraphIndex:
                 return None
             if int(np.prod(tensor.dims, dtype=np.int64)) > SMALL_CONSTANT_ELEMENTS:
                 return None
-            return numpy_helper.to_array(tensor)
+            return tensor_to_array(tensor)
         node = self.node(value)
         if node is None or node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
             return None
@@ -92,7 +92,9 @@ class GraphIndex:
             if attribute.name == "value":
                 if int(np.prod(attribute.t.dims, dtype=np.int64)) > SMALL_CONSTANT_ELEMENTS:
                     return None
-                return numpy_helper.to_array(attribute.t)
+                if attribute.t.data_location == onnx.TensorProto.EXTERNAL:
+                    return None  # never read here: external data is read only through sgdfuse.external_data
+                return tensor_to_array(attribute.t)
             if attribute.name == "value_float":
                 return np.array(attribute.f, dtype=np.float32)
             if attribute.name == "value_floats":

@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 import onnx
 
+from sgdfuse.external_data import tensor_to_array
 from sgdfuse.passes.index import GraphIndex
 
 __all__ = ["Monomial", "Poly", "Form", "ONE", "Normaliser", "format_form", "format_poly"]
@@ -220,7 +221,9 @@ class Normaliser:
         if op == "ConstantOfShape":
             for attribute in node.attribute:
                 if attribute.name == "value":
-                    array = onnx.numpy_helper.to_array(attribute.t).astype(np.float64).reshape(-1)
+                    if attribute.t.data_location == onnx.TensorProto.EXTERNAL:
+                        return None  # not read here: external data only through sgdfuse.external_data
+                    array = tensor_to_array(attribute.t).astype(np.float64).reshape(-1)
                     return Poly.const(float(array[0])) if array.size else None
             return Poly.const(0.0)
         if op in ("Add", "Sub", "Mul", "Div") and len(inputs) == 2:
