@@ -1,7 +1,7 @@
 """The Ascend ``SGD`` operator contract as data, and its validation.
 
-Source: shared/SGD-OPERATOR.md (English rendering of the Ascend operator page, seed 000). Every constant
-here is a clause of that page; the validation functions raise a :class:`~sgdfuse.errors.ContractError`
+Source: the Ascend ``SGD`` operator's documentation, as docs/contract.md states it. Every constant here is
+a clause of that page; the validation functions raise a :class:`~sgdfuse.errors.ContractError`
 subclass naming the clause and the offending tensor or attribute.
 """
 
@@ -247,11 +247,11 @@ def format_shape(shape: tuple | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ProductLine:
-    """One Ascend product line and its limits for ``SGD`` (SGD-OPERATOR.md, "Per product line").
+    """One Ascend product line and its limits for ``SGD`` (docs/contract.md, "Product lines").
 
     Attributes:
         name: the product line as the contract names it.
-        soc_versions: ATC ``--soc_version`` strings of the line (LOWERING-FACTS.md), exact matches.
+        soc_versions: ATC ``--soc_version`` strings of the line, in ATC's spelling.
         soc_pattern: a regular expression for families given by pattern (the 950 series), or ``""``.
         dtypes: accepted ONNX element types.
         formats: accepted formats of ``parameters``/``gradient``/``accum``/``stat`` and the output
@@ -328,7 +328,7 @@ PRODUCT_LINES: tuple[ProductLine, ...] = (
         _ALL_FORMATS,
         False,
     ),
-    # Trap from LOWERING-FACTS.md: bare "Ascend910B" (no digit) is the old training series, not A2.
+    # Easy to confuse (docs/contract.md): bare "Ascend910B" (no digit) is the old training series, not A2.
     ProductLine(
         "Atlas training series",
         ("Ascend910", "Ascend910A", "Ascend910B", "Ascend910ProA", "Ascend910ProB", "Ascend910PremiumA"),

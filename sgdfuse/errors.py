@@ -48,7 +48,7 @@ class OutputWriteError(SgdfuseError):
 
 
 class ContractError(SgdfuseError):
-    """A clause of the SGD operator contract (shared/SGD-OPERATOR.md) is broken.
+    """A clause of the SGD operator contract (docs/contract.md) is broken.
 
     Attributes:
         clause: short name of the contract clause, e.g. ``"nesterov requires dampening == 0"``.

@@ -39,7 +39,7 @@ def format_value(value: float | str | None, dtype: str = "FLOAT") -> str:
         return str(value)
     # Report values are FLOAT values written as their shortest decimal (0.099975586 for FLOAT16's 0.1).
     exact = float(np.float32(value))
-    spelled = str(np.float32(value)).removesuffix(".0")
+    spelled = f"{exact:g}" if float(np.float32(f"{exact:g}")) == exact else str(np.float32(value))
     narrow = _NARROW_TYPES.get(dtype)
     if narrow is None or float(narrow(exact)) != exact:
         return spelled

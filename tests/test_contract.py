@@ -1,4 +1,4 @@
-"""The contract as data and its validation (sgdfuse.contract), clause by clause of shared/SGD-OPERATOR.md.
+"""The contract as data and its validation (sgdfuse.contract), clause by clause of docs/contract.md.
 
 Each refusal is checked for its ContractError subclass and for the name of the offending tensor or
 attribute in the message, since that name is what tells the user where to look.
@@ -250,7 +250,7 @@ def test_soc_version_maps_to_its_product_line(soc, line):
 
 
 def test_bare_ascend910b_is_the_old_training_series_not_a2():
-    # LOWERING-FACTS.md trap: "Ascend910B" without a digit is the Atlas training series.
+    # docs/contract.md, "Product lines": "Ascend910B" without a digit is the Atlas training series.
     line = product_line_for_soc("Ascend910B")
     assert line.name == LINE_TRAINING
     assert BFLOAT16 not in line.dtypes
