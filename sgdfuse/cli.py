@@ -71,6 +71,11 @@ def contract_command() -> None:
     _out.print("Formula (FLOAT intermediates, round-to-nearest-even back to the input dtype):")
     formula = reference.__doc__.split("read it side by side:")[1].split("Intermediate arithmetic")[0]
     _out.print(formula.rstrip(), markup=False, highlight=False)
+    _out.print(
+        "momentum == 0 stops only the write-back of accum and stat: accum * m is still computed, so an infinite "
+        "accum gives 0 * Inf = NaN in parameters_out.",
+        markup=False, highlight=False,
+    )
 
     lines = Table(title="Product lines")
     for column in ("product line", "SoC versions", "dtypes", "formats", "dynamic shape"):
@@ -169,14 +174,14 @@ def _verification_line(report: Report) -> str:
 
 
 def _summary(report: Report) -> str:
-    """The last line of ``optimize`` and ``inspect``: how many updates fused (or would), how many were
-    refused and for which reasons."""
+    """The end of the last line of ``optimize`` and ``inspect``: how many updates fused (or would), how many
+    were refused and for which reasons (lower case: ``fused 0 update(s), refused 2 (...)``)."""
     reasons = Counter(r.reason for r in report.refused)
     refused = f"refused {len(report.refused)}" + (
         " (" + ", ".join(f"{count} {reason}" for reason, count in sorted(reasons.items())) + ")" if reasons else ""
     )
     verb = "fused" if report.written else "would fuse"
-    text = f"{verb.capitalize()} {len(report.fused)} update(s), {refused}"
+    text = f"{verb} {len(report.fused)} update(s), {refused}"
     if not report.fused and not report.refused:
         already = f"; the model already has {report.already_fused} ai.sgdfuse::SGD node(s)" if report.already_fused else ""
         text += f": no momentum-SGD update candidates found{already}"
@@ -250,12 +255,10 @@ def optimize_command(
             batch.commit()
     _print_report(result.report)
     report = result.report
-    written = (
-        f"wrote {destination} ({report.nodes_before} → {report.nodes_after} nodes)"
-        if report.fused
-        else f"wrote {destination}, the input's graph unchanged ({report.nodes_after} nodes)"
+    nodes = (
+        f"{report.nodes_before} → {report.nodes_after} nodes" if report.fused else f"{report.nodes_after} nodes, the input's graph unchanged"
     )
-    _out.print(f"{_summary(report)}; {written}", markup=False, highlight=False, soft_wrap=True)
+    _out.print(f"Wrote {destination} ({nodes}): {_summary(report)}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("inspect")
@@ -270,7 +273,9 @@ def inspect_command(
     if report_path is not None:
         _write_text(report_path, report.to_json())
     _print_report(report)
-    _out.print(_summary(report) + "; nothing written (a dry run)", markup=False, highlight=False, soft_wrap=True)
+    written = f"wrote only the report {report_path}" if report_path is not None else "nothing written"
+    summary = _summary(report)
+    _out.print(f"{summary[0].upper()}{summary[1:]}; {written} (a dry run)", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("check")

@@ -8,8 +8,11 @@ import contextlib
 import io
 from pathlib import Path
 
+import re
+
 import ml_dtypes
 import numpy as np
+import onnx
 import pytest
 
 from sgdfuse.cli import main
@@ -80,12 +83,15 @@ def test_optimize_with_nothing_fused_ends_with_a_summary_line(tmp_path):
     code, out, _ = _run("optimize", TORCH / "sgd_nomomentum_legacy.onnx", "-o", tmp_path / "out.onnx")
     last = out.strip().splitlines()[-1]
     assert code == 0
-    assert last.startswith("Fused 0 update(s), refused 2 (2 no-momentum-buffer): nothing fused")
-    assert str(tmp_path / "out.onnx") in last
+    nodes = len(onnx.load(TORCH / "sgd_nomomentum_legacy.onnx").graph.node)
+    assert last.startswith(f"Wrote {tmp_path / 'out.onnx'} ({nodes} nodes, the input's graph unchanged): ")
+    assert last.endswith("fused 0 update(s), refused 2 (2 no-momentum-buffer): nothing fused (`sgdfuse inspect` explains each refusal)")
 
 
 def test_optimize_and_inspect_end_with_fused_and_refused_counts(tmp_path):
     _, out, _ = _run("optimize", TORCH / "sgd_dampening_legacy.onnx", "-o", tmp_path / "out.onnx")
-    assert out.strip().splitlines()[-1].startswith("Fused 2 update(s), refused 0; wrote ")
+    nodes = len(onnx.load(TORCH / "sgd_dampening_legacy.onnx").graph.node)
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(rf"Wrote {re.escape(str(tmp_path / 'out.onnx'))} \({nodes} → \d+ nodes\): fused 2 update\(s\), refused 0", last), last
     _, out, _ = _run("inspect", TORCH / "sgd_dampening_legacy.onnx")
     assert out.strip().splitlines()[-1] == "Would fuse 2 update(s), refused 0; nothing written (a dry run)"
