@@ -1,8 +1,8 @@
 """Reports: what was fused, what was refused and why, and what the verification found.
 
 Dataclasses that print well (``str(report)``) and serialise to JSON (``report.to_json()``); the CLI only
-formats them. Layout of the JSON (issue 3): ``{"fused": [...], "refused": [...], "verification": {...}}``
-plus ``"model"`` and ``"added_state"``.
+formats them. Top-level keys of the JSON: ``tool``, ``fused``, ``refused``, ``verification``,
+``added_state``, ``model``, ``memory_traffic`` (see :meth:`Report.to_dict`; the README lists every field).
 """
 
 from __future__ import annotations
