@@ -1,5 +1,5 @@
 """sgdfuse: find unfused momentum-SGD updates in training graphs, fuse each into one ``SGD`` operator
-(shared/SGD-OPERATOR.md), lower the result to the Ascend Graph Engine, and prove the numbers are the same.
+(docs/contract.md), lower the result to the Ascend Graph Engine, and prove the numbers are the same.
 
 Library API:
     :func:`optimize` — fuse the updates of an ONNX model (returns a new model and a report);

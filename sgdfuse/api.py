@@ -1,6 +1,6 @@
 """The library API: :func:`optimize` and :func:`inspect` on ONNX models, and model file I/O.
 
-Flow (shared/DESIGN.md): load → index → find candidates → match → check → plan → verify → rewrite → save.
+Flow (docs/design.md): load → index → find candidates → match → check → plan → verify → rewrite → save.
 A pass is a function from a model to a new model plus a report; the input model is never mutated, and an
 output file is written whole or not at all.
 """

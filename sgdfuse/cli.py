@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import os
 import sys
+import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +19,7 @@ from sgdfuse import contract
 from sgdfuse import api
 from sgdfuse.errors import SgdfuseError
 from sgdfuse.output import OutputBatch, resolve_destination, write_bytes
-from sgdfuse.report import Report
+from sgdfuse.report import Report, format_value
 from sgdfuse.runtime import ONNXRUNTIME_ERRORS
 
 __all__ = ["app", "main"]
@@ -67,15 +71,19 @@ def contract_command() -> None:
     _out.print("Formula (FLOAT intermediates, round-to-nearest-even back to the input dtype):")
     formula = reference.__doc__.split("read it side by side:")[1].split("Intermediate arithmetic")[0]
     _out.print(formula.rstrip(), markup=False, highlight=False)
+    _out.print(
+        "momentum == 0 stops only the write-back of accum and stat: accum * m is still computed, so an infinite "
+        "accum gives 0 * Inf = NaN in parameters_out.",
+        markup=False, highlight=False,
+    )
 
     lines = Table(title="Product lines")
     for column in ("product line", "SoC versions", "dtypes", "formats", "dynamic shape"):
         lines.add_column(column)
     for line in contract.PRODUCT_LINES:
-        socs = ", ".join(line.soc_versions) if line.soc_versions else "Ascend950PR_95xx, Ascend950DT_95xx"
         lines.add_row(
             line.name,
-            socs,
+            contract.describe_soc_versions(line),
             ", ".join(contract.dtype_name(d) for d in line.dtypes),
             ", ".join(line.formats),
             "yes" if line.dynamic_shape else "no",
@@ -89,30 +97,13 @@ def _default_output(source: Path) -> Path:
 
 
 def _print_report(report: Report) -> None:
-    if report.fused:
-        table = Table(title=f"Fused updates ({len(report.fused)})")
-        for column in ("parameters", "gradient", "momentum buffer", "lr", "momentum", "dampening", "weight decay", "form"):
-            table.add_column(column)
-        for f in report.fused:
-            form = ", ".join(x for x in ("nesterov" if f.nesterov else "", "maximize" if f.maximize else "") if x) or "plain"
-            table.add_row(
-                f.parameters, f.gradient, f.accum, str(f.learning_rate), str(f.momentum), f"{f.dampening:g}",
-                f"{f.weight_decay:g}", form,
-            )
-        _out.print(table)
+    _print_fused(report)
     if report.refused:
         table = Table(title=f"Refused candidates ({len(report.refused)})")
         for column in ("candidate", "reason", "why"):
             table.add_column(column)
         for r in report.refused:
-            why = r.detail
-            if r.equation:
-                why += f"\nfound:   {r.equation}"
-            if r.nearest:
-                why += f"\nnearest: {r.nearest}"
-            if r.differing:
-                why += f"\ndiffers: {r.differing}"
-            table.add_row(r.candidate, r.reason, why)
+            table.add_row(r.candidate, r.reason, "\n".join(r.explanation()))
         _out.print(table)
     if report.fused:
         from sgdfuse.passes.traffic import fmt_bytes
@@ -125,19 +116,78 @@ def _print_report(report: Report) -> None:
                 + (f" ({traffic['unknown']} update(s) with dynamic shapes not counted)" if traffic["unknown"] else "")
             )
     if report.verification.enabled and report.verification.updates:
-        checked = len(report.verification.updates)
-        failed = sum(1 for u in report.verification.updates if not u["passed"])
-        worst = max((u["max_bound_ratio"] for u in report.verification.updates), default=0.0)
-        _out.print(
-            f"Verification: {checked} update(s) run in {report.verification.runner} for {report.verification.steps} chained steps; "
-            f"{checked - failed} agree within the derived bound (worst {worst:.2g} of the bound)"
-            + (f", {failed} failed and were left unfused" if failed else "")
-        )
+        _out.print(_verification_line(report), markup=False, highlight=False)
     elif not report.verification.enabled:
         _out.print("Verification: off" + ("" if report.written else " (inspect is a dry run; add --verify to run the check)"))
+
+
+def _print_fused(report: Report) -> None:
+    if not report.fused:
+        return
+    table = Table(title=f"Fused updates ({len(report.fused)})")
+    for column in ("parameters", "gradient", "momentum buffer", "lr", "momentum", "dampening", "weight decay", "form"):
+        table.add_column(column)
+    narrow = sorted({f.dtype for f in report.fused if f.dtype in ("FLOAT16", "BFLOAT16")})
+    for f in report.fused:
+        form = ", ".join(x for x in ("nesterov" if f.nesterov else "", "maximize" if f.maximize else "") if x) or "plain"
+        table.add_row(
+            f.parameters, f.gradient, f.accum,
+            *(format_value(v, f.dtype) for v in (f.learning_rate, f.momentum, f.dampening, f.weight_decay)),
+            form,
+        )
+    _out.print(table)
+    if narrow:
+        _out.print(
+            f"{' and '.join(narrow)} values: the decimal written in the graph's {narrow[0]} constant, then after = "
+            "its exact value, which the fused op computes with.",
+            markup=False, highlight=False,
+        )
+
+
+def _number(value: object, spec: str) -> str:
+    """``value`` formatted with ``spec``, or ``-`` when it is not a number (a report may hold None)."""
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+
+def _verification_line(report: Report) -> str:
+    """One line: how many updates ran, how many agree, and the worst ratio to the derived bound among those
+    that have one (an ONNX ``Momentum`` conversion is compared with its own bound and records no ratio)."""
+    checks = report.verification
+    updates = checks.updates
+    failed = sum(1 for u in updates if not u.get("passed"))
+    ratios = [u["max_bound_ratio"] for u in updates if isinstance(u.get("max_bound_ratio"), (int, float))]
+    ratios = [r for r in ratios if not math.isnan(r)]
+    text = (
+        f"Verification: {len(updates)} update(s) run in {checks.runner} for {checks.steps} chained steps; "
+        f"{len(updates) - failed} agree within the derived bound"
+    )
+    if ratios:
+        text += f" (worst {max(ratios):.2g} of the bound)"
+    unrated = [u for u in updates if not isinstance(u.get("max_bound_ratio"), (int, float))]
+    if unrated:
+        errors = [u["max_abs_error"] for u in unrated if isinstance(u.get("max_abs_error"), (int, float))]
+        how = "; ".join(sorted({u.get("message") or "compared without a recorded ratio" for u in unrated}))
+        text += f"; {len(unrated)} of them: {how}" + (f", largest |difference| {max(errors):.3g}" if errors else "")
+    if failed:
+        text += f"; {failed} failed and were left unfused"
+    return text
+
+
+def _summary(report: Report) -> str:
+    """The end of the last line of ``optimize`` and ``inspect``: how many updates fused (or would), how many
+    were refused and for which reasons (lower case: ``fused 0 update(s), refused 2 (...)``)."""
+    reasons = Counter(r.reason for r in report.refused)
+    refused = f"refused {len(report.refused)}" + (
+        " (" + ", ".join(f"{count} {reason}" for reason, count in sorted(reasons.items())) + ")" if reasons else ""
+    )
+    verb = "fused" if report.written else "would fuse"
+    text = f"{verb} {len(report.fused)} update(s), {refused}"
     if not report.fused and not report.refused:
-        already = "already fused by sgdfuse; " if report.already_fused else ""
-        _out.print(f"No momentum-SGD update candidates found ({already}nothing to do).")
+        already = f"; the model already has {report.already_fused} ai.sgdfuse::SGD node(s)" if report.already_fused else ""
+        text += f": no momentum-SGD update candidates found{already}"
+    elif not report.fused:
+        text += ": nothing fused (`sgdfuse inspect` explains each refusal)"
+    return text
 
 
 PROGRESS_NODE_THRESHOLD = 20_000
@@ -185,6 +235,7 @@ def optimize_command(
     ),
 ) -> None:
     """Fuse every momentum-SGD update of MODEL into one ai.sgdfuse::SGD node each, verify, and write the result."""
+    _require_input(model)
     mindir = model.name.endswith(".mindir")  # a MindSpore MindIR train step: sgdfuse.mindspore
     if mindir:
         from sgdfuse.mindspore.mindir import MindIRResult, optimize_mindir_file
@@ -206,7 +257,11 @@ def optimize_command(
                 batch.stage(report_path, (result.report.to_json() + "\n").encode())
             batch.commit()
     _print_report(result.report)
-    _out.print(f"Wrote {destination} ({result.report.nodes_before} → {result.report.nodes_after} nodes)")
+    report = result.report
+    nodes = (
+        f"{report.nodes_before} → {report.nodes_after} nodes" if report.fused else f"{report.nodes_after} nodes, the input's graph unchanged"
+    )
+    _out.print(f"Wrote {destination} ({nodes}): {_summary(report)}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("inspect")
@@ -219,10 +274,14 @@ def inspect_command(
     ),
 ) -> None:
     """Report which updates of MODEL would fuse and why the other candidates would not; write nothing else."""
+    _require_input(model)
     report = api.inspect(model, verify=verify, allow_rounding=allow_rounding)
     if report_path is not None:
         _write_text(report_path, report.to_json())
     _print_report(report)
+    written = f"wrote only the report {report_path}" if report_path is not None else "nothing written"
+    summary = _summary(report)
+    _out.print(f"{summary[0].upper()}{summary[1:]}; {written} (a dry run)", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("check")
@@ -235,6 +294,8 @@ def check_command(
     """Run ORIGINAL and FUSED in onnxruntime on the same seeded inputs for STEPS chained steps; exit 0 only if every output agrees."""
     from sgdfuse.verify import check_models
 
+    _require_input(original)
+    _require_input(fused)
     try:
         result = check_models(
             api.load_model(original, load_external_data=True), api.load_model(fused, load_external_data=True), steps=steps, seed=seed
@@ -251,8 +312,8 @@ def check_command(
         table.add_column(column)
     for entry in result.outputs:
         table.add_row(
-            entry["name"], entry["kind"], f"{entry['max_abs_error']:.3g}",
-            f"{entry['max_bound_ratio']:.2g}" if entry["kind"] != "exact" else "-",
+            entry["name"], entry["kind"], _number(entry.get("max_abs_error"), ".3g"),
+            _number(entry.get("max_bound_ratio"), ".2g") if entry["kind"] != "exact" else "-",
             "yes" if entry["passed"] else "NO: " + entry["message"],
         )
     _out.print(table)
@@ -265,7 +326,7 @@ def check_command(
 @app.command("lower")
 def lower_command(
     model: Path = typer.Argument(..., help="Fused ONNX model (an unfused one is optimised first)."),
-    soc: str = typer.Option(..., "--soc", help="ATC SoC version, e.g. Ascend910B2, Ascend310P3, Ascend950PR_9599."),
+    soc: str = typer.Option(..., "--soc", help="ATC SoC version (any case), e.g. Ascend910B2, Ascend310P3, Ascend950PR_9599."),
     output: Optional[Path] = typer.Option(
         None, "-o", "--output", help="Output file (default: MODEL.air, or MODEL.atc.onnx with --format onnx-atc)."
     ),
@@ -282,8 +343,6 @@ def lower_command(
     An unfused MODEL is optimised first (with verification); one line says what fused, what was refused and
     why, and whether verification ran, and a warning says so when no update fused at all.
     """
-    from collections import Counter
-
     from sgdfuse import lowering
     from sgdfuse.fused_op import is_sgd_node
     from sgdfuse.lowering import onnx_atc
@@ -293,7 +352,9 @@ def lower_command(
         raise typer.BadParameter(f"{output_format!r} is not one of 'air', 'onnx-atc'", param_hint="--format")
     if output_format == "onnx-atc" and json_path is not None:
         raise typer.BadParameter("--json describes a GE graph; use it with --format air", param_hint="--json")
-    contract.product_line_for_soc(soc)  # an unknown SoC fails before the work, not after it
+    # An unknown SoC fails before the work, not after it; any case is accepted, ATC's spelling is written.
+    soc = contract.canonical_soc(soc)
+    _require_input(model)
     stem = model.name[: -len(".onnx")] if model.name.endswith(".onnx") else model.name
     if output_format == "onnx-atc":
         destination = output or model.with_name(stem + ".atc.onnx")
@@ -361,13 +422,38 @@ def _write_text(path: Path, text: str) -> None:
     write_bytes(path, (text + "\n").encode())
 
 
+def _require_input(path: Path) -> None:
+    """Refuse an input file that cannot be a model before any work: an empty file says so (a parser would
+    call it "not a model" for a reason the user cannot see). Missing files and directories are the loaders'
+    to report."""
+    if path.is_file() and path.stat().st_size == 0:
+        raise SgdfuseError(f"{path}: the file is empty (0 bytes); was it fully written or copied?")
+
+
+TRACEBACK_ENV = "SGDFUSE_TRACEBACK"
+"""Set this environment variable to 1 to see the Python traceback of an internal error."""
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """Console-script entry point. Usage errors are typer's (exit 2); a :class:`SgdfuseError` becomes one
-    line on stderr and exit 1."""
+    line on stderr and exit 1. Any other exception is a bug in sgdfuse: it too is one ``error:`` line (exit
+    1) naming the exception and where it was raised, unless ``SGDFUSE_TRACEBACK=1`` asks for the traceback.
+    Outputs are staged and committed together, so an error leaves nothing half-written."""
     try:
         app(args=argv, prog_name="sgdfuse")
     except SgdfuseError as error:
         _err.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except Exception as error:  # noqa: BLE001 - the last line of defence: no traceback for users
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        _err.print(
+            f"error: internal error in sgdfuse: {type(error).__name__}: {error} "
+            f"(at {Path(frame.filename).name}:{frame.lineno} in {frame.name}); please report it with the model "
+            f"and the command; {TRACEBACK_ENV}=1 shows the traceback",
+            markup=False, highlight=False, soft_wrap=True,
+        )
         sys.exit(1)
 
 

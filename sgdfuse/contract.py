@@ -1,13 +1,14 @@
 """The Ascend ``SGD`` operator contract as data, and its validation.
 
-Source: shared/SGD-OPERATOR.md (English rendering of the Ascend operator page, seed 000). Every constant
-here is a clause of that page; the validation functions raise a :class:`~sgdfuse.errors.ContractError`
+Source: the Ascend ``SGD`` operator's documentation, as docs/contract.md states it. Every constant here is
+a clause of that page; the validation functions raise a :class:`~sgdfuse.errors.ContractError`
 subclass naming the clause and the offending tensor or attribute.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from sgdfuse.errors import (
     DtypeContractError,
     ProductLineError,
     ShapeContractError,
+    UnknownSocError,
 )
 
 __all__ = [
@@ -35,6 +37,9 @@ __all__ = [
     "ProductLine",
     "PRODUCT_LINES",
     "product_line_for_soc",
+    "canonical_soc",
+    "accepted_soc_versions",
+    "describe_soc_versions",
     "dtype_name",
     "format_shape",
 ]
@@ -242,11 +247,11 @@ def format_shape(shape: tuple | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ProductLine:
-    """One Ascend product line and its limits for ``SGD`` (SGD-OPERATOR.md, "Per product line").
+    """One Ascend product line and its limits for ``SGD`` (docs/contract.md, "Product lines").
 
     Attributes:
         name: the product line as the contract names it.
-        soc_versions: ATC ``--soc_version`` strings of the line (LOWERING-FACTS.md), exact matches.
+        soc_versions: ATC ``--soc_version`` strings of the line, in ATC's spelling.
         soc_pattern: a regular expression for families given by pattern (the 950 series), or ``""``.
         dtypes: accepted ONNX element types.
         formats: accepted formats of ``parameters``/``gradient``/``accum``/``stat`` and the output
@@ -262,7 +267,7 @@ class ProductLine:
     dynamic_shape: bool
 
     def matches(self, soc: str) -> bool:
-        """True when ``soc`` (exact, case-sensitive ATC spelling) belongs to this line."""
+        """True when ``soc`` (exact, case-sensitive ATC spelling; see :func:`canonical_soc`) belongs to this line."""
         return soc in self.soc_versions or bool(self.soc_pattern and re.fullmatch(self.soc_pattern, soc))
 
     def check(self, parameters: TensorSpec, *, node: str) -> None:
@@ -323,7 +328,7 @@ PRODUCT_LINES: tuple[ProductLine, ...] = (
         _ALL_FORMATS,
         False,
     ),
-    # Trap from LOWERING-FACTS.md: bare "Ascend910B" (no digit) is the old training series, not A2.
+    # Easy to confuse (docs/contract.md): bare "Ascend910B" (no digit) is the old training series, not A2.
     ProductLine(
         "Atlas training series",
         ("Ascend910", "Ascend910A", "Ascend910B", "Ascend910ProA", "Ascend910ProB", "Ascend910PremiumA"),
@@ -336,16 +341,58 @@ PRODUCT_LINES: tuple[ProductLine, ...] = (
 
 
 def product_line_for_soc(soc: str) -> ProductLine:
-    """The product line an ATC SoC version string belongs to.
+    """The product line an ATC SoC version string belongs to, whatever the string's case.
 
     Raises:
-        ProductLineError: ``soc`` is not a known SoC version; the message lists the accepted families.
+        UnknownSocError: ``soc`` is not a known SoC version; the message suggests the nearest known
+            spellings and lists the accepted versions, one product line per line.
     """
+    spelled = canonical_soc(soc)
+    return next(line for line in PRODUCT_LINES if line.matches(spelled))
+
+
+def canonical_soc(soc: str) -> str:
+    """``soc`` in ATC's spelling, whatever its case: ``"ascend910b2"`` → ``"Ascend910B2"``.
+
+    ATC compares ``--soc_version`` strings exactly, so what is written into a GE graph is always this
+    spelling, never the user's.
+
+    Raises:
+        UnknownSocError: no known SoC version matches ``soc`` ignoring case.
+    """
+    folded = soc.strip().casefold()
     for line in PRODUCT_LINES:
-        if line.matches(soc):
-            return line
-    families = "; ".join(
-        f"{line.name}: " + (", ".join(line.soc_versions) if line.soc_versions else "Ascend950PR_95xx, Ascend950DT_95xx")
-        for line in PRODUCT_LINES
-    )
-    raise ProductLineError("known SoC version", f"--soc {soc}", f"unknown SoC version; accepted: {families}")
+        for known in line.soc_versions:
+            if known.casefold() == folded:
+                return known
+        if line.soc_pattern:
+            found = re.fullmatch(line.soc_pattern, soc.strip(), flags=re.IGNORECASE)
+            if found:
+                # The 950 family: "ascend950pr_9599" -> "Ascend950PR_9599" (letters upper-case after 950).
+                return "Ascend950" + soc.strip()[len("Ascend950"):].upper()
+    raise _unknown_soc(soc)
+
+
+# How the 950 family (given by a pattern) is written in messages: a placeholder that cannot be taken for a name.
+_FAMILY_950 = "Ascend950PR_95## and Ascend950DT_95## (## is two digits, e.g. Ascend950PR_9599)"
+_EXAMPLES_950 = ("Ascend950PR_9599", "Ascend950DT_9591")
+
+
+def describe_soc_versions(line: ProductLine) -> str:
+    """The SoC versions of ``line`` for people: the names, or for the 950 family its pattern in words."""
+    return ", ".join(line.soc_versions) if line.soc_versions else _FAMILY_950
+
+
+def accepted_soc_versions() -> list[str]:
+    """One line per product line: its name and the SoC versions it accepts."""
+    return [f"{line.name}: {describe_soc_versions(line)}" for line in PRODUCT_LINES]
+
+
+def _unknown_soc(soc: str) -> UnknownSocError:
+    known = [name for line in PRODUCT_LINES for name in line.soc_versions] + list(_EXAMPLES_950)
+    by_fold = {name.casefold(): name for name in known}
+    close = difflib.get_close_matches(soc.strip().casefold(), list(by_fold), n=3, cutoff=0.75)
+    suggestions = [by_fold[name] for name in close]
+    if soc.strip().casefold().startswith("ascend950"):
+        suggestions = [s for s in suggestions if not s.startswith("Ascend950")] + ["Ascend950PR_95## / Ascend950DT_95##"]
+    return UnknownSocError(soc, suggestions, accepted_soc_versions())

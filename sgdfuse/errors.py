@@ -16,6 +16,7 @@ __all__ = [
     "ShapeContractError",
     "DtypeContractError",
     "ProductLineError",
+    "UnknownSocError",
 ]
 
 
@@ -67,7 +68,7 @@ class OutputWriteError(SgdfuseError):
 
 
 class ContractError(SgdfuseError):
-    """A clause of the SGD operator contract (shared/SGD-OPERATOR.md) is broken.
+    """A clause of the SGD operator contract (docs/contract.md) is broken.
 
     Attributes:
         clause: short name of the contract clause, e.g. ``"nesterov requires dampening == 0"``.
@@ -95,3 +96,26 @@ class DtypeContractError(ContractError):
 
 class ProductLineError(ContractError):
     """A model breaks the limits of the Ascend product line chosen by ``--soc``."""
+
+
+class UnknownSocError(ProductLineError):
+    """``--soc`` names no known Ascend SoC version.
+
+    The message is one line (with the nearest known spellings, when there are any) followed by the accepted
+    SoC versions, one product line per indented line.
+
+    Attributes:
+        soc: the string given.
+        suggestions: the nearest known spellings, best first (may be empty).
+    """
+
+    def __init__(self, soc: str, suggestions: list[str], accepted: list[str]) -> None:
+        hint = f"; did you mean {' or '.join(suggestions)}?" if suggestions else ""
+        text = f"--soc {soc}: unknown SoC version{hint} (spelling is not case-sensitive); accepted:\n" + "\n".join(
+            f"  {line}" for line in accepted
+        )
+        SgdfuseError.__init__(self, text)
+        self.clause = "known SoC version"
+        self.subject = f"--soc {soc}"
+        self.soc = soc
+        self.suggestions = list(suggestions)

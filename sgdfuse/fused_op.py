@@ -1,13 +1,13 @@
 """The fused operator's ONNX form: ``ai.sgdfuse::SGD`` version 1, and its model-local function.
 
-Form (shared/DESIGN.md, "The fused op in ONNX"):
+Form (docs/design.md, "The fused op in ONNX"):
 
 - inputs, contract order: ``parameters, gradient, learning_rate, accum, momentum, stat``;
 - outputs: ``parameters_out, accum_out, stat_out`` (ONNX has no in-place update, so the writes to ``accum``
   and ``stat`` are explicit outputs; lowering turns them back into GE ref semantics);
 - attributes: ``dampening`` (FLOAT), ``weight_decay`` (FLOAT), ``nesterov`` (INT 0/1); defaults 0.
 
-The FunctionProto's body is the contract (shared/SGD-OPERATOR.md) written with standard ops: every input is
+The FunctionProto's body is the contract (docs/contract.md) written with standard ops: every input is
 cast to FLOAT, the formula is evaluated one operation at a time in the order the contract writes it, and the
 results are cast back to the input dtype (``CastLike``, round-to-nearest-even). The ``if`` clauses of the
 formula become ``If`` on a scalar condition, which selects without letting the unselected branch's NaN
@@ -170,7 +170,7 @@ def make_sgd_function(opset: int) -> onnx.FunctionProto:
         body,
         opset_imports=[helper.make_opsetid("", opset)],
         attributes=[],
-        doc_string="Ascend SGD operator contract (sgdfuse, shared/SGD-OPERATOR.md): FLOAT intermediates, "
+        doc_string="Ascend SGD operator contract (sgdfuse, docs/contract.md): FLOAT intermediates, "
         "results cast back with round-to-nearest-even.",
     )
     function.attribute_proto.extend(

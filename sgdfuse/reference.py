@@ -1,6 +1,7 @@
 """Independent numpy reference of the Ascend ``SGD`` operator: the oracle everything is tested against.
 
-Transcribed line by line from shared/SGD-OPERATOR.md ("Formula" and "Edge rules"); read it side by side:
+Transcribed line by line from the contract (docs/contract.md, "The formula" and "Rules that belong to the
+contract"); read it side by side:
 
     grad    = gradient + parameters * wd          if wd != 0
             = gradient                            if wd == 0

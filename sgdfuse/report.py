@@ -1,8 +1,8 @@
 """Reports: what was fused, what was refused and why, and what the verification found.
 
 Dataclasses that print well (``str(report)``) and serialise to JSON (``report.to_json()``); the CLI only
-formats them. Layout of the JSON (issue 3): ``{"fused": [...], "refused": [...], "verification": {...}}``
-plus ``"model"`` and ``"added_state"``.
+formats them. Top-level keys of the JSON: ``tool``, ``fused``, ``refused``, ``verification``,
+``added_state``, ``model``, ``memory_traffic`` (see :meth:`Report.to_dict`; the README lists every field).
 """
 
 from __future__ import annotations
@@ -12,7 +12,39 @@ import json
 import math
 from typing import Any
 
-__all__ = ["FusedUpdate", "Refusal", "Verification", "Report"]
+import ml_dtypes
+import numpy as np
+
+__all__ = ["FusedUpdate", "Refusal", "Verification", "Report", "format_value"]
+
+# Element types whose constants are shown with the decimal the user most likely wrote (the shortest one that
+# rounds to the same value in that type) next to the exact value the fused op computes with.
+_NARROW_TYPES = {"FLOAT16": np.float16, "BFLOAT16": ml_dtypes.bfloat16}
+
+
+def format_value(value: float | str | None, dtype: str = "FLOAT") -> str:
+    """A hyper-parameter as the CLI and ``str(report)`` show it.
+
+    ``value`` is a float (the exact value the fused op computes with), an expression over graph values
+    (shown as is), or None (``"-"``). When ``dtype`` (an ONNX element type name) is FLOAT16 or BFLOAT16 and
+    the float is a value of that type whose shortest decimal in the type differs from its FLOAT spelling, both
+    are shown: ``0.1 (FLOAT16 = 0.099975586)`` reads "the graph's FLOAT16 constant 0.1, which is exactly
+    0.099975586".
+    """
+    if value is None:
+        return "-"
+    if isinstance(value, str):
+        return value
+    if not math.isfinite(value):
+        return str(value)
+    # Report values are FLOAT values written as their shortest decimal (0.099975586 for FLOAT16's 0.1).
+    exact = float(np.float32(value))
+    spelled = f"{exact:g}" if float(np.float32(f"{exact:g}")) == exact else str(np.float32(value))
+    narrow = _NARROW_TYPES.get(dtype)
+    if narrow is None or float(narrow(exact)) != exact:
+        return spelled
+    short = next(s for s in (f"{exact:.{digits}g}" for digits in range(1, 18)) if float(narrow(float(s))) == exact)
+    return spelled if float(np.float32(short)) == exact else f"{short} ({dtype} = {spelled})"
 
 
 def _finite(value: Any) -> Any:
@@ -95,6 +127,15 @@ class Refusal:
     equation: str = ""
     nearest: str = ""
     differing: str = ""
+
+    def explanation(self) -> list[str]:
+        """The lines that explain the refusal: the detail, then ``found:``, ``nearest:`` and ``differs:``
+        for each of the equations that the detail does not already quote (so nothing is printed twice)."""
+        lines = [self.detail]
+        for label, text in (("found:  ", self.equation), ("nearest:", self.nearest), ("differs:", self.differing)):
+            if text and text not in self.detail:
+                lines.append(f"{label} {text}")
+        return lines
 
 
 @dataclasses.dataclass
@@ -190,18 +231,15 @@ class Report:
         for f in self.fused:
             flags = ", ".join(x for x in ("nesterov" if f.nesterov else "", "maximize" if f.maximize else "") if x)
             lines.append(
-                f"  fused {f.parameters} (grad {f.gradient}, buffer {f.accum}): lr={f.learning_rate} "
-                f"momentum={f.momentum} dampening={f.dampening:g} weight_decay={f.weight_decay:g}"
+                f"  fused {f.parameters} (grad {f.gradient}, buffer {f.accum}): lr={format_value(f.learning_rate, f.dtype)} "
+                f"momentum={format_value(f.momentum, f.dtype)} dampening={format_value(f.dampening, f.dtype)} "
+                f"weight_decay={format_value(f.weight_decay, f.dtype)}"
                 + (f" [{flags}]" if flags else "")
             )
         for r in self.refused:
-            lines.append(f"  refused {r.candidate} [{r.reason}]: {r.detail}")
-            if r.equation:
-                lines.append(f"      found:   {r.equation}")
-            if r.nearest:
-                lines.append(f"      nearest: {r.nearest}")
-            if r.differing:
-                lines.append(f"      differs: {r.differing}")
+            detail, *more = r.explanation()
+            lines.append(f"  refused {r.candidate} [{r.reason}]: {detail}")
+            lines.extend(f"      {line}" for line in more)
         if self.verification.enabled:
             state = "passed" if self.verification.passed else "FAILED for some updates"
             lines.append(f"  verification: {self.verification.steps} chained steps in {self.verification.runner}, {state}")

@@ -1,7 +1,6 @@
 """Running ONNX models in onnxruntime with numpy arrays of every dtype sgdfuse handles, BFLOAT16 included.
 
-onnxruntime's Python API cannot feed or fetch BFLOAT16 as numpy arrays (shared/LOWERING-FACTS.md,
-"onnxruntime facts"): BFLOAT16 inputs are bound as ``OrtValue``s made from ``uint16`` views through IO
+onnxruntime's Python API cannot feed or fetch BFLOAT16 as numpy arrays (seen with onnxruntime 1.32): BFLOAT16 inputs are bound as ``OrtValue``s made from ``uint16`` views through IO
 binding, and BFLOAT16 outputs are copied out of the ``OrtValue``'s CPU buffer and viewed as
 ``ml_dtypes.bfloat16``.
 """

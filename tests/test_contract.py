@@ -1,4 +1,4 @@
-"""The contract as data and its validation (sgdfuse.contract), clause by clause of shared/SGD-OPERATOR.md.
+"""The contract as data and its validation (sgdfuse.contract), clause by clause of docs/contract.md.
 
 Each refusal is checked for its ContractError subclass and for the name of the offending tensor or
 attribute in the message, since that name is what tells the user where to look.
@@ -22,6 +22,7 @@ from sgdfuse.contract import (
     check_attributes,
     check_signature,
     product_line_for_soc,
+    canonical_soc,
 )
 from sgdfuse.errors import (
     AttributeContractError,
@@ -249,22 +250,50 @@ def test_soc_version_maps_to_its_product_line(soc, line):
 
 
 def test_bare_ascend910b_is_the_old_training_series_not_a2():
-    # LOWERING-FACTS.md trap: "Ascend910B" without a digit is the Atlas training series.
+    # docs/contract.md, "Product lines": "Ascend910B" without a digit is the Atlas training series.
     line = product_line_for_soc("Ascend910B")
     assert line.name == LINE_TRAINING
     assert BFLOAT16 not in line.dtypes
     assert product_line_for_soc("Ascend910B2").name == LINE_A2
 
 
-@pytest.mark.parametrize("soc", ["Ascend999", "Ascend910B9", "Ascend950PR_95", "ascend910b2", ""])
+@pytest.mark.parametrize("soc", ["Ascend999", "Ascend910B9", "Ascend950PR_95", "Ascend950PR_9A99", ""])
 def test_unknown_soc_is_refused_listing_the_families(soc):
     with pytest.raises(ProductLineError) as info:
         product_line_for_soc(soc)
     message = str(info.value)
     for line in PRODUCT_LINES:
         assert line.name in message
-    for example in ("Ascend910B2", "Ascend910_9391", "Ascend310P3", "Ascend950PR_95xx", "Ascend910ProA"):
+    for example in ("Ascend910B2", "Ascend910_9391", "Ascend310P3", "Ascend950PR_95##", "Ascend910ProA"):
         assert example in message
+
+
+def test_unknown_soc_lists_one_product_line_per_line_after_one_message_line():
+    with pytest.raises(ProductLineError) as info:
+        product_line_for_soc("Ascend910X")
+    first, *rest = str(info.value).splitlines()
+    assert "unknown SoC version" in first
+    assert [line.strip().split(":")[0] for line in rest] == [line.name for line in PRODUCT_LINES]
+
+
+@pytest.mark.parametrize(
+    "typo, suggestion",
+    [("Ascend910Bx", "Ascend910B"), ("Ascend910B22", "Ascend910B2"), ("Ascend31OP3", "Ascend310P3"), ("Ascend950PR_95", "Ascend950PR_95##")],
+)
+def test_unknown_soc_suggests_the_nearest_spelling(typo, suggestion):
+    with pytest.raises(ProductLineError) as info:
+        product_line_for_soc(typo)
+    assert suggestion in str(info.value).splitlines()[0].split("did you mean", 1)[1]
+
+
+@pytest.mark.parametrize(
+    "typed, atc",
+    [("ascend910b2", "Ascend910B2"), ("ASCEND310P3", "Ascend310P3"), ("ascend950pr_9599", "Ascend950PR_9599"),
+     ("Ascend910b", "Ascend910B"), ("ascend910_9391", "Ascend910_9391")],
+)
+def test_soc_version_is_read_in_any_case_and_written_in_atc_spelling(typed, atc):
+    assert canonical_soc(typed) == atc
+    assert product_line_for_soc(typed) == product_line_for_soc(atc)
 
 
 def test_every_line_keeps_rank_and_not_empty_and_scalar_formats_from_the_contract():

@@ -1,4 +1,4 @@
-"""The GE IR schema and the ``.air`` bytes: field numbers and enums as documented (shared/LOWERING-FACTS.md),
+"""The GE IR schema and the ``.air`` bytes: field numbers and enums as documented (the public ge_ir.proto; docs/lowering.md),
 round trips through our classes and through a plain protobuf wire decoder written here, and the JSON
 layout of ATC's model-to-JSON mode."""
 
@@ -16,7 +16,7 @@ from sgdfuse.lowering.atc_json import ATC_OMITTED_FIELDS
 from sgdfuse.lowering.ge_ir import ProtoSyntaxError, parse_proto
 from test_lowering_support import MODEL_PATHS, fused, sgd_model
 
-# Transcribed from shared/LOWERING-FACTS.md ("GE IR protobuf"): message -> {field: number}.
+# Transcribed from the public GE IR schema (metadef/torchair ge_ir.proto): message -> {field: number}.
 DOCUMENTED_FIELDS = {
     "AttrDef": {"list": 1, "s": 2, "i": 3, "f": 4, "b": 5, "bt": 7, "func": 10, "td": 11, "t": 12, "g": 13, "list_list_int": 14, "dt": 15, "list_list_float": 16},
     "AttrDef.ListValue": {"s": 2, "i": 3, "f": 4, "b": 5, "bt": 7, "td": 8, "t": 9, "g": 10, "na": 11, "dt": 12, "val_type": 20},

@@ -1,7 +1,7 @@
 """Properties of the model ``sgdfuse.optimize`` writes, on every real export in ``testdata/torch``.
 
-The rewrite replaces the fused updates and nothing else (shared/DESIGN.md, "Existing graph input and output
-names are kept"; STYLE.md, "A pass ... never mutates its input"):
+The rewrite replaces the fused updates and nothing else (docs/design.md: existing graph input and output
+names are kept, and a pass never mutates its input):
 
 - graph inputs and outputs keep their names, order and types;
 - every original node that is not part of a fused update is still there, byte for byte, in its order; the

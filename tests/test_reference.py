@@ -1,4 +1,4 @@
-"""The numpy reference against hand-derived vectors, one clause of shared/SGD-OPERATOR.md per test.
+"""The numpy reference against hand-derived vectors, one clause of docs/contract.md per test.
 
 Every expected value here is derived by hand from the contract text, never by calling the code under
 test. Most vectors use small dyadic numbers (1, 0.5, 0.25, ...) so that every intermediate of the formula
@@ -45,7 +45,7 @@ def _bits(array: np.ndarray) -> np.ndarray:
     return array.view(np.uint16 if array.dtype.itemsize == 2 else np.uint32)
 
 
-# --- the worked example of SGD-OPERATOR.md, FLOAT ------------------------------------------------------
+# --- the worked example of docs/contract.md, FLOAT ------------------------------------------------------
 
 WORKED = dict(p=[1.0, 2.0, 3.0], g=[0.1, 0.2, 0.3], accum=[0.5, 0.5, INF], stat=[1.0, 0.0, 0.0], lr=0.1)
 WORKED_ATTRIBUTES = dict(dampening=0.1, weight_decay=0.01)

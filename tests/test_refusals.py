@@ -107,8 +107,8 @@ def test_plain_sgd_without_a_buffer_is_refused_as_no_momentum_buffer():
 
 def test_momentum_zero_is_refused_as_no_momentum_buffer():
     # buf_out = 0*buf + g; p_out = p - lr*buf_out. With momentum 0 the contract keeps the old buffer where
-    # this graph overwrites it (SGD-OPERATOR.md), and DESIGN.md: "momentum == 0 updates are not momentum
-    # updates: leave them (report why)".
+    # this graph overwrites it (docs/contract.md), and docs/design.md, "Momentum 0 is not momentum": such an
+    # update is left as it is and the report says why.
     refusal = _refusal(momentum_sgd(momentum=0.0))
     assert refusal.reason == "no-momentum-buffer", refusal
     assert _names(refusal.detail, "p_out"), refusal.detail
@@ -244,7 +244,7 @@ def test_momentum_fed_as_a_graph_input_fuses_with_the_momentum_zero_case_kept():
 
 # -- mixed-precision ------------------------------------------------------------------------------------
 # FLOAT16 state whose update is computed in FLOAT between Casts. The contract computes in FLOAT and rounds
-# once at the end (SGD-OPERATOR.md); sgd_match documents the rule: an update wholly in FLOAT between Casts
+# once at the end (docs/contract.md); sgd_match documents the rule: an update wholly in FLOAT between Casts
 # is that computation and fuses, an update that rounds to FLOAT16 midway is mixed precision and is refused.
 
 
@@ -424,8 +424,8 @@ def _rename(model: onnx.ModelProto, names: dict[str, str]) -> onnx.ModelProto:
 @pytest.mark.parametrize("gradient_first", [False, True], ids=["buf_first", "gradient_first"])
 @pytest.mark.parametrize("one_minus_dampening", [1.0, 0.75], ids=["no_dampening", "dampening_0.25"])
 def test_commuted_buffer_add_never_fuses_the_gradient_as_the_buffer(gradient_first, one_minus_dampening, output_names):
-    # buf_out = Add(m*buf, (1-d)*g) or Add((1-d)*g, m*buf), m = 0.9. DESIGN.md promises commuted operands
-    # fuse alike. The accum port is written in place (SGD-OPERATOR.md), so it must be the buffer buf, never
+    # buf_out = Add(m*buf, (1-d)*g) or Add((1-d)*g, m*buf), m = 0.9. docs/design.md promises commuted operands
+    # fuse alike. The accum port is written in place (docs/contract.md), so it must be the buffer buf, never
     # the gradient g: otherwise the lowered op overwrites the gradient, leaves buf stale, and the report's
     # momentum/dampening are not the graph's.
     # One step's algebra alone cannot tell them apart: (accum=buf, m=0.9, d) and (accum=g, m=1-d,

@@ -1,6 +1,6 @@
 """JSON rendering of GE IR messages in the layout of ATC's model-to-JSON mode (``atc --mode=1``).
 
-Layout (facts about ATC's ``Pb2Json``, shared/LOWERING-FACTS.md and the public converter source; the code
+Layout (facts about ATC's ``Pb2Json``, from the public converter source and docs/lowering.md; the code
 here is written from those facts):
 
 - keys are proto field names; objects print with sorted keys (ATC's JSON objects are ordered maps);

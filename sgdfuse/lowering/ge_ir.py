@@ -15,7 +15,7 @@ Also here: the two data-type numberings GE uses, and the maps from ONNX element 
 - ``TensorDescriptor.dtype`` uses the proto enum ``DataType`` (DT_FLOAT = 1, DT_FLOAT16 = 2, DT_BF16 = 27...).
 - Attribute values of kind "data type" and the ``Cast`` op's ``dst_type``/``Shape``'s ``dtype`` attributes
   carry the C++ ``ge::DataType`` numbering (FLOAT = 0, FLOAT16 = 1, INT32 = 3, INT64 = 9, BF16 = 27...).
-  Source: shared/LOWERING-FACTS.md ("Trap").
+  See docs/lowering.md ("Two dtype numberings").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Building one GE ``GraphDef``: ops with named ports, tensor descriptors, attributes, data and control edges.
 
-Wire conventions (shared/LOWERING-FACTS.md, "How GE writes them"):
+Wire conventions (docs/lowering.md, "The GE IR schema"):
 
 - ``OpDef.input`` lists ``"src_op:out_index"`` per data input, then ``"src_op:-1"`` per control edge;
   ``""`` stands for an absent optional input that is followed by a present one (absent trailing optional

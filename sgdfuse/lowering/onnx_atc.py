@@ -1,7 +1,7 @@
 """``--format onnx-atc``: a fused ONNX model prepared for ATC's own ONNX parser, plus the op plugin source.
 
-For users who convert ONNX with ATC (``atc --framework=5``) themselves. Facts used (shared/LOWERING-FACTS.md,
-"ATC's ONNX parser"):
+For users who convert ONNX with ATC (``atc --framework=5``) themselves. Facts used (from the public source of ATC's
+ONNX parser; docs/lowering.md, "ONNX for ATC's parser"):
 
 - ATC looks an op up by ``<domain>::<opset version>::<op_type>``, an empty domain read as ``ai.onnx``; a
   custom domain works when an op plugin registers exactly that key and the domain is in ``opset_import``.

@@ -1,9 +1,9 @@
 """The SoC a GE graph is built for, and the limits its product line puts on every ``SGD`` call.
 
 ``--soc`` takes an ATC ``--soc_version`` string; :func:`sgdfuse.contract.product_line_for_soc` maps it to
-its product line (LOWERING-FACTS.md table, with the bare ``Ascend910B`` = old training series trap) and
-lists the accepted families for an unknown string. The product line decides (SGD-OPERATOR.md, "Per product
-line"), for each ``SGD`` node, on every one of its six tensors:
+its product line (docs/contract.md table, with the bare ``Ascend910B`` = old training series trap) and
+lists the accepted families for an unknown string. The product line decides (docs/contract.md, "Product
+lines"), for each ``SGD`` node, on every one of its six tensors:
 
 - dtype: FLOAT, FLOAT16 everywhere; BFLOAT16 only on the 950, A3 and A2 series;
 - shape: dynamic shapes (a symbolic or unknown dimension, or an unknown rank) only on the 950 series;

@@ -68,7 +68,7 @@ Values before the write
     Cost: reachability questions are answered by :class:`sgdfuse.lowering.dag.OpOrder` (walks bounded by a
     topological rank from both ends, and hubs for the long paths through a loss), not by whole-graph walks.
 
-Source of the op prototypes: shared/LOWERING-FACTS.md ("The operator prototypes") and the GE op IR
+Source of the op prototypes: the public GE op IR headers
 (``Variable``: input x, output y; ``Assign``: ref, value → ref; ``TensorMove``: x → y, "copy data from x to
 y"; ``NetOutput``: dynamic input x).
 """

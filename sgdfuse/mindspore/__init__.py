@@ -1,6 +1,6 @@
 """sgdfuse for MindSpore: fuse ``mindspore.mint.optim.SGD`` updates into the ``SGD`` op.
 
-Two entry points (shared/DESIGN.md, "MindSpore"):
+Two entry points (docs/mindspore.md):
 
 - :func:`register` -- inside MindSpore's compile pipeline: builds (first use, cached) and registers a C++
   custom pass plugin that rewrites every per-parameter ``mint.optim.SGD`` update of graphs compiled later.

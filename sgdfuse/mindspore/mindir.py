@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 _TYPE_ID = {1: 43, 10: 42, 16: 45}
 _DTYPE_NAME = {1: "FLOAT", 10: "FLOAT16", 16: "BFLOAT16", 11: "DOUBLE", 17: "DOUBLE"}
 _STRUCT = {1: "<f", 11: "<d", 17: "<d", 6: "<i", 7: "<q", 3: "<b", 5: "<h", 9: "<?"}
-# The CPU SGD kernel takes FLOAT and FLOAT16; BFLOAT16 is Ascend-only (shared/SGD-OPERATOR.md).
+# The CPU SGD kernel takes FLOAT and FLOAT16; BFLOAT16 is Ascend-only (docs/contract.md).
 _SUPPORTED = {1, 10, 16}
 _INPLACE_BUFFER_OPS = {"InplaceCopy", "InplaceMuls", "InplaceAddExt", "InplaceSubExt"}
 TOLERANCE = "rtol=1e-5, atol=1e-6 per element of every output and Parameter, after each of the chained steps"

@@ -15,7 +15,7 @@
 //
 // The branches are not matched as fixed op lists: each branch is evaluated symbolically, in the order of its
 // monad chain, to a pair of linear forms over (old buf, g') -- the new buffer and the returned value -- and
-// those are solved for momentum, dampening and nesterov (shared/DESIGN.md: matching is algebraic).
+// those are solved for momentum, dampening and nesterov (docs/design.md: matching is algebraic).
 //
 // The rewrite, per matched update:
 //   stat = BroadcastTo(Cast(cond, dtype(w)), shape(w))     1 on the first step (step_t == 0), else 0

@@ -1,7 +1,7 @@
 """A light index of an ONNX graph, built in one sweep over the ``GraphProto``.
 
-The pass works on the ``ModelProto`` itself, never on an object IR (shared/DESIGN.md, "Performance
-decision"): this index maps value names to their producer, consumers, initializer, ``Constant`` value and
+The pass works on the ``ModelProto`` itself, never on an object IR (docs/design.md,
+"Performance"): this index maps value names to their producer, consumers, initializer, ``Constant`` value and
 static type, so that every later question is a dictionary look-up.
 """
 

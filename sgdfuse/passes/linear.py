@@ -1,6 +1,6 @@
 """Normalise the elementwise cone of a value into a linear combination of tensor leaves.
 
-This is the heart of "matching is algebraic, not a list of shapes" (shared/DESIGN.md): whatever mix of
+This is the heart of "matching is algebraic, not a list of shapes" (docs/design.md): whatever mix of
 ``Add``/``Sub``/``Mul``/``Div``/``Neg``/``Sum``/``Identity``/``Cast``/``CastLike`` an exporter wrote, a value
 becomes ``Σ coefficient_i · leaf_i``. A leaf is a tensor the normaliser does not look through (a graph input,
 an initializer, the output of a non-elementwise op or of a product of two tensors). A coefficient is a

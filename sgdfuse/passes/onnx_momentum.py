@@ -9,7 +9,7 @@ op_momentum.py) computes, per tensor X with gradient G and buffer V, learning ra
     X_new = X - R * V_new                                   (mode "standard")
     X_new = X - R * (G_regularized + alpha * V_new)         (mode "nesterov")
 
-Against the contract (shared/SGD-OPERATOR.md) with m = alpha, wd = norm_coefficient, d = 1 - beta:
+Against the contract (docs/contract.md) with m = alpha, wd = norm_coefficient, d = 1 - beta:
 ``accum_t = accum*m + grad - grad*(1 - stat)*d`` is ``alpha*V + beta*G_reg`` when stat = 0 and
 ``alpha*V + G_reg`` when stat = 1. So ``stat = (T <= 0)``, broadcast to X's shape, makes every step exact,
 the old buffer included (unlike PyTorch, ONNX's first step keeps ``alpha*V``). The parameter updates are the

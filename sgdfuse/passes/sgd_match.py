@@ -2,7 +2,7 @@
 
 A candidate is a graph output ``W`` (new parameters) whose elementwise cone contains another graph output
 ``V`` (the new momentum buffer). With both normalised by :mod:`sgdfuse.passes.linear`, the contract
-(shared/SGD-OPERATOR.md, with ``stat = 0``, which is what a step after the first computes) says
+(docs/contract.md, with ``stat = 0``, which is what a step after the first computes) says
 
     V = m·A + (1-d)·s·G + (1-d)·wd·P                      (s = -1 for maximize, +1 otherwise)
     W = P - lr·V                                           (plain)

@@ -6,7 +6,7 @@ is written, assuming one kernel per ONNX node and no fusion by the runtime (what
 
 - before: the matched update's nodes in the original graph;
 - after: the fused ``SGD`` kernel, which reads ``parameters``, ``gradient``, ``accum``, ``stat`` and writes
-  ``parameters``, ``accum``, ``stat`` in place (7 tensor passes; shared/SGD-OPERATOR.md), plus the helper
+  ``parameters``, ``accum``, ``stat`` in place (7 tensor passes; docs/contract.md), plus the helper
   nodes the rewrite added that touch full tensors (a ``Neg`` for maximize, the first-step zeroing, the
   ``stat`` fill, which on GE is a zero-initialised variable and costs nothing per step).
 

@@ -4,7 +4,7 @@
 Each file is ``mindspore.export(TrainStep, x, y, file_format="MINDIR")`` of a small MLP whose update is
 MindSpore's own ``mint.optim.SGD`` code (no update math written here). The optimizer's lr is made a Cell
 attribute (``self.lr0``): without it export fails with "Parameter that wasn't created in nn.Cell ...
-learning_rate_group_0" (shared/MINDSPORE-FACTS.md).
+learning_rate_group_0" (docs/mindspore.md).
 
 Every file is checked before it is kept: ``mindspore.load`` + ``nn.GraphCell`` runs it for 3 chained steps
 and must reproduce the losses, parameters and momentum buffers of the same TrainStep run as a GRAPH_MODE

@@ -1,0 +1,97 @@
+"""What the CLI says (issue 13, items 3 to 7): an empty file is called empty, ``--soc`` is read in any case
+with a suggestion for a typo, a refusal quotes each equation once, FLOAT16 values are shown as the graph's
+FLOAT16 constants, and ``optimize``/``inspect`` end with one fused/refused summary line."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import re
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+
+from sgdfuse.cli import main
+from sgdfuse.lowering import ge_ir
+from sgdfuse.report import Refusal, format_value
+
+TORCH = Path(__file__).resolve().parent.parent / "testdata" / "torch"
+
+
+def _run(*argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in argv])
+            code = 0
+        except SystemExit as exited:
+            code = int(exited.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_soc_in_any_case_is_written_in_atc_spelling(tmp_path):
+    code, _, err = _run("lower", TORCH / "sgd_momentum_legacy.onnx", "--soc", "ascend910b2", "-o", tmp_path / "m.air")
+    assert code == 0, err
+    model = ge_ir.ModelDef.FromString((tmp_path / "m.air").read_bytes())
+    assert model.attr["soc_version"].s == b"Ascend910B2"
+
+
+def test_soc_typo_is_one_error_line_with_a_suggestion_then_one_line_per_product_line(tmp_path):
+    code, _, err = _run("lower", TORCH / "sgd_momentum_legacy.onnx", "--soc", "Ascend910B22", "-o", tmp_path / "m.air")
+    first, *rest = err.splitlines()
+    assert code == 1 and first.startswith("error: --soc Ascend910B22: unknown SoC version; did you mean Ascend910B2")
+    assert len(rest) == 6 and all(line.startswith("  ") for line in rest)
+    assert "Ascend950PR_95## and Ascend950DT_95##" in err and "Ascend950PR_95xx" not in err
+    assert max(len(line) for line in err.splitlines()) < 200
+    assert not (tmp_path / "m.air").exists()
+
+
+def test_refusal_quotes_its_equation_once(capsys):
+    code, out, _ = _run("inspect", TORCH / "sgd_nomomentum_legacy.onnx")
+    assert code == 0
+    assert out.count("w_out = w - 0.1*grad_w") == 1 and "found:" not in out
+
+
+def test_refusal_explanation_keeps_equations_the_detail_does_not_quote():
+    refusal = Refusal("p_out", "extra-term", "p_out has an extra term.", equation="p_out = p - 0.1*v + q", nearest="p_out = p - 0.1*v", differing="q")
+    assert refusal.explanation() == [
+        "p_out has an extra term.", "found:   p_out = p - 0.1*v + q", "nearest: p_out = p - 0.1*v", "differs: q",
+    ]
+
+
+@pytest.mark.parametrize("dtype, name", [(np.float16, "FLOAT16"), (ml_dtypes.bfloat16, "BFLOAT16")])
+def test_low_precision_constants_show_the_decimal_the_graph_holds_and_the_exact_value(dtype, name):
+    stored = float(np.float32(dtype(0.1)))  # what the fused op computes with
+    assert stored != 0.1
+    assert format_value(stored, name) == f"0.1 ({name} = {str(np.float32(stored))})"
+    assert format_value(0.1, "FLOAT") == "0.1"
+    assert format_value(0.75, name) == "0.75"  # exact in every dtype: nothing to explain
+
+
+def test_float16_update_table_names_the_float16_constants():
+    code, out, err = _run("inspect", TORCH / "sgd_fp16_wd_legacy.onnx")
+    assert code == 0, err
+    assert f"0.1 (FLOAT16 = {str(np.float32(np.float16(0.1)))})" in out
+    assert "FLOAT16 values: the decimal written in the graph's FLOAT16 constant" in out
+
+
+def test_optimize_with_nothing_fused_ends_with_a_summary_line(tmp_path):
+    code, out, _ = _run("optimize", TORCH / "sgd_nomomentum_legacy.onnx", "-o", tmp_path / "out.onnx")
+    last = out.strip().splitlines()[-1]
+    assert code == 0
+    nodes = len(onnx.load(TORCH / "sgd_nomomentum_legacy.onnx").graph.node)
+    assert last.startswith(f"Wrote {tmp_path / 'out.onnx'} ({nodes} nodes, the input's graph unchanged): ")
+    assert last.endswith("fused 0 update(s), refused 2 (2 no-momentum-buffer): nothing fused (`sgdfuse inspect` explains each refusal)")
+
+
+def test_optimize_and_inspect_end_with_fused_and_refused_counts(tmp_path):
+    _, out, _ = _run("optimize", TORCH / "sgd_dampening_legacy.onnx", "-o", tmp_path / "out.onnx")
+    nodes = len(onnx.load(TORCH / "sgd_dampening_legacy.onnx").graph.node)
+    last = out.strip().splitlines()[-1]
+    assert re.fullmatch(rf"Wrote {re.escape(str(tmp_path / 'out.onnx'))} \({nodes} → \d+ nodes\): fused 2 update\(s\), refused 0", last), last
+    _, out, _ = _run("inspect", TORCH / "sgd_dampening_legacy.onnx")
+    assert out.strip().splitlines()[-1] == "Would fuse 2 update(s), refused 0; nothing written (a dry run)"
