@@ -12,8 +12,9 @@ GE semantics it keeps, because lowering depends on them:
 - ``SGD`` (via :func:`sgdfuse.reference.sgd`) writes ``parameters``, ``accum`` and ``stat`` into its input
   arrays in place; its output is its ``parameters`` input array (a ref). ``Assign`` writes its ``ref`` input
   in place.
-- ``Identity``, ``Reshape``, ``Squeeze``, ``Unsqueeze`` return views (they may alias in GE); ``TensorMove``
-  copies; ``NetOutput`` copies its inputs out when the run ends, ``Data`` copies its feed in.
+- The ops that may alias their input (:mod:`sgdfuse.lowering.alias`: ``Identity``, ``Reshape``,
+  ``Squeeze``, ``Unsqueeze``, a ``Transpose`` that keeps the row-major order) return views; every other op
+  returns a new array (``TensorMove`` copies); ``NetOutput`` copies its inputs out when the run ends, ``Data`` copies its feed in.
 - Order: an op runs when its data and control predecessors have run; among ready ops the in-place writers
   (``SGD``, ``Assign``) go first and the readers of variable memory last. So a read of an old value that
   lowering forgot to order before the write sees the new value and the comparison with onnxruntime fails,
@@ -36,7 +37,7 @@ from onnx import TensorProto
 from sgdfuse import reference
 from sgdfuse.errors import SgdfuseError
 from sgdfuse.lowering import ge_ir
-from sgdfuse.lowering.state import ALIAS_OP_TYPES
+from sgdfuse.lowering.alias import keeps_layout, may_alias
 from sgdfuse.runtime import onnx_to_numpy_dtype
 
 __all__ = ["ExecutorError", "GEExecutor", "GEModelRunner", "KERNELS", "kernel", "numpy_dtype"]
@@ -224,6 +225,23 @@ def _check_output(op: Op, index: int, value: np.ndarray) -> None:
         raise ExecutorError(f"op {op.name} ({op.type}) output {index}: shape {list(value.shape)}, descriptor says {dims}")
 
 
+def _may_alias(op: Op, ops: Mapping[str, Op]) -> bool:
+    """The one aliasing rule (:func:`sgdfuse.lowering.alias.may_alias`), read from the decoded graph: a
+    ``Transpose``'s perm from its ``Const`` input, its input's shape from the producer's descriptor."""
+    if op.type != "Transpose":
+        return may_alias(op.type)
+    source, perm_source = (op.inputs + [None, None])[:2]
+    perm = None
+    if perm_source is not None and ops[perm_source[0]].type == "Const":
+        perm = [int(p) for p in np.ravel(ops[perm_source[0]].attrs["value"])]
+    shape = None
+    if source is not None:
+        shapes = ops[source[0]].output_shapes
+        dims = shapes[source[1]] if source[1] < len(shapes) else [-2]
+        shape = None if dims == [-2] else [d if d >= 0 else None for d in dims]
+    return may_alias("Transpose", perm=perm, shape=shape)
+
+
 def _schedule(ops: Mapping[str, Op]) -> list[Op]:
     waiting = {name: 0 for name in ops}
     dependants: dict[str, list[str]] = {}
@@ -238,7 +256,7 @@ def _schedule(ops: Mapping[str, Op]) -> list[Op]:
     # ops that may alias it) last. A read that lowering did not order before a write then sees the write.
     state: set[tuple[str, int]] = {(name, 0) for name, op in ops.items() if op.type == "Variable"}
     for op in sorted(ops.values(), key=lambda o: o.position):
-        if op.type in ALIAS_OP_TYPES and op.inputs and op.inputs[0] in state:
+        if op.inputs and op.inputs[0] in state and _may_alias(op, ops):
             state.add((op.name, 0))
     reads_state = {op.name for op in ops.values() if any(s in state for s in op.inputs if s is not None)}
 
@@ -371,7 +389,12 @@ def _unsqueeze(op: Op, inputs: list) -> list:
 
 @kernel("Transpose")
 def _transpose(op: Op, inputs: list) -> list:
-    return [np.ascontiguousarray(np.transpose(inputs[0], tuple(int(p) for p in np.ravel(inputs[1]))))]
+    x = inputs[0]
+    perm = tuple(int(p) for p in np.ravel(inputs[1]))
+    if keeps_layout(perm, x.shape):
+        # Same elements in the same order: a view, as GE may compile it to a reshape (sgdfuse.lowering.alias).
+        return [np.reshape(x, tuple(x.shape[p] for p in perm))]
+    return [np.array(np.transpose(x, perm), copy=True)]
 
 
 def _matmul(a: np.ndarray, b: np.ndarray, out_dtype: np.dtype | None) -> np.ndarray:
