@@ -548,8 +548,9 @@ class GEModelRunner:
 
     def step(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One run of the step graph; ``feeds`` by ONNX input name (extra names, e.g. state, are ignored)."""
-        missing: Sequence[str] = [name for name in self.model.inputs if name not in feeds]
+        names = {op: self.model.onnx_input(op) for op in self.model.inputs}
+        missing: Sequence[str] = [name for name in names.values() if name not in feeds]
         if missing:
             raise ExecutorError(f"no value for input(s) {', '.join(missing)}")
-        results = self.executor.run(self.model.graph, {name: feeds[name] for name in self.model.inputs})
+        results = self.executor.run(self.model.graph, {op: feeds[name] for op, name in names.items()})
         return dict(zip(self.model.outputs, results))

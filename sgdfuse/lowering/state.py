@@ -88,7 +88,7 @@ from sgdfuse.lowering import alias, ge_ir
 from sgdfuse.lowering.context import GraphLowering, NodeLowering
 from sgdfuse.lowering.dag import OpOrder
 from sgdfuse.lowering.errors import InPlaceStateError
-from sgdfuse.lowering.graph_builder import GraphBuilder, Tensor, add_const, tensor_def
+from sgdfuse.lowering.graph_builder import GraphBuilder, OpRecord, Tensor, add_const, tensor_def
 from sgdfuse.lowering.registry import register
 from sgdfuse.passes.index import GraphIndex, _outer_reads, _subgraphs
 from sgdfuse.runtime import onnx_to_numpy_dtype
@@ -686,9 +686,12 @@ def build_init_graph(plan: StatePlan, name: str) -> tuple[GraphBuilder, list[str
     assigned: dict[str, Tensor] = {}
     outputs: list[Tensor] = []
     zero_values: dict[tuple, object] = {}
-    for variable in plan.variables:
-        ref = builder.add("Variable", variable.name, outputs=[("y", variable.spec)])
+    refs: dict[str, OpRecord] = {}
+    for variable in plan.variables:  # first, so that no other op takes a variable's name
+        refs[variable.name] = ref = builder.add("Variable", variable.name, outputs=[("y", variable.spec)])
         ref.unconnected = [("x", variable.spec)]
+    for variable in plan.variables:
+        ref = refs[variable.name]
         if variable.source == _SOURCE_INPUT:
             data = builder.add("Data", f"{variable.name}/initial_value", outputs=[("y", variable.spec)], attrs={"index": len(data_ops)})
             data.unconnected = [("x", variable.spec)]
