@@ -337,28 +337,36 @@ _OUTPUT_OF_PORT = {3: 1, 5: 2}
 
 
 def _selections(index: GraphIndex) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
-    """Value → the standard ``If`` nodes with a branch whose output ``k`` is that value (through
-    ``Identity``), as ``(node, k)``: where a value computed outside is selected from."""
+    """``accum_out`` of an ``SGD`` node → the runtime-momentum ``If`` nodes ``sgdfuse optimize`` emitted for
+    it, as ``(node, 0)``. Only the rewrite's own ``If`` is recognised, by everything it writes
+    (:meth:`sgdfuse.passes.rewrite.Planner._momentum_zero_buffer`): a node named ``sgdfuse/...``, branches
+    named ``.../momentum_zero`` and ``.../momentum_nonzero``, one output, and an else branch that is exactly
+    ``Identity(accum_out)``. A user's ``If`` that selects on the momentum (a monitor output) is an ordinary
+    node: its result is never written into the buffer."""
     found: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for node in index.graph.node:
-        if node.op_type != "If" or node.domain not in _STANDARD:
+        if node.op_type != "If" or node.domain not in _STANDARD or not node.name.startswith("sgdfuse/") or len(node.output) != 1:
             continue
-        for attribute in node.attribute:
-            for branch in _subgraphs(attribute):
-                producers = {o: n for n in branch.node for o in n.output if o}
-                for k, output in enumerate(branch.output):
-                    name = output.name
-                    while name in producers and producers[name].op_type == "Identity" and producers[name].input:
-                        name = producers[name].input[0]
-                    if name not in producers:  # an outer value, passed through
-                        found.setdefault(name, []).append((node, k))
+        branches = {a.name: a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH}
+        then_branch, else_branch = branches.get("then_branch"), branches.get("else_branch")
+        if then_branch is None or else_branch is None:
+            continue
+        if not (then_branch.name.endswith("/momentum_zero") and else_branch.name.endswith("/momentum_nonzero")):
+            continue
+        if len(else_branch.node) != 1 or len(else_branch.output) != 1 or else_branch.initializer:
+            continue
+        (identity,) = else_branch.node
+        if identity.op_type != "Identity" or identity.domain not in _STANDARD or list(identity.output) != [else_branch.output[0].name]:
+            continue
+        found.setdefault(identity.input[0], []).append((node, 0))
     return found
 
 
 def _next_value(
     index: GraphIndex, selections: dict[str, list[tuple[onnx.NodeProto, int]]], node: onnx.NodeProto, port: int, spec: TensorSpec
 ) -> str | None:
-    """The output of the runtime-momentum ``If`` that replaces this port's new value (module docstring)."""
+    """The output of the runtime-momentum ``If`` that replaces this port's new value (module docstring): the
+    rewrite's ``If`` (:func:`_selections`) on ``Equal`` of this node's momentum."""
     out_index = _OUTPUT_OF_PORT.get(port)
     if out_index is None or out_index >= len(node.output) or not node.output[out_index] or len(node.input) < 5:
         return None
