@@ -16,7 +16,7 @@ import shutil
 import onnx
 from google.protobuf.message import DecodeError
 
-from sgdfuse.errors import ModelLoadError, OutputWriteError
+from sgdfuse.errors import InvalidOutputError, ModelLoadError, OutputWriteError
 from sgdfuse.output import OutputBatch, resolve_destination, write_bytes
 from sgdfuse.fused_op import MIN_OPSET, function_opset
 from sgdfuse.passes.index import build_index
@@ -220,6 +220,7 @@ def optimize(
     report, plans, index, base = _analyse(source_model, source, verify=verify, steps=steps, seed=seed, tell=tell)
     tell("rewrite")
     new_model = apply_plans(base, index, plans)
+    _check_output(new_model, source_model)
     report.nodes_after = len(new_model.graph.node)
     return OptimizeResult(new_model, report, source_dir)
 
@@ -288,7 +289,7 @@ def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, s
                 kept.append(plan)
             else:
                 misses.append(Miss(plan.match.parameters_out, "verification-failed", check.message))
-        plans = kept
+        plans = _keep_shared_initializers(kept, plans)
 
     for plan in plans:
         report.fused.append(_fused_entry(plan, index))
@@ -298,6 +299,56 @@ def _analyse(model: onnx.ModelProto, source: str, *, verify: bool, steps: int, s
             )
     report.refused = [Refusal(m.candidate, m.reason, m.detail, str(m.equation), m.nearest, m.differing) for m in misses]
     return report, plans, index, base
+
+
+def _graph_reads(nodes) -> set[str]:
+    """Every value the nodes (and their subgraphs, at any depth) read."""
+    reads: set[str] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        reads.update(i for i in node.input if i)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                stack.extend(attribute.g.node)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                stack.extend(n for g in attribute.graphs for n in g.node)
+    return reads
+
+
+def _keep_shared_initializers(kept: list, planned: list) -> list:
+    """``kept`` with every initializer they read that a dropped plan introduced moved to the first kept plan
+    reading it: scalar initializers are shared between plans (:class:`~sgdfuse.passes.rewrite.Planner`),
+    and rolling back one rewrite must leave every other one whole. New plan objects; none is mutated."""
+    provided = {t.name for plan in kept for t in plan.initializers}
+    orphans = {t.name: t for plan in planned if plan not in kept for t in plan.initializers if t.name not in provided}
+    if not orphans:
+        return kept
+    result = []
+    for plan in kept:
+        adopted = [orphans.pop(name) for name in sorted(_graph_reads(plan.nodes)) if name in orphans]
+        result.append(dataclasses.replace(plan, initializers=list(plan.initializers) + adopted) if adopted else plan)
+    return result
+
+
+def _check_output(model: onnx.ModelProto, source: onnx.ModelProto) -> None:
+    """The final guard: the model ``optimize`` returns passes ``onnx.checker`` (full check, with shape
+    inference), so that no invalid model is ever written.
+
+    Raises:
+        InvalidOutputError: it does not (an sgdfuse bug when the input model passes; the message says which).
+    """
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        try:
+            onnx.checker.check_model(source, full_check=True)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError):
+            cause = "the input model fails the same check: fix the input model first"
+        else:
+            cause = "the input passes it, so this is a bug in sgdfuse; nothing was written"
+        raise InvalidOutputError(f"the optimised model fails onnx.checker ({first}); {cause}") from error
 
 
 def _momentum_entry(c) -> FusedUpdate:

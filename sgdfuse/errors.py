@@ -10,6 +10,7 @@ __all__ = [
     "SgdfuseError",
     "ModelLoadError",
     "OutputWriteError",
+    "InvalidOutputError",
     "ContractError",
     "AttributeContractError",
     "ShapeContractError",
@@ -44,6 +45,10 @@ class OutputWriteError(SgdfuseError):
     def __init__(self, path: str, message: str) -> None:
         super().__init__(f"{path}: {message}")
         self.path = path
+
+
+class InvalidOutputError(SgdfuseError):
+    """A model sgdfuse made fails ``onnx.checker``; it is not written (the final guard before any write)."""
 
 
 class ContractError(SgdfuseError):
