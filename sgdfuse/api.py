@@ -331,6 +331,24 @@ def _keep_shared_initializers(kept: list, planned: list) -> list:
     return result
 
 
+def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` as the checker can read it in memory: an initializer whose data stays on disk (external
+    data, never loaded here) becomes a graph input of its type and shape. The checker would look for the
+    data file relative to the working directory; every check but the bytes themselves is unchanged."""
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if not external:
+        return model
+    names = {t.name for t in external}
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    kept = [t for t in copy.graph.initializer if t.name not in names]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
+    listed = {i.name for i in copy.graph.input}
+    copy.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in external if t.name not in listed)
+    return copy
+
+
 def _check_output(model: onnx.ModelProto, source: onnx.ModelProto) -> None:
     """The final guard: the model ``optimize`` returns passes ``onnx.checker`` (full check, with shape
     inference), so that no invalid model is ever written.
@@ -339,11 +357,11 @@ def _check_output(model: onnx.ModelProto, source: onnx.ModelProto) -> None:
         InvalidOutputError: it does not (an sgdfuse bug when the input model passes; the message says which).
     """
     try:
-        onnx.checker.check_model(model, full_check=True)
+        onnx.checker.check_model(_checkable(model), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         try:
-            onnx.checker.check_model(source, full_check=True)
+            onnx.checker.check_model(_checkable(source), full_check=True)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError):
             cause = "the input model fails the same check: fix the input model first"
         else:
