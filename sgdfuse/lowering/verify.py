@@ -42,8 +42,8 @@ TOLERANCES: dict[int, tuple[float, float]] = {
 }
 """ONNX float dtype → (rtol, atol) of the comparison (module docstring)."""
 
-_OUTPUT_OF_PORT = {0: 0, 3: 1}
-"""SGD input port of a state → the SGD output holding its new value."""
+_OUTPUT_OF_ROLE = {"parameters": 0, "accum": 1}
+"""State role → the ``SGD`` output holding its new value."""
 
 
 class LoweringVerificationError(LoweringError):
@@ -96,11 +96,11 @@ def _probe(fused: onnx.ModelProto, lowered: GEModel) -> tuple[onnx.ModelProto, d
     for variable in lowered.state:
         if variable.source not in ("graph input", "initializer"):
             continue
-        node = fused.graph.node[variable.node]
-        port = next(p for p, v in _OUTPUT_OF_PORT.items() if lowered.state and _port_of(lowered, variable) == p) if variable.role != "stat" else None
-        if port is None:
+        out_index = _OUTPUT_OF_ROLE.get(variable.role)
+        if out_index is None:  # stat: never fed state
             continue
-        next_value = variable.next_value or (node.output[_OUTPUT_OF_PORT[port]] if _OUTPUT_OF_PORT[port] < len(node.output) else "")
+        node = fused.graph.node[variable.node]
+        next_value = variable.next_value or (node.output[out_index] if out_index < len(node.output) else "")
         if not next_value:
             continue
         pairs[next_value] = variable.onnx_value
@@ -116,10 +116,6 @@ def _probe(fused: onnx.ModelProto, lowered: GEModel) -> tuple[onnx.ModelProto, d
         del graph.initializer[:]
         graph.initializer.extend(kept)
     return probe, pairs, initial
-
-
-def _port_of(lowered: GEModel, variable) -> int:
-    return {"parameters": 0, "accum": 3, "stat": 5}[variable.role]
 
 
 def _disagreement(name: str, want: np.ndarray, have: np.ndarray, dtype: int, step: int) -> tuple[float, str]:
