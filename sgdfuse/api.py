@@ -351,22 +351,34 @@ def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _check_output(model: onnx.ModelProto, source: onnx.ModelProto) -> None:
     """The final guard: the model ``optimize`` returns passes ``onnx.checker`` (full check, with shape
-    inference), so that no invalid model is ever written.
+    inference), so that no model sgdfuse made invalid is ever written.
+
+    An input model that already fails the check (a graph output without a shape, say; onnxruntime runs such
+    models) is not sgdfuse's to fix: when the output fails with the very same first error as the input, it
+    is logged and the output kept, since the rewrite added nothing to it.
 
     Raises:
-        InvalidOutputError: it does not (an sgdfuse bug when the input model passes; the message says which).
+        InvalidOutputError: the output fails the check and the input passes it, or fails it differently.
     """
+    error = _checker_error(model)
+    if error is None:
+        return
+    before = _checker_error(source)
+    if before == error:
+        logger.warning("the input model already fails onnx.checker (%s); the output fails it the same way", error)
+        return
+    cause = "the input passes it" if before is None else f"the input fails it otherwise ({before})"
+    raise InvalidOutputError(f"the optimised model fails onnx.checker ({error}); {cause}, so this is a bug in sgdfuse; nothing was written")
+
+
+def _checker_error(model: onnx.ModelProto) -> str | None:
+    """The first line of ``onnx.checker``'s full-check error on ``model``, or None when it passes."""
     try:
         onnx.checker.check_model(_checkable(model), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        try:
-            onnx.checker.check_model(_checkable(source), full_check=True)
-        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError):
-            cause = "the input model fails the same check: fix the input model first"
-        else:
-            cause = "the input passes it, so this is a bug in sgdfuse; nothing was written"
-        raise InvalidOutputError(f"the optimised model fails onnx.checker ({first}); {cause}") from error
+        text = str(error).strip()
+        return text.splitlines()[0] if text else type(error).__name__
+    return None
 
 
 def _momentum_entry(c) -> FusedUpdate:
