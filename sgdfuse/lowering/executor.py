@@ -175,6 +175,8 @@ class GEExecutor:
                 outputs = [self._assign(op, ops, inputs)]
             else:
                 outputs = KERNELS[op.type](op, [_checked(x, op.name) if x is not None else None for x in inputs])
+                if op.type not in WRITERS:
+                    _check_alias(op, ops, inputs, outputs)
             for index, value in enumerate(outputs):
                 if not isinstance(value, _Uninitialised):
                     _check_output(op, index, value)
@@ -204,6 +206,18 @@ class GEExecutor:
         else:
             ref[...] = value
         return self.variables[name]
+
+
+def _check_alias(op: Op, ops: Mapping[str, Op], inputs: list, outputs: list) -> None:
+    """A kernel may return a view of an input only when the one aliasing rule allows it
+    (:mod:`sgdfuse.lowering.alias`): lowering orders reads by that rule, so a kernel that aliases beyond it
+    would hide ordering bugs, or invent them."""
+    arrays = [x for x in inputs if isinstance(x, np.ndarray)]
+    if not arrays or _may_alias(op, ops):
+        return
+    for value in outputs:
+        if isinstance(value, np.ndarray) and any(np.may_share_memory(value, x) for x in arrays):
+            raise ExecutorError(f"op {op.name} ({op.type}) returned a view of its input, which sgdfuse.lowering.alias says it copies")
 
 
 def _checked(value, reader: str):
