@@ -9,6 +9,8 @@ State variables
     Each writable input (ports 0, 3, 5) of each ``SGD`` node becomes a GE ``Variable`` (ONNX ``Identity``
     chains are looked through):
 
+    - ``stat`` is never fed state (the ONNX step feeds it a value of its own every step, and drops the
+      kernel's write of it); see the two ``stat`` cases below. ``parameters`` and ``accum``:
     - a graph input (``w``, ``buf_w``) → a ``Variable`` with the input's name; its value persists across
       runs of the step graph and is set by the *init graph* (a second ``ModelDef``: one ``Data`` per such
       variable, named ``<name>/initial_value``, ``Assign``-ed into it);
@@ -18,15 +20,20 @@ State variables
       ``Variable`` named after the ONNX value, never assigned by the step graph. This is exact: the ONNX
       graph feeds zeros on every step; the kernel writes ``stat <- 0`` (momentum != 0) or leaves it
       (momentum == 0), so the variable holds zeros on every step too;
-    - a value computed in the step (what the rewrite inserts: ``accum = Where(first_step, 0, buf)``,
-      ``stat = Expand(Cast(first_step), Shape(parameters))``, and casts of them) → the ``Variable`` of the
-      state it is computed from, or a fresh one, plus an ``Assign(variable, computed value)`` that runs
-      before the ``SGD`` op (a control edge), so the op still writes the variable in place. "The state it is
-      computed from" is the one graph input or initializer of the port's shape and dtype among the value's
-      sources (the graph inputs and initializers it reads the *values* of: ``Shape`` reads only a shape):
+    - any other ``stat`` (``Expand(Cast(first_step), Shape(parameters))`` from the rewrite, a graph input
+      fed at run time, a non-zero initializer) → a fresh zero-initialised ``Variable`` of its own, named
+      after the ONNX value (after the port, ``<node>/stat``, when that value is a graph input or an
+      initializer, which stays a ``Data`` op or a ``Const``), ``Assign``-ed the value before every update;
+    - a ``parameters``/``accum`` value computed in the step (what the rewrite inserts:
+      ``accum = Where(first_step, 0, buf)``, and casts of it) → the ``Variable`` of the state it is computed
+      from, or a fresh one, plus an ``Assign(variable, computed value)`` that runs before the ``SGD`` op (a
+      control edge), so the op still writes the variable in place. "The state it is computed from" is the
+      one graph input or initializer of the port's shape and dtype whose *elements* reach the value through
+      values of the port's shape only (a reduction, a ``Shape`` or a scalar condition breaks the path, so
+      ``Where(step + ReduceSum(g * 0) == 0, 0, buf)`` is computed from ``buf``, not ``g``):
       ``accum = Where(first, 0, buf)`` becomes ``Assign(buf, SelectV2(first, 0, buf))`` then
-      ``SGD(..., buf, ...)``. With no such source (``stat`` from a step counter) the variable is named
-      after the ONNX value, zero-initialised by the init graph and assigned on every step. Exact because
+      ``SGD(..., buf, ...)``. With no such source the variable is named after the ONNX value,
+      zero-initialised by the init graph and assigned on every step. Exact because
       the ONNX step feeds the computed value to the op and, as everywhere here, the variable after the step
       holds the op's result, the next step's state. Refused: a value computed from two or more candidate
       states (which one the op replaces is ambiguous) or from the result of an ``SGD`` node;
@@ -50,19 +57,24 @@ Values after the write
       does not). That ``If``'s output, not ``accum_out``, is then the buffer's next value, so after the
       ``SGD`` op the variable is ``Assign``-ed the selected value (a *write-back*, ordered after the op and
       after its after-write snapshots of the variable). With momentum != 0 the selected value is
-      ``accum_out`` itself and the write-back stores what the variable already holds. Recognised when the
-      ``If``'s condition is an ``Equal`` reading the node's ``momentum`` input and one branch outputs the
-      node's ``accum_out`` (or ``stat_out``) through ``Identity``, with the same shape and dtype.
+      ``accum_out`` itself and the write-back stores what the variable already holds. Only the rewrite's own
+      ``If`` is recognised, by all it writes (a node named ``sgdfuse/...``, branches named
+      ``.../momentum_zero`` and ``.../momentum_nonzero``, an else branch that is exactly
+      ``Identity(accum_out)``, a condition ``Equal`` reading the node's ``momentum``); a user's ``If`` that
+      selects on the momentum is an ordinary node whose result is never written into the buffer.
 
 Values before the write
     A variable's writers run in order: its step ``Assign`` (if any), the ``SGD`` op, its write-back (if
     any). Every GE op that
-    reads the variable's *old* value, directly or through a chain of ops that may alias memory
-    (``Identity``, ``Reshape``, ``Squeeze``, ``Unsqueeze``, ``ExpandDims``, ``Flatten``), runs before the
-    first writer: a control edge ``reader:-1`` is added to it unless the reader already is one of its
-    ancestors. A reader that cannot run before the write (it depends on the writer, or it is ``NetOutput``,
-    which runs last) reads a ``TensorMove`` snapshot of the old value instead, and the snapshot gets the
-    control edge. The computed value of an ``Assign`` is a separate tensor (``SelectV2``, ``Expand``... are
+    reads the variable's *old* value, directly or through a chain of ops that may alias memory (one rule,
+    :mod:`sgdfuse.lowering.alias`: ``Identity``, ``Reshape``, ``Squeeze``, ``Unsqueeze``, ``ExpandDims``,
+    ``Flatten``, and a ``Transpose`` that keeps the row-major order, such as one moving only size-1 axes),
+    runs before the first writer: a control edge ``reader:-1`` is added to it unless the reader already is
+    one of its ancestors. A reader that cannot run before the write (it depends on the writer, or it is
+    ``NetOutput``, which runs last) reads a ``TensorMove`` snapshot of what it read instead, and the
+    snapshot gets the control edge. The walk goes on through an aliasing reader only once it is ordered
+    before the write, so a snapshot's source always runs before the write (an alias op that depends on the
+    write, ``Reshape(w, Shape(w_out))``, gets a snapshot of ``w`` itself). The computed value of an ``Assign`` is a separate tensor (``SelectV2``, ``Expand``... are
     not aliases), so its other readers need no ordering.
 
     Cost: reachability questions are answered by :class:`sgdfuse.lowering.dag.OpOrder` (walks bounded by a
