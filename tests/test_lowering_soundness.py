@@ -368,3 +368,23 @@ def test_lower_verifies_and_writes_a_sound_graph(tmp_path, capsys):
     assert exited.value.code in (0, None)
     assert "agrees with onnxruntime" in capsys.readouterr().out
     assert (tmp_path / "step.air").exists()
+
+
+def test_the_check_chains_state_held_in_initializers_and_catches_reads_after_the_write():
+    from sgdfuse.lowering.verify import verify_lowering
+
+    shape = (3, 2)
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Shape", ["w"], ["w_shape"]),
+        helper.make_node("ConstantOfShape", ["w_shape"], ["stat"]),
+        make_sgd_node(("w", "g", "lr", "buf", "m", "stat"), ("w_out", "buf_out", "stat_out"), SgdAttributes(0.0, 0.0, False), name="update"),
+        helper.make_node("Neg", ["w"], ["y"]),  # reads the old weights
+    ]
+    state = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name) for name in ("w", "buf")]
+    model = model_of(nodes, [vi("g", shape)], [vi("w_out", shape), vi("y", shape)], [scalar("lr", 0.1), scalar("m", 0.9), *state])
+    lowered = sgdfuse.lower(model, soc=SOC)
+    assert {v.name: v.source for v in lowered.state if v.role != "stat"} == {"w": "initializer", "buf": "initializer"}
+    assert verify_lowering(model, lowered).passed  # buf_out is no graph output: the check reads it anyway
+    broken = verify_lowering(model, _without_control_edges(lowered))
+    assert not broken.passed and "output y" in broken.message
