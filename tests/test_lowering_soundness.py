@@ -148,6 +148,17 @@ def test_readers_of_a_layout_keeping_transpose_of_the_weights_see_the_old_weight
     lower_and_run(model)
 
 
+@pytest.mark.parametrize("no_op", ["Cast", "Expand"])
+def test_readers_through_a_no_op_cast_or_expand_of_the_weights_see_the_old_weights(no_op):
+    # Cast(w, FLOAT) of FLOAT w, Expand(w, Shape(w)): no-ops a graph optimiser may remove.
+    if no_op == "Cast":
+        nodes = [helper.make_node("Cast", ["w"], ["w_same"], to=F)]
+    else:
+        nodes = [helper.make_node("Shape", ["w"], ["w_shape"]), helper.make_node("Expand", ["w", "w_shape"], ["w_same"])]
+    model = momentum_step(extra_nodes=nodes + [helper.make_node("Neg", ["w_same"], ["y"])], extra_outputs=[vi("y", (3, 2))])
+    lower_and_run(model)
+
+
 def test_a_regression_head_read_through_two_transposes_sees_the_old_weights():
     # Linear(H, 1) head, dynamo style: the backward reads Transpose(Transpose(W2)); W2 is [1, H].
     nodes = [

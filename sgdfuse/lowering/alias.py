@@ -11,7 +11,9 @@ The rule: an op preserves the layout when it keeps every element at its place in
   (they only re-describe the shape);
 - ``Transpose`` does when the axes it moves that have more than one element keep their relative order: a
   transpose that only moves size-1 axes, or the identity perm, is a reshape, and GE may compile it as one.
-  An axis of unknown size counts as possibly size 1 (so such a transpose may alias: the safe side).
+  An axis of unknown size counts as possibly size 1 (so such a transpose may alias: the safe side);
+- ``Cast`` to its input's own dtype, and ``Expand``/``BroadcastTo`` to its input's own shape, are no-ops a
+  graph optimiser may remove (then the readers read the input).
 
 Every other op writes a new buffer.
 """
@@ -42,16 +44,33 @@ def keeps_layout(perm: Sequence[int], shape: Sequence[int | None] | None) -> boo
     return sized == sorted(sized)
 
 
-def may_alias(op_type: str, *, perm: Sequence[int] | None = None, shape: Sequence[int | None] | None = None) -> bool:
+def may_alias(
+    op_type: str,
+    *,
+    perm: Sequence[int] | None = None,
+    shape: Sequence[int | None] | None = None,
+    output_shape: Sequence[int | None] | None = None,
+    same_dtype: bool | None = None,
+) -> bool:
     """True when a GE op of ``op_type`` may return its input's memory (module docstring).
 
     Args:
         op_type: the GE op type.
         perm: for ``Transpose``, its permutation (None: unknown, may alias).
-        shape: for ``Transpose``, the input's dimensions (see :func:`keeps_layout`).
+        shape: the input's dimensions (``Transpose``: see :func:`keeps_layout`; ``Expand``: compared with
+            ``output_shape``); None or negative entries are unknown.
+        output_shape: for ``Expand``/``BroadcastTo``, the output's dimensions.
+        same_dtype: for ``Cast``, whether the output dtype is the input's (None: unknown, may alias).
     """
     if op_type in ALIAS_OP_TYPES:
         return True
     if op_type == "Transpose":
         return perm is None or keeps_layout(perm, shape)
+    if op_type == "Cast":
+        return same_dtype is None or same_dtype
+    if op_type in ("Expand", "BroadcastTo"):
+        if shape is None or output_shape is None:
+            return True
+        # Same rank and every dimension equal or unknown: the output may be the input itself.
+        return len(shape) == len(output_shape) and all(a is None or b is None or a < 0 or b < 0 or a == b for a, b in zip(shape, output_shape))
     return False

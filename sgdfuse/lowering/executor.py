@@ -13,8 +13,9 @@ GE semantics it keeps, because lowering depends on them:
   arrays in place; its output is its ``parameters`` input array (a ref). ``Assign`` writes its ``ref`` input
   in place.
 - The ops that may alias their input (:mod:`sgdfuse.lowering.alias`: ``Identity``, ``Reshape``,
-  ``Squeeze``, ``Unsqueeze``, a ``Transpose`` that keeps the row-major order) return views; every other op
-  returns a new array (``TensorMove`` copies); ``NetOutput`` copies its inputs out when the run ends, ``Data`` copies its feed in.
+  ``Squeeze``, ``Unsqueeze``, a ``Transpose`` that keeps the row-major order, a ``Cast`` to the same dtype,
+  an ``Expand`` to the same shape) return views or the input itself; every other op returns a new array
+  (``TensorMove`` copies), and a kernel returning a view the rule does not allow is an error; ``NetOutput`` copies its inputs out when the run ends, ``Data`` copies its feed in.
 - Order: an op runs when its data and control predecessors have run; among ready ops the in-place writers
   (``SGD``, ``Assign``) go first and the readers of variable memory last. So a read of an old value that
   lowering forgot to order before the write sees the new value and the comparison with onnxruntime fails,
@@ -242,18 +243,21 @@ def _check_output(op: Op, index: int, value: np.ndarray) -> None:
 def _may_alias(op: Op, ops: Mapping[str, Op]) -> bool:
     """The one aliasing rule (:func:`sgdfuse.lowering.alias.may_alias`), read from the decoded graph: a
     ``Transpose``'s perm from its ``Const`` input, its input's shape from the producer's descriptor."""
-    if op.type != "Transpose":
-        return may_alias(op.type)
     source, perm_source = (op.inputs + [None, None])[:2]
+    if op.type not in ("Transpose", "Cast", "Expand", "BroadcastTo") or source is None:
+        return may_alias(op.type)
     perm = None
-    if perm_source is not None and ops[perm_source[0]].type == "Const":
+    if op.type == "Transpose" and perm_source is not None and ops[perm_source[0]].type == "Const":
         perm = [int(p) for p in np.ravel(ops[perm_source[0]].attrs["value"])]
-    shape = None
-    if source is not None:
-        shapes = ops[source[0]].output_shapes
-        dims = shapes[source[1]] if source[1] < len(shapes) else [-2]
-        shape = None if dims == [-2] else [d if d >= 0 else None for d in dims]
-    return may_alias("Transpose", perm=perm, shape=shape)
+    producer = ops[source[0]]
+    dims = producer.output_shapes[source[1]] if source[1] < len(producer.output_shapes) else [-2]
+    shape = None if dims == [-2] else [d if d >= 0 else None for d in dims]
+    output_dims = op.output_shapes[0] if op.output_shapes else [-2]
+    output_shape = None if output_dims == [-2] else [d if d >= 0 else None for d in output_dims]
+    in_dtype = producer.output_dtypes[source[1]] if source[1] < len(producer.output_dtypes) else None
+    out_dtype = op.output_dtypes[0] if op.output_dtypes else None
+    same_dtype = None if in_dtype is None or out_dtype is None else in_dtype == out_dtype
+    return may_alias(op.type, perm=perm, shape=shape, output_shape=output_shape, same_dtype=same_dtype)
 
 
 def _schedule(ops: Mapping[str, Op]) -> list[Op]:
@@ -457,6 +461,8 @@ kernel("ReduceMean")(_reduce(np.mean))
 @kernel("Cast")
 def _cast(op: Op, inputs: list) -> list:
     target = onnx_to_numpy_dtype(_CPP_TO_ONNX[int(op.attrs["dst_type"])])
+    if np.asarray(inputs[0]).dtype == target:
+        return [inputs[0]]  # a no-op GE may remove: the input itself (sgdfuse.lowering.alias)
     with np.errstate(all="ignore"):
         return [np.asarray(inputs[0]).astype(target)]
 
@@ -477,6 +483,8 @@ def _fill(op: Op, inputs: list) -> list:
 def _expand(op: Op, inputs: list) -> list:
     x, shape = inputs
     target = np.broadcast_shapes(np.shape(x), tuple(int(d) for d in np.ravel(shape)))
+    if target == np.shape(x):
+        return [x]  # a no-op GE may remove: the input itself (sgdfuse.lowering.alias)
     return [np.array(np.broadcast_to(x, target), copy=True)]
 
 

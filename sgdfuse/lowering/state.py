@@ -619,12 +619,22 @@ def _const_ints(builder: GraphBuilder, tensor: Tensor | None) -> list[int] | Non
 def _may_alias(builder: GraphBuilder, name: str) -> bool:
     """The aliasing rule of :mod:`sgdfuse.lowering.alias` for the op ``name`` being built."""
     record = builder.ops[name]
-    if record.type != "Transpose":
-        return alias.may_alias(record.type)
     source = record.inputs[0][1] if record.inputs else None
-    perm = _const_ints(builder, record.inputs[1][1]) if len(record.inputs) > 1 else None
-    shape = None if source is None or source.spec.shape is None else [d if isinstance(d, int) and d >= 0 else None for d in source.spec.shape]
-    return alias.may_alias("Transpose", perm=perm, shape=shape)
+    if record.type not in ("Transpose", "Cast", "Expand", "BroadcastTo") or source is None:
+        return alias.may_alias(record.type)
+    output = record.outputs[0][1] if record.outputs else None
+    perm = _const_ints(builder, record.inputs[1][1]) if record.type == "Transpose" and len(record.inputs) > 1 else None
+    return alias.may_alias(
+        record.type,
+        perm=perm,
+        shape=_dims(source.spec.shape),
+        output_shape=_dims(output.shape) if output is not None else None,
+        same_dtype=None if output is None or not output.dtype or not source.spec.dtype else output.dtype == source.spec.dtype,
+    )
+
+
+def _dims(shape) -> list[int | None] | None:
+    return None if shape is None else [d if isinstance(d, int) and d >= 0 else None for d in shape]
 
 
 def order_state_access(graph: GraphLowering) -> None:
