@@ -399,3 +399,23 @@ def test_the_check_chains_state_held_in_initializers_and_catches_reads_after_the
     assert verify_lowering(model, lowered).passed  # buf_out is no graph output: the check reads it anyway
     broken = verify_lowering(model, _without_control_edges(lowered))
     assert not broken.passed and "output y" in broken.message
+
+
+def test_the_check_feeds_a_zero_runtime_momentum_and_catches_a_missing_write_back():
+    from sgdfuse.lowering.verify import verify_lowering
+
+    fused = sgdfuse.optimize(momentum_step(extra_inputs=[vi("m", [])])).model
+    lowered = sgdfuse.lower(fused, soc=SOC)
+    assert verify_lowering(fused, lowered).passed
+    write_back = next(op.name for op in lowered.graph.op if "write_back" in op.name)
+    kept = [op for op in lowered.graph.op if op.name != write_back]
+    for op in kept:
+        entries = [e for e in op.input if e != f"{write_back}:-1"]
+        del op.input[:]
+        op.input.extend(entries)
+    del lowered.graph.op[:]
+    lowered.graph.op.extend(kept)
+    # Momentum 0 on step 2: the kernel keeps the old buffer, the graph's next buffer is g; without the
+    # write-back step 3 starts from the wrong buffer.
+    check = verify_lowering(fused, lowered)
+    assert not check.passed and "step 3" in check.message

@@ -7,7 +7,7 @@ new state between steps (``parameters_out`` → ``parameters``, the buffer's nex
 graph keeps its own. Every ONNX graph output must agree at every step.
 
 Inputs, as :mod:`sgdfuse.verify` makes them: floats from a standard normal (a one-element float, a learning
-rate or runtime momentum, from U(0.01, 0.1)); integer scalars count steps (0, 1, 2, ...); other integer
+rate or runtime momentum, from U(0.01, 0.1); a momentum fed at run time is 0 on the second step); integer scalars count steps (0, 1, 2, ...); other integer
 tensors are zeros; booleans are true on the first step only. A state held in an initializer is made a graph
 input of the onnxruntime copy (fed its initial value, then chained), since an initializer cannot change
 between runs while the GE variable does.
@@ -28,6 +28,7 @@ import onnx
 from onnx import helper
 
 from sgdfuse import runtime
+from sgdfuse.fused_op import is_sgd_node
 from sgdfuse.lowering.errors import LoweringError
 from sgdfuse.lowering.ge_model import GEModel
 from sgdfuse.runtime import onnx_to_numpy_dtype
@@ -164,6 +165,9 @@ def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3,
     dtypes = {o.name: o.type.tensor_type.elem_type for o in probe.graph.output}
     initializer_names = {t.name for t in probe.graph.initializer}
     inputs = [i for i in probe.graph.input if i.name not in initializer_names]
+    # A momentum fed at run time is 0 on the second step: the kernel then keeps the buffer, and the
+    # rewrite's If recomputes it (the write-back), the path most easily lowered wrong.
+    momenta = {n.input[4] for n in fused.graph.node if is_sgd_node(n) and len(n.input) > 4} & {i.name for i in inputs}
     rng = np.random.default_rng(seed)
     feeds = {i.name: _feed(i, rng, 0) for i in inputs}
     feeds.update(initial)
@@ -188,6 +192,8 @@ def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3,
             for value in inputs:
                 if value.name not in pairs.values() and value.name not in initial:
                     feeds[value.name] = _feed(value, rng, step + 1)
+                    if value.name in momenta and step == 0:
+                        feeds[value.name] = np.zeros_like(feeds[value.name])
     except ExecutorError as error:
         raise LoweringVerificationError("model", f"cannot verify the lowered graph: {error}; pass --no-verify to write it unchecked") from error
     except LoweringError:
