@@ -437,3 +437,17 @@ def test_the_check_feeds_a_zero_runtime_momentum_and_catches_a_missing_write_bac
     # write-back step 3 starts from the wrong buffer.
     check = verify_lowering(fused, lowered)
     assert not check.passed and "step 3" in check.message
+
+
+def test_lower_says_in_one_line_when_the_check_cannot_run(monkeypatch, tmp_path, capsys):
+    from sgdfuse.lowering.executor import KERNELS
+
+    path = tmp_path / "step.onnx"
+    onnx.save(momentum_step(extra_nodes=[helper.make_node("Neg", ["w"], ["y"])], extra_outputs=[vi("y", (3, 2))]), path)
+    monkeypatch.delitem(KERNELS, "Neg")  # an op the executor cannot run
+    with pytest.raises(SystemExit) as exited:
+        main(["lower", str(path), "--soc", SOC, "-o", str(tmp_path / "step.air")])
+    assert exited.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot verify" in err[0] and "Neg" in err[0] and "--no-verify" in err[0]
+    assert not (tmp_path / "step.air").exists()

@@ -74,7 +74,8 @@ Values before the write
     ``NetOutput``, which runs last) reads a ``TensorMove`` snapshot of what it read instead, and the
     snapshot gets the control edge. The walk goes on through an aliasing reader only once it is ordered
     before the write, so a snapshot's source always runs before the write (an alias op that depends on the
-    write, ``Reshape(w, Shape(w_out))``, gets a snapshot of ``w`` itself). The computed value of an ``Assign`` is a separate tensor (``SelectV2``, ``Expand``... are
+    write, ``Reshape(w, Shape(w_out))``, gets a snapshot of ``w`` itself). The computed value of an
+    ``Assign`` is a separate tensor (``SelectV2``, ``Expand``... are
     not aliases), so its other readers need no ordering.
 
     Cost: reachability questions are answered by :class:`sgdfuse.lowering.dag.OpOrder` (walks bounded by a
@@ -299,7 +300,10 @@ def plan_state(index: GraphIndex) -> StatePlan:
                 # flag computed from the step, a graph input, an initializer), and the kernel's write of it is
                 # dropped by the ONNX graph. Its variable is its own: zeros stay zeros (the kernel writes 0 or
                 # leaves it), anything else is assigned its value before every update.
-                source, initial = (_SOURCE_ZEROS, None) if _zero_fill(index, value) or _zero_initializer(index, value) else _computed_stat(index, sources_of, value, subject)
+                if _zero_fill(index, value) or _zero_initializer(index, value):
+                    source, initial = _SOURCE_ZEROS, None
+                else:
+                    source, initial = _computed_stat(index, sources_of, value, subject)
                 assigned = value if source == _SOURCE_COMPUTED else None
             elif index.is_input_name(value):
                 source, initial = _SOURCE_INPUT, None
@@ -674,7 +678,13 @@ def order_state_access(graph: GraphLowering) -> None:
 
 
 def _snapshot_before(
-    builder: GraphBuilder, order: OpOrder, readers: dict[tuple[str, int], list[str]], endpoint: tuple[str, int], reader: str, first: str, op_name: str
+    builder: GraphBuilder,
+    order: OpOrder,
+    readers: dict[tuple[str, int], list[str]],
+    endpoint: tuple[str, int],
+    reader: str,
+    first: str,
+    op_name: str,
 ) -> None:
     """Give ``reader`` a ``TensorMove`` copy of ``endpoint`` taken before the write ``first``."""
     record = builder.ops[reader]

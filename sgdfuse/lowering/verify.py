@@ -7,8 +7,8 @@ new state between steps (``parameters_out`` → ``parameters``, the buffer's nex
 graph keeps its own. Every ONNX graph output must agree at every step.
 
 Inputs, as :mod:`sgdfuse.verify` makes them: floats from a standard normal (a one-element float, a learning
-rate or runtime momentum, from U(0.01, 0.1); a momentum fed at run time is 0 on the second step); integer scalars count steps (0, 1, 2, ...); other integer
-tensors are zeros; booleans are true on the first step only. A state held in an initializer is made a graph
+rate or runtime momentum, from U(0.01, 0.1); a momentum fed at run time is 0 on the second step);
+integer scalars count steps (0, 1, 2, ...); other integer tensors are zeros; booleans are true on the first step only. A state held in an initializer is made a graph
 input of the onnxruntime copy (fed its initial value, then chained), since an initializer cannot change
 between runs while the GE variable does.
 
@@ -106,7 +106,8 @@ def _probe(fused: onnx.ModelProto, lowered: GEModel) -> tuple[onnx.ModelProto, d
             continue
         pairs[next_value] = variable.onnx_value
         if next_value not in outputs:
-            graph.output.append(helper.make_tensor_value_info(next_value, variable.spec.dtype, None if variable.spec.shape is None else list(variable.spec.shape)))
+            shape = None if variable.spec.shape is None else list(variable.spec.shape)
+            graph.output.append(helper.make_tensor_value_info(next_value, variable.spec.dtype, shape))
             outputs.add(next_value)
         tensor = initializers.get(variable.onnx_value)
         if variable.source == "initializer" and tensor is not None:
@@ -126,7 +127,8 @@ def _disagreement(name: str, want: np.ndarray, have: np.ndarray, dtype: int, ste
         wrong = np.flatnonzero(want.reshape(-1) != have.reshape(-1))
         if wrong.size:
             k = int(wrong[0])
-            return float("inf"), f"output {name}, step {step}, element {k}: {have.reshape(-1)[k]!r} in GE, {want.reshape(-1)[k]!r} in onnxruntime"
+            got, wanted = have.reshape(-1)[k], want.reshape(-1)[k]
+            return float("inf"), f"output {name}, step {step}, element {k}: {got!r} in GE, {wanted!r} in onnxruntime"
         return 0.0, ""
     rtol, atol = TOLERANCES[dtype]
     w, h = want.astype(np.float64), have.astype(np.float64)
@@ -142,6 +144,15 @@ def _disagreement(name: str, want: np.ndarray, have: np.ndarray, dtype: int, ste
             f"onnxruntime (allowed |difference| {atol:g} + {rtol:g}*|value|)"
         )
     return worst, ""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _cannot_verify(cause: str) -> LoweringVerificationError:
+    return LoweringVerificationError("model", f"cannot verify the lowered graph: {cause}; pass --no-verify to write it unchecked")
 
 
 def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3, seed: int = 0) -> LoweringCheck:
@@ -174,7 +185,7 @@ def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3,
     try:
         session = runtime.make_session(probe)
     except Exception as error:  # onnxruntime's own exception types
-        raise LoweringVerificationError("model", f"cannot verify the lowered graph: onnxruntime cannot run the fused model ({str(error).splitlines()[0]}); pass --no-verify to write it unchecked") from error
+        raise _cannot_verify(f"onnxruntime cannot run the fused model ({_first_line(error)})") from error
     runner = lowered.runner()
     worst = {name: 0.0 for name in lowered.outputs}
     try:
@@ -195,11 +206,11 @@ def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3,
                     if value.name in momenta and step == 0:
                         feeds[value.name] = np.zeros_like(feeds[value.name])
     except ExecutorError as error:
-        raise LoweringVerificationError("model", f"cannot verify the lowered graph: {error}; pass --no-verify to write it unchecked") from error
+        raise _cannot_verify(str(error)) from error
     except LoweringError:
         raise
     except Exception as error:  # onnxruntime failing at run time
         if type(error).__module__.startswith("onnxruntime"):
-            raise LoweringVerificationError("model", f"cannot verify the lowered graph: onnxruntime failed ({str(error).splitlines()[0]}); pass --no-verify to write it unchecked") from error
+            raise _cannot_verify(f"onnxruntime failed ({_first_line(error)})") from error
         raise
     return LoweringCheck(steps, True, worst)
