@@ -16,7 +16,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from sgdfuse import external_data
-from sgdfuse.errors import ModelLoadError
+from sgdfuse.errors import InvalidOutputError, ModelLoadError
 from sgdfuse.output import OutputBatch, resolve_destination
 from sgdfuse.fused_op import MIN_OPSET, function_opset
 from sgdfuse.passes.index import build_index
@@ -181,6 +181,7 @@ def optimize(
     )
     tell("rewrite")
     new_model = apply_plans(base, index, plans)
+    _check_output(new_model, source_model)
     report.nodes_after = len(new_model.graph.node)
     return OptimizeResult(new_model, report, source_dir)
 
@@ -261,7 +262,7 @@ def _analyse(
                 kept.append(plan)
             else:
                 misses.append(Miss(plan.match.parameters_out, "verification-failed", check.message))
-        plans = kept
+        plans = _keep_shared_initializers(kept, plans)
 
     for plan in plans:
         report.fused.append(_fused_entry(plan, index))
@@ -271,6 +272,86 @@ def _analyse(
             )
     report.refused = [Refusal(m.candidate, m.reason, m.detail, str(m.equation), m.nearest, m.differing) for m in misses]
     return report, plans, index, base
+
+
+def _graph_reads(nodes) -> set[str]:
+    """Every value the nodes (and their subgraphs, at any depth) read."""
+    reads: set[str] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        reads.update(i for i in node.input if i)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                stack.extend(attribute.g.node)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                stack.extend(n for g in attribute.graphs for n in g.node)
+    return reads
+
+
+def _keep_shared_initializers(kept: list, planned: list) -> list:
+    """``kept`` with every initializer they read that a dropped plan introduced moved to the first kept plan
+    reading it: scalar initializers are shared between plans (:class:`~sgdfuse.passes.rewrite.Planner`),
+    and rolling back one rewrite must leave every other one whole. New plan objects; none is mutated."""
+    provided = {t.name for plan in kept for t in plan.initializers}
+    orphans = {t.name: t for plan in planned if plan not in kept for t in plan.initializers if t.name not in provided}
+    if not orphans:
+        return kept
+    result = []
+    for plan in kept:
+        adopted = [orphans.pop(name) for name in sorted(_graph_reads(plan.nodes)) if name in orphans]
+        result.append(dataclasses.replace(plan, initializers=list(plan.initializers) + adopted) if adopted else plan)
+    return result
+
+
+def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` as the checker can read it in memory: an initializer whose data stays on disk (external
+    data, never loaded here) becomes a graph input of its type and shape. The checker would look for the
+    data file relative to the working directory; every check but the bytes themselves is unchanged."""
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if not external:
+        return model
+    names = {t.name for t in external}
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    kept = [t for t in copy.graph.initializer if t.name not in names]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
+    listed = {i.name for i in copy.graph.input}
+    copy.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in external if t.name not in listed)
+    return copy
+
+
+def _check_output(model: onnx.ModelProto, source: onnx.ModelProto) -> None:
+    """The final guard: the model ``optimize`` returns passes ``onnx.checker`` (full check, with shape
+    inference), so that no model sgdfuse made invalid is ever written.
+
+    An input model that already fails the check (a graph output without a shape, say; onnxruntime runs such
+    models) is not sgdfuse's to fix: when the output fails with the very same first error as the input, it
+    is logged and the output kept, since the rewrite added nothing to it.
+
+    Raises:
+        InvalidOutputError: the output fails the check and the input passes it, or fails it differently.
+    """
+    error = _checker_error(model)
+    if error is None:
+        return
+    before = _checker_error(source)
+    if before == error:
+        logger.warning("the input model already fails onnx.checker (%s); the output fails it the same way", error)
+        return
+    cause = "the input passes it" if before is None else f"the input fails it otherwise ({before})"
+    raise InvalidOutputError(f"the optimised model fails onnx.checker ({error}); {cause}, so this is a bug in sgdfuse; nothing was written")
+
+
+def _checker_error(model: onnx.ModelProto) -> str | None:
+    """The first line of ``onnx.checker``'s full-check error on ``model``, or None when it passes."""
+    try:
+        onnx.checker.check_model(_checkable(model), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        text = str(error).strip()
+        return text.splitlines()[0] if text else type(error).__name__
+    return None
 
 
 def _momentum_entry(c) -> FusedUpdate:

@@ -337,11 +337,18 @@ def lower_command(
         help="air: the GE IR step graph (.air) and its init graph (.init.air); "
         "onnx-atc: ONNX for ATC's own parser (SGD as ai.sgdfuse::1::SGD) and the op plugin source beside it.",
     ),
+    verify: bool = typer.Option(
+        True, "--verify/--no-verify",
+        help="Run the GE graph in sgdfuse's executor against onnxruntime on the fused model before writing it.",
+    ),
+    steps: int = typer.Option(3, "--steps", min=1, help="Chained steps of the check."),
 ) -> None:
     """Lower MODEL to the Ascend Graph Engine for one SoC (GE IR .air, or ONNX prepared for ATC).
 
     An unfused MODEL is optimised first (with verification); one line says what fused, what was refused and
-    why, and whether verification ran, and a warning says so when no update fused at all.
+    why, and whether verification ran, and a warning says so when no update fused at all. The GE graph is
+    then run in place in sgdfuse's executor for a few steps against onnxruntime on the fused model; a
+    disagreement is an error and nothing is written (unless --no-verify).
     """
     from sgdfuse import lowering
     from sgdfuse.fused_op import is_sgd_node
@@ -399,6 +406,15 @@ def lower_command(
         _out.print(f"Wrote {plugin} (ATC op plugin source mapping {onnx_atc.ATC_OP_KEY} to GE SGD)")
         return
     lowered = lowering.lower(fused, soc=soc, optimise=False)
+    if verify:
+        from sgdfuse.lowering.verify import LoweringVerificationError, verify_lowering
+
+        check = verify_lowering(fused, lowered, steps=steps)
+        if not check.passed:
+            raise LoweringVerificationError(
+                str(model), f"the lowered GE graph disagrees with onnxruntime on the fused model: {check.message}; nothing was written"
+            )
+        _out.print(f"Verified: the GE graph agrees with onnxruntime over {check.steps} chained in-place steps.")
     with OutputBatch() as batch:  # step graph, init graph and JSON together or not at all
         lowered.save_air(destination, batch=batch)
         lowered.save_init_air(init_destination, batch=batch)

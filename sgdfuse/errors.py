@@ -11,6 +11,7 @@ __all__ = [
     "ModelLoadError",
     "ExternalDataError",
     "OutputWriteError",
+    "InvalidOutputError",
     "ContractError",
     "AttributeContractError",
     "ShapeContractError",
@@ -65,6 +66,10 @@ class OutputWriteError(SgdfuseError):
     def __init__(self, path: str, message: str) -> None:
         super().__init__(f"{path}: {message}")
         self.path = path
+
+
+class InvalidOutputError(SgdfuseError):
+    """A model sgdfuse made fails ``onnx.checker``; it is not written (the final guard before any write)."""
 
 
 class ContractError(SgdfuseError):

@@ -9,9 +9,12 @@ Entry point: :func:`lower` (also ``sgdfuse.lower``). Modules, one concept each:
   (``If`` with small branches as a select);
 - :mod:`.state` — the ``SGD`` op, its state ``Variable`` s (assigned when the ONNX input is computed) and the
   ordering of in-place writes; :mod:`.dag` — the reachability behind that ordering, linear in the graph;
+  :mod:`.alias` — the one rule of which ops may return their input's memory;
+- :mod:`.scopes` — one name per value across ``If`` branches, before they are inlined;
 - :mod:`.soc` — product-line limits for the chosen SoC;
 - :mod:`.lower` — the driver; :mod:`.ge_model` — the result (``save_air``, ``to_json``);
 - :mod:`.atc_json` — ATC's model-to-JSON layout; :mod:`.executor` — the numpy reference executor;
+  :mod:`.verify` — the lowered graph run in place against onnxruntime (what ``sgdfuse lower`` checks);
 - :mod:`.onnx_atc` — ONNX prepared for ATC's own parser, and the op plugin source.
 """
 
@@ -20,5 +23,6 @@ from __future__ import annotations
 from sgdfuse.lowering.errors import InPlaceStateError, LoweringError, UnsupportedOpError
 from sgdfuse.lowering.ge_model import GEModel
 from sgdfuse.lowering.lower import lower
+from sgdfuse.lowering.verify import LoweringCheck, verify_lowering
 
-__all__ = ["lower", "GEModel", "LoweringError", "UnsupportedOpError", "InPlaceStateError"]
+__all__ = ["lower", "verify_lowering", "LoweringCheck", "GEModel", "LoweringError", "UnsupportedOpError", "InPlaceStateError"]

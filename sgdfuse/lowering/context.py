@@ -27,6 +27,10 @@ __all__ = ["GraphLowering", "NodeLowering"]
 logger = logging.getLogger(__name__)
 
 
+_INTEGER_ARITHMETIC = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}
+"""ONNX ops folded on integer constants (shape arithmetic an exporter writes around a ``Shape``)."""
+
+
 class GraphLowering:
     """The state of lowering one ONNX graph into one GE graph.
 
@@ -91,7 +95,7 @@ class GraphLowering:
         """The compile-time value of ONNX value ``name``, or None when it is only known at run time.
 
         Known: initializers that are not graph inputs, ``Constant`` outputs, and ``Identity``, ``Cast``,
-        ``Concat``, ``Unsqueeze``/``Squeeze`` (constant axes) of known values, and ``Shape`` of a tensor whose
+        ``Concat``, ``Unsqueeze``/``Squeeze`` (constant axes), integer ``Add``/``Sub``/``Mul`` of known values, and ``Shape`` of a tensor whose
         shape is static. This is what exporters use to build the shape, axes and perm operands that GE wants
         as constants.
         """
@@ -128,6 +132,9 @@ class GraphLowering:
             return inputs[0]
         if node.op_type == "Cast":
             return inputs[0].astype(onnx_to_numpy_dtype(attrs["to"]))
+        if node.op_type in _INTEGER_ARITHMETIC and all(np.asarray(v).dtype.kind in "iu" for v in inputs if v is not None):
+            # Shape arithmetic (Shape(x) + 0, Shape(x) * 2): integers only, so folding is exact.
+            return np.asarray(_INTEGER_ARITHMETIC[node.op_type](*inputs)).astype(inputs[0].dtype)
         if node.op_type == "Concat":
             return np.concatenate([v for v in inputs if v is not None], axis=attrs["axis"])
         if node.op_type in ("Unsqueeze", "Squeeze"):

@@ -12,8 +12,10 @@ GE semantics it keeps, because lowering depends on them:
 - ``SGD`` (via :func:`sgdfuse.reference.sgd`) writes ``parameters``, ``accum`` and ``stat`` into its input
   arrays in place; its output is its ``parameters`` input array (a ref). ``Assign`` writes its ``ref`` input
   in place.
-- ``Identity``, ``Reshape``, ``Squeeze``, ``Unsqueeze`` return views (they may alias in GE); ``TensorMove``
-  copies; ``NetOutput`` copies its inputs out when the run ends, ``Data`` copies its feed in.
+- The ops that may alias their input (:mod:`sgdfuse.lowering.alias`: ``Identity``, ``Reshape``,
+  ``Squeeze``, ``Unsqueeze``, a ``Transpose`` that keeps the row-major order, a ``Cast`` to the same dtype,
+  an ``Expand`` to the same shape) return views or the input itself; every other op returns a new array
+  (``TensorMove`` copies), and a kernel returning a view the rule does not allow is an error; ``NetOutput`` copies its inputs out when the run ends, ``Data`` copies its feed in.
 - Order: an op runs when its data and control predecessors have run; among ready ops the in-place writers
   (``SGD``, ``Assign``) go first and the readers of variable memory last. So a read of an old value that
   lowering forgot to order before the write sees the new value and the comparison with onnxruntime fails,
@@ -36,7 +38,7 @@ from onnx import TensorProto
 from sgdfuse import reference
 from sgdfuse.errors import SgdfuseError
 from sgdfuse.lowering import ge_ir
-from sgdfuse.lowering.state import ALIAS_OP_TYPES
+from sgdfuse.lowering.alias import keeps_layout, may_alias
 from sgdfuse.runtime import onnx_to_numpy_dtype
 
 __all__ = ["ExecutorError", "GEExecutor", "GEModelRunner", "KERNELS", "kernel", "numpy_dtype"]
@@ -174,6 +176,8 @@ class GEExecutor:
                 outputs = [self._assign(op, ops, inputs)]
             else:
                 outputs = KERNELS[op.type](op, [_checked(x, op.name) if x is not None else None for x in inputs])
+                if op.type not in WRITERS:
+                    _check_alias(op, ops, inputs, outputs)
             for index, value in enumerate(outputs):
                 if not isinstance(value, _Uninitialised):
                     _check_output(op, index, value)
@@ -205,6 +209,18 @@ class GEExecutor:
         return self.variables[name]
 
 
+def _check_alias(op: Op, ops: Mapping[str, Op], inputs: list, outputs: list) -> None:
+    """A kernel may return a view of an input only when the one aliasing rule allows it
+    (:mod:`sgdfuse.lowering.alias`): lowering orders reads by that rule, so a kernel that aliases beyond it
+    would hide ordering bugs, or invent them."""
+    arrays = [x for x in inputs if isinstance(x, np.ndarray)]
+    if not arrays or _may_alias(op, ops):
+        return
+    for value in outputs:
+        if isinstance(value, np.ndarray) and any(np.may_share_memory(value, x) for x in arrays):
+            raise ExecutorError(f"op {op.name} ({op.type}) returned a view of its input, which sgdfuse.lowering.alias says it copies")
+
+
 def _checked(value, reader: str):
     if isinstance(value, _Uninitialised):
         raise ExecutorError(f"op {reader} reads variable {value.name} before it was assigned; run the init graph first")
@@ -224,6 +240,26 @@ def _check_output(op: Op, index: int, value: np.ndarray) -> None:
         raise ExecutorError(f"op {op.name} ({op.type}) output {index}: shape {list(value.shape)}, descriptor says {dims}")
 
 
+def _may_alias(op: Op, ops: Mapping[str, Op]) -> bool:
+    """The one aliasing rule (:func:`sgdfuse.lowering.alias.may_alias`), read from the decoded graph: a
+    ``Transpose``'s perm from its ``Const`` input, its input's shape from the producer's descriptor."""
+    source, perm_source = (op.inputs + [None, None])[:2]
+    if op.type not in ("Transpose", "Cast", "Expand", "BroadcastTo") or source is None:
+        return may_alias(op.type)
+    perm = None
+    if op.type == "Transpose" and perm_source is not None and ops[perm_source[0]].type == "Const":
+        perm = [int(p) for p in np.ravel(ops[perm_source[0]].attrs["value"])]
+    producer = ops[source[0]]
+    dims = producer.output_shapes[source[1]] if source[1] < len(producer.output_shapes) else [-2]
+    shape = None if dims == [-2] else [d if d >= 0 else None for d in dims]
+    output_dims = op.output_shapes[0] if op.output_shapes else [-2]
+    output_shape = None if output_dims == [-2] else [d if d >= 0 else None for d in output_dims]
+    in_dtype = producer.output_dtypes[source[1]] if source[1] < len(producer.output_dtypes) else None
+    out_dtype = op.output_dtypes[0] if op.output_dtypes else None
+    same_dtype = None if in_dtype is None or out_dtype is None else in_dtype == out_dtype
+    return may_alias(op.type, perm=perm, shape=shape, output_shape=output_shape, same_dtype=same_dtype)
+
+
 def _schedule(ops: Mapping[str, Op]) -> list[Op]:
     waiting = {name: 0 for name in ops}
     dependants: dict[str, list[str]] = {}
@@ -238,7 +274,7 @@ def _schedule(ops: Mapping[str, Op]) -> list[Op]:
     # ops that may alias it) last. A read that lowering did not order before a write then sees the write.
     state: set[tuple[str, int]] = {(name, 0) for name, op in ops.items() if op.type == "Variable"}
     for op in sorted(ops.values(), key=lambda o: o.position):
-        if op.type in ALIAS_OP_TYPES and op.inputs and op.inputs[0] in state:
+        if op.inputs and op.inputs[0] in state and _may_alias(op, ops):
             state.add((op.name, 0))
     reads_state = {op.name for op in ops.values() if any(s in state for s in op.inputs if s is not None)}
 
@@ -371,7 +407,12 @@ def _unsqueeze(op: Op, inputs: list) -> list:
 
 @kernel("Transpose")
 def _transpose(op: Op, inputs: list) -> list:
-    return [np.ascontiguousarray(np.transpose(inputs[0], tuple(int(p) for p in np.ravel(inputs[1]))))]
+    x = inputs[0]
+    perm = tuple(int(p) for p in np.ravel(inputs[1]))
+    if keeps_layout(perm, x.shape):
+        # Same elements in the same order: a view, as GE may compile it to a reshape (sgdfuse.lowering.alias).
+        return [np.reshape(x, tuple(x.shape[p] for p in perm))]
+    return [np.array(np.transpose(x, perm), copy=True)]
 
 
 def _matmul(a: np.ndarray, b: np.ndarray, out_dtype: np.dtype | None) -> np.ndarray:
@@ -420,6 +461,8 @@ kernel("ReduceMean")(_reduce(np.mean))
 @kernel("Cast")
 def _cast(op: Op, inputs: list) -> list:
     target = onnx_to_numpy_dtype(_CPP_TO_ONNX[int(op.attrs["dst_type"])])
+    if np.asarray(inputs[0]).dtype == target:
+        return [inputs[0]]  # a no-op GE may remove: the input itself (sgdfuse.lowering.alias)
     with np.errstate(all="ignore"):
         return [np.asarray(inputs[0]).astype(target)]
 
@@ -440,6 +483,8 @@ def _fill(op: Op, inputs: list) -> list:
 def _expand(op: Op, inputs: list) -> list:
     x, shape = inputs
     target = np.broadcast_shapes(np.shape(x), tuple(int(d) for d in np.ravel(shape)))
+    if target == np.shape(x):
+        return [x]  # a no-op GE may remove: the input itself (sgdfuse.lowering.alias)
     return [np.array(np.broadcast_to(x, target), copy=True)]
 
 
@@ -525,8 +570,9 @@ class GEModelRunner:
 
     def step(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One run of the step graph; ``feeds`` by ONNX input name (extra names, e.g. state, are ignored)."""
-        missing: Sequence[str] = [name for name in self.model.inputs if name not in feeds]
+        names = {op: self.model.onnx_input(op) for op in self.model.inputs}
+        missing: Sequence[str] = [name for name in names.values() if name not in feeds]
         if missing:
             raise ExecutorError(f"no value for input(s) {', '.join(missing)}")
-        results = self.executor.run(self.model.graph, {name: feeds[name] for name in self.model.inputs})
+        results = self.executor.run(self.model.graph, {op: feeds[name] for op, name in names.items()})
         return dict(zip(self.model.outputs, results))

@@ -34,7 +34,8 @@ class GEModel:
         soc: the ATC SoC version it was built for.
         product_line: that SoC's product line.
         inputs: ``Data`` op names of the step graph, in ``index`` order (the ONNX graph inputs that are not
-            state).
+            state). An op name is the ONNX name with ``:`` replaced (GE splits edges at ``:``) and made unique.
+        input_names: ``Data`` op name → the ONNX graph input it takes (what :meth:`runner` is fed by).
         outputs: the ONNX graph output each ``NetOutput`` input stands for, in order.
         state: the state variables (see :mod:`sgdfuse.lowering.state`).
         init_inputs: init-graph ``Data`` op name → the ONNX graph input whose initial value it takes.
@@ -53,11 +54,16 @@ class GEModel:
     init_inputs: dict[str, str]
     sgd_ops: list[str]
     optimization: Report | None = None
+    input_names: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def graph(self):
         """The step ``GraphDef`` (``model.graph[0]``)."""
         return self.model.graph[0]
+
+    def onnx_input(self, data_op: str) -> str:
+        """The ONNX graph input a step-graph ``Data`` op takes."""
+        return self.input_names.get(data_op, data_op)
 
     def op(self, name: str):
         """The step graph's ``OpDef`` called ``name``.

@@ -42,6 +42,7 @@ from sgdfuse.lowering.errors import UnsupportedOpError
 from sgdfuse.lowering.ge_model import GEModel
 from sgdfuse.lowering.graph_builder import GraphBuilder, strings
 from sgdfuse.lowering.registry import DEFAULT_DOMAIN, rule_for
+from sgdfuse.lowering.scopes import unique_value_names
 from sgdfuse.lowering.soc import check_product_line
 from sgdfuse.lowering.state import StatePlan, add_variables, add_write_backs, build_init_graph, order_state_access, plan_state, prune
 from sgdfuse.passes.index import GraphIndex, _outer_reads, _subgraphs, build_index
@@ -175,6 +176,7 @@ def lower(model: str | os.PathLike | onnx.ModelProto, *, soc: str, optimise: boo
 def _lower(model: str | os.PathLike | onnx.ModelProto, soc: str, optimise: bool) -> GEModel:
     line = product_line_for_soc(soc)
     proto, report = prepare(model, optimise=optimise)
+    proto = unique_value_names(proto)  # If branches are inlined: one name per value across scopes
     graph = proto.graph
     index = build_index(proto)
     sgd_nodes = [node for node in graph.node if is_sgd_node(node)]
@@ -192,7 +194,10 @@ def _lower(model: str | os.PathLike | onnx.ModelProto, soc: str, optimise: bool)
     builder = GraphBuilder(graph.name or "sgdfuse_graph")
     lowering = GraphLowering(index, builder, default_opset(proto))
 
+    # Variables first: their names are shared with the init graph and must not be taken by another op.
+    add_variables(lowering, plan)
     data_ops: list[str] = []
+    data_names: list[str] = []
     for value in graph.input:
         if value.name in plan.readable:
             continue
@@ -200,8 +205,8 @@ def _lower(model: str | os.PathLike | onnx.ModelProto, soc: str, optimise: bool)
         record = builder.add("Data", value.name, outputs=[("y", spec)], attrs={"index": len(data_ops)})
         record.unconnected = [("x", spec)]
         data_ops.append(record.name)
+        data_names.append(value.name)
         lowering.values[value.name] = record.output(0)
-    add_variables(lowering, plan)
 
     needed = _needed_nodes(index, plan)
     for position, node in enumerate(graph.node):
@@ -233,6 +238,7 @@ def _lower(model: str | os.PathLike | onnx.ModelProto, soc: str, optimise: bool)
         soc=soc,
         product_line=line,
         inputs=data_ops,
+        input_names=dict(zip(data_ops, data_names)),
         outputs=output_names,
         state=list(plan.variables),
         init_inputs=init_feeds,

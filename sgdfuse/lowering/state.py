@@ -9,6 +9,8 @@ State variables
     Each writable input (ports 0, 3, 5) of each ``SGD`` node becomes a GE ``Variable`` (ONNX ``Identity``
     chains are looked through):
 
+    - ``stat`` is never fed state (the ONNX step feeds it a value of its own every step, and drops the
+      kernel's write of it); see the two ``stat`` cases below. ``parameters`` and ``accum``:
     - a graph input (``w``, ``buf_w``) → a ``Variable`` with the input's name; its value persists across
       runs of the step graph and is set by the *init graph* (a second ``ModelDef``: one ``Data`` per such
       variable, named ``<name>/initial_value``, ``Assign``-ed into it);
@@ -18,15 +20,20 @@ State variables
       ``Variable`` named after the ONNX value, never assigned by the step graph. This is exact: the ONNX
       graph feeds zeros on every step; the kernel writes ``stat <- 0`` (momentum != 0) or leaves it
       (momentum == 0), so the variable holds zeros on every step too;
-    - a value computed in the step (what the rewrite inserts: ``accum = Where(first_step, 0, buf)``,
-      ``stat = Expand(Cast(first_step), Shape(parameters))``, and casts of them) → the ``Variable`` of the
-      state it is computed from, or a fresh one, plus an ``Assign(variable, computed value)`` that runs
-      before the ``SGD`` op (a control edge), so the op still writes the variable in place. "The state it is
-      computed from" is the one graph input or initializer of the port's shape and dtype among the value's
-      sources (the graph inputs and initializers it reads the *values* of: ``Shape`` reads only a shape):
+    - any other ``stat`` (``Expand(Cast(first_step), Shape(parameters))`` from the rewrite, a graph input
+      fed at run time, a non-zero initializer) → a fresh zero-initialised ``Variable`` of its own, named
+      after the ONNX value (after the port, ``<node>/stat``, when that value is a graph input or an
+      initializer, which stays a ``Data`` op or a ``Const``), ``Assign``-ed the value before every update;
+    - a ``parameters``/``accum`` value computed in the step (what the rewrite inserts:
+      ``accum = Where(first_step, 0, buf)``, and casts of it) → the ``Variable`` of the state it is computed
+      from, or a fresh one, plus an ``Assign(variable, computed value)`` that runs before the ``SGD`` op (a
+      control edge), so the op still writes the variable in place. "The state it is computed from" is the
+      one graph input or initializer of the port's shape and dtype whose *elements* reach the value through
+      values of the port's shape only (a reduction, a ``Shape`` or a scalar condition breaks the path, so
+      ``Where(step + ReduceSum(g * 0) == 0, 0, buf)`` is computed from ``buf``, not ``g``):
       ``accum = Where(first, 0, buf)`` becomes ``Assign(buf, SelectV2(first, 0, buf))`` then
-      ``SGD(..., buf, ...)``. With no such source (``stat`` from a step counter) the variable is named
-      after the ONNX value, zero-initialised by the init graph and assigned on every step. Exact because
+      ``SGD(..., buf, ...)``. With no such source the variable is named after the ONNX value,
+      zero-initialised by the init graph and assigned on every step. Exact because
       the ONNX step feeds the computed value to the op and, as everywhere here, the variable after the step
       holds the op's result, the next step's state. Refused: a value computed from two or more candidate
       states (which one the op replaces is ambiguous) or from the result of an ``SGD`` node;
@@ -50,19 +57,25 @@ Values after the write
       does not). That ``If``'s output, not ``accum_out``, is then the buffer's next value, so after the
       ``SGD`` op the variable is ``Assign``-ed the selected value (a *write-back*, ordered after the op and
       after its after-write snapshots of the variable). With momentum != 0 the selected value is
-      ``accum_out`` itself and the write-back stores what the variable already holds. Recognised when the
-      ``If``'s condition is an ``Equal`` reading the node's ``momentum`` input and one branch outputs the
-      node's ``accum_out`` (or ``stat_out``) through ``Identity``, with the same shape and dtype.
+      ``accum_out`` itself and the write-back stores what the variable already holds. Only the rewrite's own
+      ``If`` is recognised, by all it writes (a node named ``sgdfuse/...``, branches named
+      ``.../momentum_zero`` and ``.../momentum_nonzero``, an else branch that is exactly
+      ``Identity(accum_out)``, a condition ``Equal`` reading the node's ``momentum``); a user's ``If`` that
+      selects on the momentum is an ordinary node whose result is never written into the buffer.
 
 Values before the write
     A variable's writers run in order: its step ``Assign`` (if any), the ``SGD`` op, its write-back (if
     any). Every GE op that
-    reads the variable's *old* value, directly or through a chain of ops that may alias memory
-    (``Identity``, ``Reshape``, ``Squeeze``, ``Unsqueeze``, ``ExpandDims``, ``Flatten``), runs before the
-    first writer: a control edge ``reader:-1`` is added to it unless the reader already is one of its
-    ancestors. A reader that cannot run before the write (it depends on the writer, or it is ``NetOutput``,
-    which runs last) reads a ``TensorMove`` snapshot of the old value instead, and the snapshot gets the
-    control edge. The computed value of an ``Assign`` is a separate tensor (``SelectV2``, ``Expand``... are
+    reads the variable's *old* value, directly or through a chain of ops that may alias memory (one rule,
+    :mod:`sgdfuse.lowering.alias`: ``Identity``, ``Reshape``, ``Squeeze``, ``Unsqueeze``, ``ExpandDims``,
+    ``Flatten``, and a ``Transpose`` that keeps the row-major order, such as one moving only size-1 axes),
+    runs before the first writer: a control edge ``reader:-1`` is added to it unless the reader already is
+    one of its ancestors. A reader that cannot run before the write (it depends on the writer, or it is
+    ``NetOutput``, which runs last) reads a ``TensorMove`` snapshot of what it read instead, and the
+    snapshot gets the control edge. The walk goes on through an aliasing reader only once it is ordered
+    before the write, so a snapshot's source always runs before the write (an alias op that depends on the
+    write, ``Reshape(w, Shape(w_out))``, gets a snapshot of ``w`` itself). The computed value of an
+    ``Assign`` is a separate tensor (``SelectV2``, ``Expand``... are
     not aliases), so its other readers need no ordering.
 
     Cost: reachability questions are answered by :class:`sgdfuse.lowering.dag.OpOrder` (walks bounded by a
@@ -85,11 +98,11 @@ from onnx import helper
 from sgdfuse.contract import INPUTS, TensorSpec
 from sgdfuse.external_data import tensor_to_array
 from sgdfuse.fused_op import DOMAIN, OP_TYPE, read_sgd_attributes
-from sgdfuse.lowering import ge_ir
+from sgdfuse.lowering import alias, ge_ir
 from sgdfuse.lowering.context import GraphLowering, NodeLowering
 from sgdfuse.lowering.dag import OpOrder
 from sgdfuse.lowering.errors import InPlaceStateError
-from sgdfuse.lowering.graph_builder import GraphBuilder, Tensor, add_const, tensor_def
+from sgdfuse.lowering.graph_builder import GraphBuilder, OpRecord, Tensor, add_const, tensor_def
 from sgdfuse.lowering.registry import register
 from sgdfuse.passes.index import GraphIndex, _outer_reads, _subgraphs
 from sgdfuse.runtime import onnx_to_numpy_dtype
@@ -110,8 +123,9 @@ __all__ = [
 WRITABLE_PORTS: tuple[int, ...] = tuple(port.index for port in INPUTS if port.writable)
 """Contract ports the kernel writes in place: parameters (0), accum (3), stat (5)."""
 
-ALIAS_OP_TYPES = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "ExpandDims", "Flatten"})
-"""GE ops whose output may share its input's memory: a read through them is a read of the input."""
+ALIAS_OP_TYPES = alias.ALIAS_OP_TYPES
+"""GE ops whose output always may share its input's memory (see :mod:`sgdfuse.lowering.alias`, which also
+counts a ``Transpose`` that keeps the row-major order)."""
 
 _SOURCE_INPUT, _SOURCE_INITIALIZER, _SOURCE_ZEROS, _SOURCE_COMPUTED = "graph input", "initializer", "zeros", "computed"
 
@@ -265,6 +279,7 @@ def plan_state(index: GraphIndex) -> StatePlan:
     writers: dict[str, str] = {}
     taken: set[str] = set()
     sources_of = _Sources(index)
+    shaped_sources = _ShapedSources(index)
     selections = _selections(index)
     for position, node in enumerate(index.graph.node):
         if not _is_sgd(node):
@@ -281,15 +296,22 @@ def plan_state(index: GraphIndex) -> StatePlan:
             if spec.shape is None or not spec.dtype:
                 spec = TensorSpec(value, spec.shape if spec.shape is not None else parameters_spec.shape, spec.dtype or parameters_spec.dtype)
             state, assigned = value, None
-            if index.is_input_name(value):
+            if role == "stat":
+                # stat is never fed state: the ONNX step feeds it a value of its own on every step (zeros, a
+                # flag computed from the step, a graph input, an initializer), and the kernel's write of it is
+                # dropped by the ONNX graph. Its variable is its own: zeros stay zeros (the kernel writes 0 or
+                # leaves it), anything else is assigned its value before every update.
+                if _zero_fill(index, value) or _zero_initializer(index, value):
+                    source, initial = _SOURCE_ZEROS, None
+                else:
+                    source, initial = _computed_stat(index, sources_of, value, subject)
+                assigned = value if source == _SOURCE_COMPUTED else None
+            elif index.is_input_name(value):
                 source, initial = _SOURCE_INPUT, None
             elif value in index.initializers:
                 source, initial = _SOURCE_INITIALIZER, tensor_to_array(index.initializers[value])
-            elif role == "stat" and _zero_fill(index, value):
-                # Exact only for stat: the kernel writes 0 there or leaves it, so zeros stay zeros.
-                source, initial = _SOURCE_ZEROS, None
             else:
-                state, source, initial = _computed_state(index, sources_of, value, spec, role, subject)
+                state, source, initial = _computed_state(index, shaped_sources, sources_of, value, spec, role, subject)
                 assigned = value
             if source in (_SOURCE_INPUT, _SOURCE_INITIALIZER):
                 if state in writers:
@@ -299,8 +321,10 @@ def plan_state(index: GraphIndex) -> StatePlan:
                         + (f" ({value} is computed from {state})" if state != value else ""),
                     )
                 writers[state] = f"node {node_name} ({role})"
-            name = state if state not in taken else f"{node_name}/{role}"
-            taken.add(name)
+            # A stat fed a graph input or an initializer keeps that value as it is (a Data op or a Const);
+            # its variable is named after the port instead.
+            own = source in (_SOURCE_ZEROS, _SOURCE_COMPUTED) and (index.is_input_name(value) or value in index.initializers)
+            name = _variable_name(f"{node_name}/{role}" if own else state, taken, f"{node_name}/{role}")
             fresh = source in (_SOURCE_ZEROS, _SOURCE_COMPUTED)
             shape_from = by_port[(position, 0)].name if fresh and (position, 0) in by_port else None
             if fresh and not spec.is_static and shape_from is None:
@@ -330,28 +354,36 @@ _OUTPUT_OF_PORT = {3: 1, 5: 2}
 
 
 def _selections(index: GraphIndex) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
-    """Value → the standard ``If`` nodes with a branch whose output ``k`` is that value (through
-    ``Identity``), as ``(node, k)``: where a value computed outside is selected from."""
+    """``accum_out`` of an ``SGD`` node → the runtime-momentum ``If`` nodes ``sgdfuse optimize`` emitted for
+    it, as ``(node, 0)``. Only the rewrite's own ``If`` is recognised, by everything it writes
+    (:meth:`sgdfuse.passes.rewrite.Planner._momentum_zero_buffer`): a node named ``sgdfuse/...``, branches
+    named ``.../momentum_zero`` and ``.../momentum_nonzero``, one output, and an else branch that is exactly
+    ``Identity(accum_out)``. A user's ``If`` that selects on the momentum (a monitor output) is an ordinary
+    node: its result is never written into the buffer."""
     found: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for node in index.graph.node:
-        if node.op_type != "If" or node.domain not in _STANDARD:
+        if node.op_type != "If" or node.domain not in _STANDARD or not node.name.startswith("sgdfuse/") or len(node.output) != 1:
             continue
-        for attribute in node.attribute:
-            for branch in _subgraphs(attribute):
-                producers = {o: n for n in branch.node for o in n.output if o}
-                for k, output in enumerate(branch.output):
-                    name = output.name
-                    while name in producers and producers[name].op_type == "Identity" and producers[name].input:
-                        name = producers[name].input[0]
-                    if name not in producers:  # an outer value, passed through
-                        found.setdefault(name, []).append((node, k))
+        branches = {a.name: a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH}
+        then_branch, else_branch = branches.get("then_branch"), branches.get("else_branch")
+        if then_branch is None or else_branch is None:
+            continue
+        if not (then_branch.name.endswith("/momentum_zero") and else_branch.name.endswith("/momentum_nonzero")):
+            continue
+        if len(else_branch.node) != 1 or len(else_branch.output) != 1 or else_branch.initializer:
+            continue
+        (identity,) = else_branch.node
+        if identity.op_type != "Identity" or identity.domain not in _STANDARD or list(identity.output) != [else_branch.output[0].name]:
+            continue
+        found.setdefault(identity.input[0], []).append((node, 0))
     return found
 
 
 def _next_value(
     index: GraphIndex, selections: dict[str, list[tuple[onnx.NodeProto, int]]], node: onnx.NodeProto, port: int, spec: TensorSpec
 ) -> str | None:
-    """The output of the runtime-momentum ``If`` that replaces this port's new value (module docstring)."""
+    """The output of the runtime-momentum ``If`` that replaces this port's new value (module docstring): the
+    rewrite's ``If`` (:func:`_selections`) on ``Equal`` of this node's momentum."""
     out_index = _OUTPUT_OF_PORT.get(port)
     if out_index is None or out_index >= len(node.output) or not node.output[out_index] or len(node.input) < 5:
         return None
@@ -368,11 +400,90 @@ def _next_value(
     return None
 
 
+def _variable_name(base: str, taken: set[str], fallback: str) -> str:
+    """A ``Variable`` name free among ``taken`` (then taken): ``base`` as GE writes op names (``:`` is an edge
+    separator there), else ``fallback``, else ``fallback_<k>``."""
+    for candidate in (base.replace(":", "_"), fallback.replace(":", "_")):
+        if candidate not in taken:
+            taken.add(candidate)
+            return candidate
+    counter = 1
+    while f"{fallback}_{counter}".replace(":", "_") in taken:
+        counter += 1
+    name = f"{fallback}_{counter}".replace(":", "_")
+    taken.add(name)
+    return name
+
+
+def _zero_initializer(index: GraphIndex, value: str) -> bool:
+    """True for an initializer (not overridable as a graph input) holding only zeros."""
+    tensor = index.initializers.get(value)
+    if tensor is None or index.is_input_name(value):
+        return False
+    return not np.any(numpy_helper.to_array(tensor).astype(np.float64))
+
+
+def _computed_stat(index: GraphIndex, sources_of: _Sources, value: str, subject: str) -> tuple[str, None]:
+    """``(source, initial)`` for a ``stat`` fed ``value``: its own variable, assigned ``value`` every step."""
+    _, update = sources_of(value)
+    if update is not None:
+        producer = index.node(value)
+        what = f"{producer.op_type} node {producer.name!r}" if producer is not None else value
+        raise InPlaceStateError(
+            subject,
+            f"is produced by {what} from the result of the in-place update {update}; the SGD op's stat must be "
+            "known before the update runs",
+        )
+    return _SOURCE_COMPUTED, None
+
+
+class _ShapedSources:
+    """The graph inputs and initializers whose *elements* a value is computed from: those reached through
+    values of the value's own shape only. A reduction, a shape or a scalar condition breaks the path, so in
+    ``Where(step + ReduceSum(g * 0) == 0, 0, buf)`` the source is ``buf``, not ``g``. Memoised by value
+    name: a value has one shape, so what it reaches does not depend on which query reached it."""
+
+    def __init__(self, index: GraphIndex) -> None:
+        self.index = index
+        self._memo: dict[str, frozenset[str]] = {}
+
+    def __call__(self, value: str) -> frozenset[str]:
+        shape = self.index.spec(value).shape
+        if shape is None:
+            return frozenset()
+        stack = [(value, False)]
+        while stack:
+            name, expanded = stack.pop()
+            if name in self._memo:
+                continue
+            node = self.index.node(name)
+            reads = [] if node is None or _is_sgd(node) or node.op_type in _SHAPE_ONLY else [
+                r for r in dict.fromkeys(_node_reads(node)) if r and self.index.spec(r).shape == shape
+            ]
+            if not expanded:
+                stack.append((name, True))
+                stack.extend((r, False) for r in reads if r not in self._memo)
+                continue
+            found = {name} if node is None and name in self.index.state_names else set()
+            for read in reads:
+                found |= self._memo.get(read, frozenset())
+            self._memo[name] = frozenset(found)
+        return self._memo[value]
+
+
+def _node_reads(node: onnx.NodeProto) -> list[str]:
+    reads = [i for i in node.input if i]
+    for attribute in node.attribute:
+        for sub in _subgraphs(attribute):
+            reads.extend(sorted(_outer_reads(sub)))
+    return reads
+
+
 def _computed_state(
-    index: GraphIndex, sources_of: _Sources, value: str, spec: TensorSpec, role: str, subject: str
+    index: GraphIndex, shaped_sources: _ShapedSources, sources_of: _Sources, value: str, spec: TensorSpec, role: str, subject: str
 ) -> tuple[str, str, np.ndarray | None]:
     """``(state, source, initial)`` for a port fed the computed ``value`` (module docstring)."""
-    sources, update = sources_of(value)
+    _, update = sources_of(value)
     producer = index.node(value)
     what = f"{producer.op_type} node {producer.name!r}" if producer is not None else "nothing"
     if update is not None:
@@ -381,7 +492,7 @@ def _computed_state(
             f"is produced by {what} from the result of the in-place update {update}; the SGD op writes {role} "
             "in place, so it must be state or computed from the state it replaces",
         )
-    candidates = sorted(s for s in sources if _same_tensor_type(index.spec(s), spec))
+    candidates = sorted(s for s in shaped_sources(value) if _same_tensor_type(index.spec(s), spec))
     if len(candidates) > 1:
         raise InPlaceStateError(
             subject,
@@ -500,52 +611,93 @@ def add_write_backs(graph: GraphLowering) -> None:
         writers.append(assign.name)
 
 
-def _alias_closure(builder: GraphBuilder, readers: dict[tuple[str, int], list[str]], start: tuple[str, int]) -> list[tuple[str, int]]:
-    closure, stack, seen = [start], [start], {start}
-    while stack:
-        for reader in readers.get(stack.pop(), ()):
-            if builder.ops[reader].type in ALIAS_OP_TYPES:
-                endpoint = (reader, 0)
-                if endpoint not in seen:
-                    seen.add(endpoint)
-                    closure.append(endpoint)
-                    stack.append(endpoint)
-    return closure
+def _const_ints(builder: GraphBuilder, tensor: Tensor | None) -> list[int] | None:
+    """The integers a ``Const`` op holds (a ``Transpose`` perm), or None when ``tensor`` is not a ``Const``."""
+    record = builder.ops.get(tensor.op) if tensor is not None else None
+    if record is None or record.type != "Const" or "value" not in record.attrs:
+        return None
+    value = record.attrs["value"].t
+    dtype = {ge_ir.ge_dtype(onnx.TensorProto.INT64): "<i8", ge_ir.ge_dtype(onnx.TensorProto.INT32): "<i4"}.get(value.desc.dtype)
+    return None if dtype is None else [int(v) for v in np.frombuffer(value.data, dtype=dtype)]
+
+
+def _may_alias(builder: GraphBuilder, name: str) -> bool:
+    """The aliasing rule of :mod:`sgdfuse.lowering.alias` for the op ``name`` being built."""
+    record = builder.ops[name]
+    source = record.inputs[0][1] if record.inputs else None
+    if record.type not in ("Transpose", "Cast", "Expand", "BroadcastTo") or source is None:
+        return alias.may_alias(record.type)
+    output = record.outputs[0][1] if record.outputs else None
+    perm = _const_ints(builder, record.inputs[1][1]) if record.type == "Transpose" and len(record.inputs) > 1 else None
+    return alias.may_alias(
+        record.type,
+        perm=perm,
+        shape=_dims(source.spec.shape),
+        output_shape=_dims(output.shape) if output is not None else None,
+        same_dtype=None if output is None or not output.dtype or not source.spec.dtype else output.dtype == source.spec.dtype,
+    )
+
+
+def _dims(shape) -> list[int | None] | None:
+    return None if shape is None else [d if isinstance(d, int) and d >= 0 else None for d in shape]
 
 
 def order_state_access(graph: GraphLowering) -> None:
     """Make every read of a state variable's old value happen before its first in-place write (module
-    docstring). Run after the whole graph, ``NetOutput`` included, has been built."""
+    docstring). Run after the whole graph, ``NetOutput`` included, has been built.
+
+    The reads are found from the variable down through ops that may alias it (:mod:`sgdfuse.lowering.alias`):
+    a reader that can run before the write gets a control edge to it (and when it may alias, its own readers
+    are reads of the variable too); a reader that cannot (it depends on the write, or it is ``NetOutput``)
+    reads a ``TensorMove`` snapshot of what it read, taken before the write. Only readers ordered before the
+    write are walked through, so a snapshot's source always runs before the write and no cycle is formed.
+    """
     builder = graph.builder
     order = OpOrder(builder)
     readers = builder.readers()
     for variable_name, writers in graph.writers.items():
         first = writers[0]
         op_name = graph.variable_ops[variable_name]
-        reads = [
-            (endpoint, reader)
-            for endpoint in _alias_closure(builder, readers, (op_name, 0))
-            for reader in dict.fromkeys(readers.get(endpoint, ()))
-            if reader not in writers and reader not in graph.after_write
-        ]
-        for endpoint, reader in reads:
-            if order.reaches(reader, first):  # already runs before the write
-                continue
-            record = builder.ops[reader]
-            if record.type != "NetOutput" and not order.reaches(first, reader):
-                builder.add_control(first, reader)
-                order.add_edge(reader, first)
-                continue
-            # The reader cannot run before the write: give it a copy taken before the write.
-            source = builder.ops[endpoint[0]].output(endpoint[1])
-            snapshot = builder.add("TensorMove", f"{op_name}/before_{first}", [("x", source)], [("y", source.spec)])
-            builder.add_control(first, snapshot.name)
-            order.add_op(snapshot.name, [endpoint[0]])
-            order.add_edge(snapshot.name, first)
-            order.add_edge(snapshot.name, reader)
-            record.inputs = [(port, snapshot.output(0) if t is not None and (t.op, t.index) == endpoint else t) for port, t in record.inputs]
-            readers[endpoint] = [r for r in readers[endpoint] if r != reader] + [snapshot.name]
-            readers[(snapshot.name, 0)] = [reader]
+        stack, seen = [(op_name, 0)], {(op_name, 0)}
+        while stack:
+            endpoint = stack.pop()
+            for reader in dict.fromkeys(readers.get(endpoint, ())):
+                if reader in writers or reader in graph.after_write:
+                    continue
+                record = builder.ops[reader]
+                before = order.reaches(reader, first)
+                if not before and record.type != "NetOutput" and not order.reaches(first, reader):
+                    builder.add_control(first, reader)
+                    order.add_edge(reader, first)
+                    before = True
+                if before:
+                    if _may_alias(builder, reader) and (reader, 0) not in seen:
+                        seen.add((reader, 0))
+                        stack.append((reader, 0))
+                    continue
+                _snapshot_before(builder, order, readers, endpoint, reader, first, op_name)
+
+
+def _snapshot_before(
+    builder: GraphBuilder,
+    order: OpOrder,
+    readers: dict[tuple[str, int], list[str]],
+    endpoint: tuple[str, int],
+    reader: str,
+    first: str,
+    op_name: str,
+) -> None:
+    """Give ``reader`` a ``TensorMove`` copy of ``endpoint`` taken before the write ``first``."""
+    record = builder.ops[reader]
+    source = builder.ops[endpoint[0]].output(endpoint[1])
+    snapshot = builder.add("TensorMove", f"{op_name}/before_{first}", [("x", source)], [("y", source.spec)])
+    builder.add_control(first, snapshot.name)
+    order.add_op(snapshot.name, [endpoint[0]])
+    order.add_edge(snapshot.name, first)
+    order.add_edge(snapshot.name, reader)
+    record.inputs = [(port, snapshot.output(0) if t is not None and (t.op, t.index) == endpoint else t) for port, t in record.inputs]
+    readers[endpoint] = [r for r in readers[endpoint] if r != reader] + [snapshot.name]
+    readers[(snapshot.name, 0)] = [reader]
 
 
 def prune(builder: GraphBuilder, roots: Sequence[str] = ("NetOutput", "SGD", "Assign", "Data")) -> None:
@@ -575,9 +727,12 @@ def build_init_graph(plan: StatePlan, name: str) -> tuple[GraphBuilder, list[str
     assigned: dict[str, Tensor] = {}
     outputs: list[Tensor] = []
     zero_values: dict[tuple, object] = {}
-    for variable in plan.variables:
-        ref = builder.add("Variable", variable.name, outputs=[("y", variable.spec)])
+    refs: dict[str, OpRecord] = {}
+    for variable in plan.variables:  # first, so that no other op takes a variable's name
+        refs[variable.name] = ref = builder.add("Variable", variable.name, outputs=[("y", variable.spec)])
         ref.unconnected = [("x", variable.spec)]
+    for variable in plan.variables:
+        ref = refs[variable.name]
         if variable.source == _SOURCE_INPUT:
             data = builder.add("Data", f"{variable.name}/initial_value", outputs=[("y", variable.spec)], attrs={"index": len(data_ops)})
             data.unconnected = [("x", variable.spec)]

@@ -189,10 +189,41 @@ class Normaliser:
         """
         if value in self._scalars:
             return self._scalars[value]
-        self._scalars[value] = None  # cycle guard (graphs are acyclic, but be safe)
-        result = self._scalar(value)
-        self._scalars[value] = result
-        return result
+        # Iterative post-order over the operands _scalar reads, so that _scalar finds them memoised: a chain
+        # of thousands of elementwise ops does not hit Python's recursion limit.
+        stack = [value]
+        expanded: set[str] = set()
+        while stack:
+            current = stack[-1]
+            if current in self._scalars:
+                stack.pop()
+                continue
+            if current not in expanded:
+                expanded.add(current)
+                missing = [i for i in self._scalar_operands(current) if not self._scalar_ready(i) and i not in expanded]
+                if missing:
+                    stack.extend(missing)
+                    continue
+            stack.pop()
+            self._scalars[current] = None  # cycle guard (graphs are acyclic, but be safe)
+            self._scalars[current] = self._scalar(current)
+        return self._scalars[value]
+
+    def _scalar_ready(self, value: str) -> bool:
+        """True when :meth:`scalar` answers ``value`` without walking (memoised here)."""
+        return value in self._scalars
+
+    def _scalar_operands(self, value: str) -> list[str]:
+        """The values :meth:`_scalar` asks :meth:`scalar` about for ``value`` (the same cases, in order)."""
+        node = self.index.node(value)
+        if node is None or node.domain not in ("", "ai.onnx") or self.index.constant(value) is not None:
+            return []
+        inputs = [i for i in node.input]
+        if node.op_type in _PASS_THROUGH or node.op_type in _SCALAR_SHAPE_OPS or node.op_type in ("Gather", "Neg", "Reciprocal"):
+            return [inputs[0]] if inputs and inputs[0] else []
+        if node.op_type in ("Add", "Sub", "Mul", "Div") and len(inputs) == 2:
+            return [i for i in inputs if i]
+        return []
 
     def _scalar(self, value: str) -> Poly | None:
         constant = self.index.constant(value)
@@ -555,6 +586,9 @@ class _BranchNormaliser(Normaliser):
 
     def scalar(self, value: str) -> Poly | None:
         return self.outer.scalar(value) if self._is_outer(value) else super().scalar(value)
+
+    def _scalar_ready(self, value: str) -> bool:
+        return self._is_outer(value) or super()._scalar_ready(value)
 
     def _form_from_operands(self, value: str) -> Form:
         return self.outer.form(value) if self._is_outer(value) else super()._form_from_operands(value)

@@ -1,0 +1,216 @@
+"""Check a lowered GE graph against the ONNX model it came from: what ``sgdfuse lower`` runs before writing.
+
+The step graph runs in the numpy GE executor (:mod:`sgdfuse.lowering.executor`, in place: state lives in its
+``Variable`` s, written by the ``SGD`` op and ``Assign`` s, after the init graph set it), and the fused ONNX
+model runs in onnxruntime, for ``steps`` chained steps on the same seeded inputs. onnxruntime is fed its own
+new state between steps (``parameters_out`` → ``parameters``, the buffer's next value → the buffer); the GE
+graph keeps its own. Every ONNX graph output must agree at every step.
+
+Inputs, as :mod:`sgdfuse.verify` makes them: floats from a standard normal (a one-element float, a learning
+rate or runtime momentum, from U(0.01, 0.1); a momentum fed at run time is 0 on the second step);
+integer scalars count steps (0, 1, 2, ...); other integer tensors are zeros; booleans are true on the first step only. A state held in an initializer is made a graph
+input of the onnxruntime copy (fed its initial value, then chained), since an initializer cannot change
+between runs while the GE variable does.
+
+Agreement, per element (NaN equals NaN; integers and booleans exactly): ``|ge - onnx| <= atol + rtol*|onnx|``,
+with (rtol, atol) = (1e-4, 1e-5) for FLOAT and DOUBLE, (2^-8, 2^-10) for FLOAT16 and (2^-5, 2^-7) for
+BFLOAT16: both sides compute the same formulas, so only summation order and the rounding of 16-bit values
+(done once per op by both) differ, far inside these bounds; an old value read after the in-place write, a
+missed write-back or a state fed from the wrong value differ by the size of an update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from sgdfuse import runtime
+from sgdfuse.fused_op import is_sgd_node
+from sgdfuse.lowering.errors import LoweringError
+from sgdfuse.lowering.ge_model import GEModel
+from sgdfuse.runtime import onnx_to_numpy_dtype
+
+__all__ = ["LoweringCheck", "LoweringVerificationError", "verify_lowering", "TOLERANCES"]
+
+TOLERANCES: dict[int, tuple[float, float]] = {
+    onnx.TensorProto.FLOAT: (1e-4, 1e-5),
+    onnx.TensorProto.DOUBLE: (1e-4, 1e-5),
+    onnx.TensorProto.FLOAT16: (2.0**-8, 2.0**-10),
+    onnx.TensorProto.BFLOAT16: (2.0**-5, 2.0**-7),
+}
+"""ONNX float dtype → (rtol, atol) of the comparison (module docstring)."""
+
+_OUTPUT_OF_ROLE = {"parameters": 0, "accum": 1}
+"""State role → the ``SGD`` output holding its new value."""
+
+
+class LoweringVerificationError(LoweringError):
+    """The lowered graph disagrees with onnxruntime on the fused model, or the check could not run."""
+
+
+@dataclasses.dataclass
+class LoweringCheck:
+    """The result of :func:`verify_lowering`.
+
+    Attributes:
+        steps: chained steps run.
+        passed: every output agreed at every step.
+        outputs: ONNX output name → largest |difference| seen.
+        message: the first disagreement (output, step, element, both values, the tolerance), else "".
+    """
+
+    steps: int
+    passed: bool
+    outputs: dict[str, float]
+    message: str = ""
+
+
+def _feed(value: onnx.ValueInfoProto, rng: np.random.Generator, step: int) -> np.ndarray:
+    tensor_type = value.type.tensor_type
+    shape = tuple(d.dim_value if d.HasField("dim_value") else 2 for d in tensor_type.shape.dim)
+    dtype = onnx_to_numpy_dtype(tensor_type.elem_type)
+    if tensor_type.elem_type in TOLERANCES:
+        if int(np.prod(shape)) == 1:
+            return rng.uniform(0.01, 0.1, size=shape).astype(np.float32).astype(dtype)
+        return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+    if np.issubdtype(dtype, np.integer):
+        return np.full(shape, step if int(np.prod(shape)) == 1 else 0, dtype=dtype)
+    if dtype == np.bool_:
+        return np.full(shape, step == 0, dtype=bool)
+    raise LoweringVerificationError(f"input {value.name}", f"no test data for dtype {dtype}; pass --no-verify to write the graph unchecked")
+
+
+def _probe(fused: onnx.ModelProto, lowered: GEModel) -> tuple[onnx.ModelProto, dict[str, str], dict[str, np.ndarray]]:
+    """The onnxruntime copy: state initializers as graph inputs, each state's next value as an output.
+
+    Returns ``(model, next value → state input, initial values of the former initializers)``."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(fused)
+    graph = probe.graph
+    outputs = {o.name for o in graph.output}
+    pairs: dict[str, str] = {}
+    initial: dict[str, np.ndarray] = {}
+    initializers = {t.name: t for t in graph.initializer}
+    for variable in lowered.state:
+        if variable.source not in ("graph input", "initializer"):
+            continue
+        out_index = _OUTPUT_OF_ROLE.get(variable.role)
+        if out_index is None:  # stat: never fed state
+            continue
+        node = fused.graph.node[variable.node]
+        next_value = variable.next_value or (node.output[out_index] if out_index < len(node.output) else "")
+        if not next_value:
+            continue
+        pairs[next_value] = variable.onnx_value
+        if next_value not in outputs:
+            shape = None if variable.spec.shape is None else list(variable.spec.shape)
+            graph.output.append(helper.make_tensor_value_info(next_value, variable.spec.dtype, shape))
+            outputs.add(next_value)
+        tensor = initializers.get(variable.onnx_value)
+        if variable.source == "initializer" and tensor is not None:
+            initial[tensor.name] = onnx.numpy_helper.to_array(tensor)
+            graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    if initial:
+        kept = [t for t in graph.initializer if t.name not in initial]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    return probe, pairs, initial
+
+
+def _disagreement(name: str, want: np.ndarray, have: np.ndarray, dtype: int, step: int) -> tuple[float, str]:
+    if want.shape != have.shape:
+        return float("inf"), f"output {name}, step {step}: shape {list(have.shape)} in GE, {list(want.shape)} in onnxruntime"
+    if dtype not in TOLERANCES:
+        wrong = np.flatnonzero(want.reshape(-1) != have.reshape(-1))
+        if wrong.size:
+            k = int(wrong[0])
+            got, wanted = have.reshape(-1)[k], want.reshape(-1)[k]
+            return float("inf"), f"output {name}, step {step}, element {k}: {got!r} in GE, {wanted!r} in onnxruntime"
+        return 0.0, ""
+    rtol, atol = TOLERANCES[dtype]
+    w, h = want.astype(np.float64), have.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        same = (w == h) | (np.isnan(w) & np.isnan(h))
+        error = np.nan_to_num(np.where(same, 0.0, np.abs(h - w)), nan=np.inf)
+    worst = float(error.max(initial=0.0))
+    over = error > atol + rtol * np.abs(np.nan_to_num(w))
+    if np.any(over):
+        k = int(np.argmax(over.reshape(-1)))
+        return worst, (
+            f"output {name}, step {step}, element {k}: {float(h.reshape(-1)[k])!r} in GE, {float(w.reshape(-1)[k])!r} in "
+            f"onnxruntime (allowed |difference| {atol:g} + {rtol:g}*|value|)"
+        )
+    return worst, ""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _cannot_verify(cause: str) -> LoweringVerificationError:
+    return LoweringVerificationError("model", f"cannot verify the lowered graph: {cause}; pass --no-verify to write it unchecked")
+
+
+def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3, seed: int = 0) -> LoweringCheck:
+    """Run ``lowered`` in the GE executor and ``fused`` in onnxruntime for ``steps`` chained steps and compare
+    every output (module docstring).
+
+    Args:
+        fused: the ONNX model ``lowered`` was lowered from (with its ``SGD`` nodes).
+        lowered: the result of :func:`sgdfuse.lowering.lower` on ``fused`` (``optimise=False``).
+
+    Returns:
+        The :class:`LoweringCheck` (``passed`` False on a disagreement; nothing is raised for that).
+
+    Raises:
+        LoweringVerificationError: the check cannot run (onnxruntime or the executor refuses the model, an
+            input has a dtype no test data is made for); the message names the cause.
+    """
+    from sgdfuse.lowering.executor import ExecutorError
+
+    probe, pairs, initial = _probe(fused, lowered)
+    dtypes = {o.name: o.type.tensor_type.elem_type for o in probe.graph.output}
+    initializer_names = {t.name for t in probe.graph.initializer}
+    inputs = [i for i in probe.graph.input if i.name not in initializer_names]
+    # A momentum fed at run time is 0 on the second step: the kernel then keeps the buffer, and the
+    # rewrite's If recomputes it (the write-back), the path most easily lowered wrong.
+    momenta = {n.input[4] for n in fused.graph.node if is_sgd_node(n) and len(n.input) > 4} & {i.name for i in inputs}
+    rng = np.random.default_rng(seed)
+    feeds = {i.name: _feed(i, rng, 0) for i in inputs}
+    feeds.update(initial)
+    try:
+        session = runtime.make_session(probe)
+    except Exception as error:  # onnxruntime's own exception types
+        raise _cannot_verify(f"onnxruntime cannot run the fused model ({_first_line(error)})") from error
+    runner = lowered.runner()
+    worst = {name: 0.0 for name in lowered.outputs}
+    try:
+        runner.initialise({name: feeds[name] for name in lowered.init_inputs.values()})
+        for step in range(steps):
+            expected = runtime.run(session, feeds)
+            actual = runner.step(feeds)
+            for name in lowered.outputs:
+                error, message = _disagreement(name, np.asarray(expected[name]), np.asarray(actual[name]), dtypes.get(name, 0), step + 1)
+                worst[name] = max(worst[name], error)
+                if message:
+                    return LoweringCheck(step + 1, False, worst, message)
+            for output, state in pairs.items():
+                feeds[state] = expected[output]
+            for value in inputs:
+                if value.name not in pairs.values() and value.name not in initial:
+                    feeds[value.name] = _feed(value, rng, step + 1)
+                    if value.name in momenta and step == 0:
+                        feeds[value.name] = np.zeros_like(feeds[value.name])
+    except ExecutorError as error:
+        raise _cannot_verify(str(error)) from error
+    except LoweringError:
+        raise
+    except Exception as error:  # onnxruntime failing at run time
+        if type(error).__module__.startswith("onnxruntime"):
+            raise _cannot_verify(f"onnxruntime failed ({_first_line(error)})") from error
+        raise
+    return LoweringCheck(steps, True, worst)
