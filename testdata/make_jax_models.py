@@ -59,7 +59,7 @@ LR_INPUT_VALUES = {1: 0.05, 2: 0.02, 3: 0.01}
 
 # (kind, nesterov, lr); lr None: the graph input "lr" (float32, shape []).
 CASES = [
-    ("opt", False, 0.1), ("opt", True, 1e-3), ("opt", False, None),
+    ("opt", False, 0.1), ("opt", True, 1e-3), ("opt", False, 1e-8), ("opt", False, None), ("opt", True, None),
     ("mlp", False, 0.05), ("mlp", True, 1e-3),
 ]
 
@@ -116,8 +116,10 @@ def output_names(kind):
     return [f"{n}_new" for n in params] + [f"{t}_new" for t in traces] + ([] if kind == "opt" else ["loss"])
 
 
-def draw(rng, kind, spec):
+def draw(rng, kind, spec, lr):
     params, traces = names(kind)
+    # Parameters at scale 1e-6 when lr <= 1e-6, so that their update stays visible in float32.
+    scale = 1e-6 if kind == "opt" and lr is not None and lr <= 1e-6 else 1.0
     feeds = {}
     for n, shape in spec:
         if n in traces:
@@ -126,6 +128,8 @@ def draw(rng, kind, spec):
             feeds[n] = np.array(LR_INPUT_VALUES[1], np.float32)
         elif n == "y":
             feeds[n] = np.eye(shape[1], dtype=np.float32)[rng.integers(0, shape[1], shape[0])]
+        elif n in params:
+            feeds[n] = (scale * rng.standard_normal(shape)).astype(np.float32)
         else:
             feeds[n] = rng.standard_normal(shape).astype(np.float32)
     return feeds
@@ -154,10 +158,10 @@ def main() -> None:
         params, traces = names(kind)
         k = len(params)
         state = dict(zip(outs[:k], params)) | dict(zip(outs[k:2 * k], traces))
-        first = draw(rng, kind, spec)
+        first = draw(rng, kind, spec, lr)
 
-        def fresh(s, kind=kind, spec=spec, params=params, traces=traces):
-            new = {n: v for n, v in draw(rng, kind, spec).items() if n not in params and n not in traces}
+        def fresh(s, kind=kind, spec=spec, params=params, traces=traces, lr=lr):
+            new = {n: v for n, v in draw(rng, kind, spec, lr).items() if n not in params and n not in traces}
             if "lr" in new:
                 new["lr"] = np.array(LR_INPUT_VALUES[s], np.float32)
             return new
@@ -184,6 +188,8 @@ def main() -> None:
             expected_momentum_updates=k,
             notes=("optax trace t' = g + mu*t, p' = p - lr*t' (nesterov: p' = p - lr*(g + mu*t')): the SGD "
                    "operator with gradient g, learning rate lr, dampening 0, traces starting at zero."
+                   + (" Parameters drawn at scale 1e-6 so the update is visible in float32."
+                      if kind == "opt" and lr is not None and lr <= 1e-6 else "")
                    + (f" lr fed at steps 1,2,3: {list(LR_INPUT_VALUES.values())}." if lr is None else "")),
         )
         models.append(entry)
