@@ -31,10 +31,17 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import importlib.util
 import platform  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+# testdata/ holds folders named keras/, jax/ and torch/. Python puts the script's folder first on sys.path,
+# where such a folder imports as an empty namespace package wherever the real package is not installed
+# (Keras probes for jax, for one). Keep the folder off the path; corpus_common is loaded from it by file.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -44,9 +51,9 @@ import onnx  # noqa: E402
 import onnxruntime  # noqa: E402
 import optax  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import corpus_common as cc  # noqa: E402
+_spec = importlib.util.spec_from_file_location("corpus_common", HERE / "corpus_common.py")
+cc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cc)
 
 OUT = HERE / "jax"
 SEED = 20261203

@@ -38,10 +38,17 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import importlib.util
 import platform  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+# testdata/ holds folders named keras/, jax/ and torch/. Python puts the script's folder first on sys.path,
+# where such a folder imports as an empty namespace package wherever the real package is not installed
+# (Keras probes for jax, for one). Keep the folder off the path; corpus_common is loaded from it by file.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -50,9 +57,9 @@ import onnxruntime  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf2onnx  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import corpus_common as cc  # noqa: E402
+_spec = importlib.util.spec_from_file_location("corpus_common", HERE / "corpus_common.py")
+cc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cc)
 
 OUT = HERE / "keras"
 SEED = 20261202

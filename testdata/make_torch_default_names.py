@@ -24,11 +24,18 @@ from __future__ import annotations
 
 import contextlib
 import io
+import importlib.util
 import platform
 import shutil
 import sys
 import warnings
 from pathlib import Path
+
+# testdata/ holds folders named keras/, jax/ and torch/. Python puts the script's folder first on sys.path,
+# where such a folder imports as an empty namespace package wherever the real package is not installed
+# (Keras probes for jax, for one). Keep the folder off the path; corpus_common is loaded from it by file.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 import numpy as np
 import onnx
@@ -37,9 +44,9 @@ import onnxscript
 import torch
 from torch.optim._functional import sgd
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import corpus_common as cc  # noqa: E402
+_spec = importlib.util.spec_from_file_location("corpus_common", HERE / "corpus_common.py")
+cc = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cc)
 
 OUT = HERE / "torch_default_names"
 TORCH_VERSION_REQUIRED = "2.13.0"
