@@ -31,6 +31,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import importlib.metadata
 import importlib.util
 import platform  # noqa: E402
 import shutil  # noqa: E402
@@ -204,7 +205,7 @@ def main() -> None:
               f"({entry['onnx_vs_eager_max_difference_ulps_of_output_max']} ulps of max), opset {entry['opset']}")
     versions = {
         "python": platform.python_version(), "jax": jax.__version__, "optax": optax.__version__,
-        "jax2onnx": getattr(jax2onnx, "__version__", "?"), "onnx": onnx.__version__,
+        "jax2onnx": importlib.metadata.version("jax2onnx"), "onnx": onnx.__version__,
         "onnxruntime": onnxruntime.__version__, "numpy": np.__version__,
     }
     cc.write_manifest(OUT / "manifest.json", {
