@@ -420,7 +420,7 @@ def _zero_initializer(index: GraphIndex, value: str) -> bool:
     tensor = index.initializers.get(value)
     if tensor is None or index.is_input_name(value):
         return False
-    return not np.any(numpy_helper.to_array(tensor).astype(np.float64))
+    return not np.any(tensor_to_array(tensor).astype(np.float64))
 
 
 def _computed_stat(index: GraphIndex, sources_of: _Sources, value: str, subject: str) -> tuple[str, None]:
