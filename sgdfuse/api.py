@@ -236,6 +236,18 @@ def _analyse(
     normaliser = Normaliser(index)
     matches, found_misses = find_updates(index, normaliser, allow_rounding=allow_rounding)
     misses.extend(found_misses)
+    if report.fused:
+        # A converted Momentum node already writes its state in place: a second update of it is refused.
+        converted = {name for f in report.fused for name in (f.parameters, f.accum)}
+        kept_matches = []
+        for match in matches:
+            taken = sorted({match.parameters, match.accum} & converted)
+            if taken:
+                misses.append(Miss(match.parameters_out, "shared-state", f"{match.parameters_out}: {', '.join(taken)} is already "
+                                   "updated by a converted Momentum node; fusing both would write it twice (one writer per state)."))
+            else:
+                kept_matches.append(match)
+        matches = kept_matches
 
     opset = function_opset(base)
     if matches and opset < MIN_OPSET:

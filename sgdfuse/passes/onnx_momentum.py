@@ -77,6 +77,21 @@ class MomentumConversion:
     max_abs_error: float = 0.0
 
 
+def _state_writers(model: onnx.ModelProto) -> dict[str, list[str]]:
+    """State tensor (X or V) → the Momentum nodes (and slots) that update it: two entries mean two writers,
+    whether two nodes share a buffer or one node lists a weight twice."""
+    writers: dict[str, list[str]] = {}
+    for position, node in enumerate(model.graph.node):
+        if node.op_type != "Momentum" or node.domain != TRAINING_DOMAIN:
+            continue
+        name = node.name or f"Momentum_{position}"
+        count = (len(node.input) - 2) // 3
+        for i in range(count):
+            for state in (node.input[2 + i], node.input[2 + 2 * count + i]):
+                writers.setdefault(state, []).append(f"Momentum node {name} tensor {i}")
+    return writers
+
+
 def _attributes(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
@@ -104,6 +119,7 @@ def convert_momentum_nodes(
     conversions: list[MomentumConversion] = []
     misses: list[Miss] = []
     opset = function_opset(model)
+    writers = _state_writers(model)
     for position, node in enumerate(model.graph.node):
         if node.op_type != "Momentum" or node.domain != TRAINING_DOMAIN:
             continue
@@ -125,6 +141,13 @@ def convert_momentum_nodes(
         except ContractError as error:
             problems.append(str(error) + " (beta must be 1 for Nesterov, since dampening = 1 - beta)")
         r, t = node.input[0], node.input[1]
+        for state in sorted({n for n in node.input[2 : 2 + count] + node.input[2 + 2 * count : 2 + 3 * count]}):
+            if len(writers.get(state, ())) > 1:
+                others = ", ".join(writers[state])
+                problems.append(
+                    f"{state} is updated more than once ({others}); fused in place, each update would write it "
+                    "(one writer per state)"
+                )
         node_conversions: list[MomentumConversion] = []
         for i in range(count):
             x, g, v = node.input[2 + i], node.input[2 + count + i], node.input[2 + 2 * count + i]
@@ -136,8 +159,9 @@ def convert_momentum_nodes(
                 MomentumConversion(name, i, x, g, v, x_new, v_new, r, t, alpha, 1.0 - beta, wd, mode == "nesterov", spec.dtype, spec.shape)
             )
         if problems:
+            reason = "shared-state" if any("one writer per state" in problem for problem in problems) else "momentum-op"
             for c in node_conversions:
-                misses.append(Miss(c.parameters_out, "momentum-op", f"Momentum node {name}, tensor {c.parameters}: " + "; ".join(problems)))
+                misses.append(Miss(c.parameters_out, reason, f"Momentum node {name}, tensor {c.parameters}: " + "; ".join(problems)))
             continue
 
         new_nodes: list[onnx.NodeProto] = []

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import math
 
+import numpy as np
 import onnx
 
 from sgdfuse.contract import TensorSpec, check_attributes, dtype_name, format_shape
@@ -164,6 +165,8 @@ REASONS = {
     "hyperparameter-precision": "the op takes learning rate and momentum in the parameters' dtype, which rounds the graph's values",
     "cancelling-terms": "the update adds and removes the same runtime term, which floating point does not cancel",
     "wrong-in-place-output": "another graph output is named as the next value of the state this reading would overwrite",
+    "momentum-op": "an ai.onnx.preview.training Momentum node whose settings the SGD operator cannot express",
+    "nonlinear-update": "the new buffer reaches the parameter update through an op that is not a scaling (Pow, say)",
 }
 
 
@@ -344,13 +347,27 @@ def _no_buffer_miss(index: GraphIndex, w: str, form_w: Form, outputs_by_canonica
             if others and index.spec(operand).num_elements() != 1:
                 other = [i for i in node.input if i and i != operand]
                 shapes = ", ".join(f"{name} (shape {format_shape(index.spec(name).shape)})" for name in other) or "another operand"
+                if node.op_type not in ("Mul", "Div") or not any(index.spec(name).num_elements() != 1 for name in other):
+                    return Miss(
+                        w,
+                        "nonlinear-update",
+                        f"{w} passes the buffer {others[0]} through {node.op_type} node {node.name or leaf} (with {shapes}); "
+                        "momentum SGD only scales the new buffer by the learning rate, so this is not an update sgdfuse "
+                        "can fuse.",
+                        equation=f"{w} = {format_form(form_w, [n for n in (_previous_by_name(index, w),) if n])}",
+                        differing=f"{node.op_type}({', '.join(i for i in node.input if i)})",
+                        score=1,
+                        buffer=others[0],
+                        buffer_in_cone=True,
+                    )
                 return Miss(
                     w,
                     "tensor-factor",
                     f"{w} multiplies the buffer {others[0]} ({node.op_type} node {node.name or leaf}) by {shapes}, a "
                     "tensor of more than one element rather than one scalar: the SGD operator's learning rate is a "
                     "single number, so a per-element learning rate (or any per-element factor on the buffer) cannot "
-                    "be fused. A learning rate of one element, of any shape, would be.",
+                    "be fused. A learning rate of one element, of any shape, would be; a uniform constant is taken as "
+                    "one only when its shape cannot broadcast the buffer's up (symbolic dimensions may be 1).",
                     equation=f"{w} = {format_form(form_w, [n for n in (_previous_by_name(index, w),) if n])}",
                     differing=f"{node.op_type}({', '.join(i for i in node.input if i)})",
                     score=1,
@@ -513,12 +530,26 @@ def _solve_pair(
                 equation=equation,
                 score=3,
             )
+        unread = _why_unread(index, normaliser, v, named_buffer)
+        if unread is not None:
+            return dataclasses.replace(unread, candidate=w, equation=equation)
         # buf_out = g: the buffer's own previous value has coefficient 0.
         return Miss(
             w,
             "no-momentum-buffer",
             f"{w}: its buffer update {v} = {format_form(form_v)} does not read {named_buffer}, the buffer it replaces: momentum is 0, "
             "which is plain SGD (and the contract's momentum == 0 rule would keep the old buffer).",
+            equation=equation,
+            score=3,
+        )
+    if named_parameters is not None and named_parameters not in form_w:
+        reader = sorted(leaf for leaf in form_w if leaf != ONE and index.is_input_name(leaf) and leaf != named_buffer)
+        return Miss(
+            w,
+            "parameters-not-own-previous",
+            f"{w} is named as the next value of {named_parameters}, but it does not read {named_parameters}"
+            + (f" (it reads {', '.join(reader)})" if reader else "")
+            + f"; an in-place update would overwrite {named_parameters} with another tensor's update. Rename or rewire the outputs.",
             equation=equation,
             score=3,
         )
@@ -757,7 +788,7 @@ def _try_reading(index: GraphIndex, normaliser: Normaliser, solved: _Solved, g: 
     for sign in signs:
         one_minus_d = k_value / sign
         dampening = 1.0 - one_minus_d  # not rounded to 0: a dampening of 2^-6 in BFLOAT16 is one
-        weight_decay = vp.constant_value / one_minus_d
+        weight_decay = vp.constant_value / one_minus_d if vp.constant_value else 0.0
         result = _attributes_reading(index, normaliser, solved, g, sign < 0, dampening, weight_decay, rel)
         if isinstance(result, Match):
             return result
@@ -1116,6 +1147,36 @@ def _find_gradient(
         k = rest[pivot] * inverse
         if all(precision.close_poly(rest[leaf], form[leaf] * k) for leaf in rest):
             return value, k
+    return None
+
+
+def _why_unread(index: GraphIndex, normaliser: Normaliser, v: str, buffer: str) -> Miss | None:
+    """Why ``v``'s linear form lacks ``buffer`` when something else than momentum 0 explains it: the buffer
+    has another shape than ``v`` (one element broadcast, say), or it is scaled by a constant that is not a
+    finite number (a NaN momentum is not 0)."""
+    buffer_spec, v_spec = index.spec(buffer), index.spec(v)
+    if buffer_spec.shape is not None and v_spec.shape is not None and not _same_shape(buffer_spec, v_spec):
+        return Miss(
+            v,
+            "shape-mismatch",
+            f"the momentum buffer {buffer} has shape {format_shape(buffer_spec.shape)} but its new value {v} has "
+            f"{format_shape(v_spec.shape)}; the SGD operator needs one shape for parameters, gradient and buffer.",
+            score=4,
+        )
+    for leaf in normaliser.form(v):
+        node = index.node(leaf) if leaf != ONE else None
+        if node is None or buffer not in node.input:
+            continue
+        for operand in node.input:
+            constant = index.constant(operand) if operand and operand != buffer else None
+            if constant is not None and constant.dtype.kind == "f" and not np.all(np.isfinite(constant.astype(np.float64))):
+                return Miss(
+                    v,
+                    "extra-term",
+                    f"{v} multiplies the buffer {buffer} by {operand}, a constant that is not a finite number "
+                    f"({constant.reshape(-1)[0]}); that is no momentum (and not momentum 0).",
+                    score=4,
+                )
     return None
 
 
