@@ -295,3 +295,14 @@ def test_the_issue_op_list_has_rules():
     ).split()
     table = {op for domain, op in registered() if domain == "ai.onnx"}
     assert not sorted(set(wanted) - table)
+
+
+def test_the_readme_lists_exactly_the_ops_with_rules():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split("## Lowering: covered ONNX ops", 1)[1].split("\n## ", 1)[0]
+    listed = section.strip().split("\n\n")[-1].replace("\n", " ").rstrip(".")
+    table = sorted(op for domain, op in registered() if domain == "ai.onnx")
+    assert sorted(op.strip() for op in listed.split(",")) == table
+    assert f"these {len(table)} standard ops" in section.replace("\n", " ")
