@@ -29,11 +29,12 @@ Models (float32, batch 16 where BatchNorm is used):
   ``found_inf`` from non-finite gradients, parameters and buffers kept when it is set (``torch.where``);
   SGD momentum 0.9;
 * ``resnet_small``: ResNet-18's shape (7x7 stem, max pool, four stages of two basic blocks, 1x1
-  downsampling, mean pool, linear) at 8 base channels on 16x3x32x32 inputs; SGD momentum 0.9,
-  weight decay 1e-4.
+  downsampling, mean pool, linear) at 4 base channels (4, 8, 16, 32) on 16x3x16x16 inputs; SGD momentum
+  0.9, weight decay 1e-4.
 
 Each file is checked against eager PyTorch over 3 chained steps (onnxruntime gets its own outputs back as
-state); inputs and eager outputs are written to ``<model>.npz``; ``manifest.json`` names the role of every
+state); inputs, the data of each step, eager PyTorch's loss at every step and all its outputs after the
+last step are written to ``<model>.npz`` (kept small); ``manifest.json`` names the role of every
 input and which output feeds which input on the next step.
 
 Run with torch 2.13.0 (CPU) and onnx, onnxscript, onnxruntime in one venv:
@@ -67,9 +68,11 @@ HERE = Path(__file__).resolve().parent
 SEED = 20261201
 STEPS = 3
 # onnxruntime vs eager, float32, 3 chained steps: max |difference| of an output <= ATOL + RTOL * max |eager value|
-# of it. Per output, not per element: through BatchNorm over a few values, a summation-order difference of 1e-7
-# grows to ~4e-5 on single weights of the ResNet after a step (observed figures in manifest.json).
-RTOL, ATOL = 1e-4, 1e-5
+# of it. Per output, not per element: through BatchNorm over a few values (the ResNet's last stages run at 1x1),
+# a summation-order difference of 1e-7 grows to ~1e-4 of an output's largest value by the third step. The
+# export errors this check is for (a gradient scaled by the batch size, running statistics not updated) are
+# errors of order 1 (observed figures in manifest.json).
+RTOL, ATOL = 1e-3, 1e-5
 
 aten = torch.ops.aten
 DECOMPOSITIONS = get_decompositions(
@@ -157,14 +160,14 @@ def cnn_forward(p, st, x):
 # ---- ResNet-18 shape ----------------------------------------------------------------------------------------
 
 
-RESNET_WIDTHS = (8, 16, 32, 64)
+RESNET_WIDTHS = (4, 8, 16, 32)
 
 
 def resnet_spec() -> Spec:
     s = Spec()
-    s.param("conv1", (8, 3, 7, 7))
-    s.bn("bn1", 8)
-    in_ch = 8
+    s.param("conv1", (RESNET_WIDTHS[0], 3, 7, 7))
+    s.bn("bn1", RESNET_WIDTHS[0])
+    in_ch = RESNET_WIDTHS[0]
     for stage, width in enumerate(RESNET_WIDTHS, start=1):
         for block in range(2):
             prefix = f"layer{stage}_{block}"
@@ -192,7 +195,6 @@ def resnet_forward(p, st, x):
 
     h = F.relu(bn(conv2d(x, p["conv1"], stride=2, padding=3), "bn1"))
     h = F.max_pool2d(h, 3, stride=2, padding=1)
-    in_ch = 8
     for stage, width in enumerate(RESNET_WIDTHS, start=1):
         for block in range(2):
             prefix = f"layer{stage}_{block}"
@@ -203,7 +205,6 @@ def resnet_forward(p, st, x):
             if f"{prefix}_down" in p:
                 shortcut = bn(conv2d(h, p[f"{prefix}_down"], stride=stride), f"{prefix}_downbn")
             h = F.relu(out + shortcut)
-            in_ch = width
     h = h.mean((2, 3))
     return F.linear(h, p["fc_weight"], p["fc_bias"]), new_stats
 
@@ -280,7 +281,7 @@ MODELS = {
                      hp=dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=True)),
     "mlp_amp": dict(spec=mlp_spec, forward=mlp_forward, data=((8, 8), 4), amp=True,
                     hp=dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False)),
-    "resnet_small": dict(spec=resnet_spec, forward=resnet_forward, data=((16, 3, 32, 32), 10),
+    "resnet_small": dict(spec=resnet_spec, forward=resnet_forward, data=((16, 3, 16, 16), 10),
                          hp=dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=1e-4, nesterov=False)),
 }
 
@@ -519,7 +520,8 @@ def main() -> None:
             for n in ("x", "target"):
                 arrays[f"step{k}/{n}"] = batches[k][n]
             for o, value in zip(outputs, eager[k]):
-                arrays[f"step{k}/eager/{o}"] = value
+                if k == STEPS - 1 or o == outputs[0]:
+                    arrays[f"step{k}/eager/{o}"] = value
         np.savez_compressed(HERE / f"{name}.npz", **arrays)
         cfg = MODELS[name]
         ops = Counter(n.op_type for n in model.graph.node)
