@@ -49,6 +49,7 @@ import io
 import json
 import os
 import platform
+import re
 import sys
 import warnings
 from collections import Counter
@@ -473,7 +474,10 @@ def native_conv_attempt() -> str:
         ops = sorted({n.op_type for n in onnx.load(str(path)).graph.node})
         return f"exported; op types {ops}"
     except Exception as error:  # noqa: BLE001 - recorded, not handled
-        return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
+        text = str(error).replace("\x1b[96m", "").replace("\x1b[0m", "")
+        summary = re.search(r"## Exception summary\s*\n\s*\n(.*?)(\n\n|$)", text, re.S)
+        first = (summary.group(1) if summary else text).strip().splitlines()[0] if text.strip() else ""
+        return f"{type(error).__name__}: {first[:400]}"
     finally:
         for leftover in HERE.glob("_native_conv_attempt.onnx*"):
             leftover.unlink()
@@ -544,9 +548,13 @@ def main() -> None:
             }
         )
         print(f"{name}: {len(model.graph.node)} nodes, {path.stat().st_size} bytes, max |ort - eager| {worst:.2e}")
-    if not only:
-        (HERE / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        (HERE / "VERSIONS.txt").write_text("".join(f"{k} {v}\n" for k, v in manifest["versions"].items()))
+    path = HERE / "manifest.json"
+    if only and path.exists():  # a partial run updates its models' entries and keeps the others
+        fresh = {entry["file"]: entry for entry in manifest["models"]}
+        kept = json.loads(path.read_text())["models"]
+        manifest["models"] = [fresh.pop(entry["file"], entry) for entry in kept] + list(fresh.values())
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    (HERE / "VERSIONS.txt").write_text("".join(f"{k} {v}\n" for k, v in manifest["versions"].items()))
 
 
 def versions() -> dict[str, str]:
