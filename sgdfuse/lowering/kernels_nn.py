@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from sgdfuse.lowering import ge_ir
-from sgdfuse.lowering.executor import Op, kernel
+from sgdfuse.lowering.executor import ExecutorError, Op, kernel
 from sgdfuse.runtime import onnx_to_numpy_dtype
 
 __all__: list[str] = []
@@ -343,7 +343,7 @@ def _col2im(op: Op, inputs: list) -> list:
 @kernel("BatchNorm")
 def _batch_norm(op: Op, inputs: list) -> list:
     if op.attrs.get("is_training", True):
-        raise NotImplementedError("BatchNorm with is_training=true is not emitted by sgdfuse")
+        raise ExecutorError(f"op {op.name}: BatchNorm with is_training=true is not run here (sgdfuse lowers training BatchNormalization to reductions)")
     x, scale, offset, mean, variance = (np.asarray(_wide(a)) for a in inputs[:5])
     view = (1, -1) + (1,) * (x.ndim - 2)
     epsilon = float(op.attrs.get("epsilon", 1e-4))
