@@ -21,7 +21,7 @@ Models (float32, batch 16 where BatchNorm is used):
 * ``cnn_bn``: conv-BN-ReLU-maxpool-conv-BN-ReLU-mean-linear, cross-entropy, SGD momentum 0.9,
   weight decay 5e-4;
 * ``cnn_clip``: the same net, gradients clipped by their global norm (``clip_grad_norm_`` logic,
-  max norm 1.0), SGD momentum 0.9 with dampening 0.1;
+  max norm 1.0), SGD momentum 0.9 with dampening 0.25;
 * ``gpt_tiny``: token + position embedding, one pre-LN transformer block (causal attention, GELU MLP),
   final LayerNorm, linear head, cross-entropy; learning rate from a StepLR schedule computed in the graph
   from a ``step`` input (``lr0 * 0.5 ** floor(step / 10)``); SGD momentum 0.9, Nesterov;
@@ -277,7 +277,7 @@ MODELS = {
     "cnn_bn": dict(spec=cnn_spec, forward=cnn_forward, data=((16, 3, 8, 8), 10),
                    hp=dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=5e-4, nesterov=False)),
     "cnn_clip": dict(spec=cnn_spec, forward=cnn_forward, data=((16, 3, 8, 8), 10), clip=1.0,
-                     hp=dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.0, nesterov=False)),
+                     hp=dict(lr=0.05, momentum=0.9, dampening=0.25, weight_decay=0.0, nesterov=False)),
     "gpt_tiny": dict(spec=gpt_spec, forward=gpt_forward, data=((4, SEQ), VOCAB), schedule=True,
                      hp=dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=True)),
     "mlp_amp": dict(spec=mlp_spec, forward=mlp_forward, data=((8, 8), 4), amp=True,
