@@ -19,7 +19,8 @@ SLOW = [pytest.param(name, marks=pytest.mark.slow) for name in STEP_NAMES if nam
 
 
 def test_the_corpus_holds_the_five_whole_steps():
-    assert STEP_NAMES == ["cnn_bn", "cnn_clip", "gpt_tiny", "mlp_amp", "resnet_small"]
+    assert STEP_NAMES == ["cnn_bn", "cnn_clip", "cnn_frozen", "gpt_tiny", "mlp_amp", "resnet_small"]
+    assert {"Conv", "BatchNormalization", "MaxPool", "AveragePool"} <= set(ENTRIES["cnn_frozen"]["op_types"])
     resnet = ENTRIES["resnet_small"]
     # 20 convolutions; every one but the stem (whose input needs no gradient) has a Col2Im in the backward.
     assert resnet["op_types"]["Col2Im"] == 19 and resnet["op_types"]["MaxPool"] >= 1
@@ -36,7 +37,7 @@ def test_every_step_lowers_with_one_ge_sgd_per_fused_update(name, line):
     assert lowered.outputs == [o.name for o in model.graph.output]
 
 
-@pytest.mark.parametrize("name", ["cnn_bn", "gpt_tiny", "resnet_small"])
+@pytest.mark.parametrize("name", ["cnn_bn", "cnn_frozen", "gpt_tiny", "resnet_small"])
 def test_the_plain_momentum_steps_fuse_every_update(name):
     fused = [node for node in fused_step(name).graph.node if is_sgd_node(node)]
     assert len(fused) == ENTRIES[name]["expected_momentum_updates"]

@@ -28,6 +28,10 @@ Models (float32, batch 16 where BatchNorm is used):
 * ``mlp_amp``: a loss-scaled step: loss times ``scale``, gradients unscaled by ``1 / scale``,
   ``found_inf`` from non-finite gradients, parameters and buffers kept when it is set (``torch.where``);
   SGD momentum 0.9;
+* ``cnn_frozen``: frozen features written with native layers (``F.conv2d`` with bias, inference
+  ``F.batch_norm``, max and average pooling; no gradient flows into them, so the exporter keeps ``Conv``,
+  ``BatchNormalization``, ``MaxPool``, ``AveragePool``) and a trained linear head; SGD momentum 0.9,
+  Nesterov, weight decay 1e-4;
 * ``resnet_small``: ResNet-18's shape (7x7 stem, max pool, four stages of two basic blocks, 1x1
   downsampling, mean pool, linear) at 4 base channels (4, 8, 16, 32) on 16x3x16x16 inputs; SGD momentum
   0.9, weight decay 1e-4.
@@ -89,6 +93,10 @@ DECOMPOSITIONS = get_decompositions(
     ]
 )
 
+# Steps that keep native convolution and inference BatchNorm (nothing trains through them) keep only the loss
+# decompositions, so the exporter writes Conv and BatchNormalization.
+NATIVE_DECOMPOSITIONS = get_decompositions([aten.nll_loss_forward, aten.nll_loss_backward])
+
 
 # ---- layers (functional; parameters are step inputs) -----------------------------------------------------
 
@@ -116,6 +124,7 @@ class Spec:
     def __init__(self) -> None:
         self.params: list[tuple[str, tuple[int, ...]]] = []
         self.stats: list[tuple[str, tuple[int, ...]]] = []  # BatchNorm running statistics
+        self.frozen: list[tuple[str, tuple[int, ...]]] = []  # inputs the step reads but does not train
 
     def param(self, name: str, shape: tuple[int, ...]) -> str:
         self.params.append((name, shape))
@@ -156,6 +165,23 @@ def cnn_forward(p, st, x):
     h = F.relu(bn(conv2d(h, p["conv2"], padding=1), "bn2"))
     h = h.mean((2, 3))
     return F.linear(h, p["fc_weight"], p["fc_bias"]), new_stats
+
+
+def frozen_spec() -> Spec:
+    s = Spec()
+    s.frozen += [("conv1", (8, 3, 3, 3)), ("conv1_bias", (8,)), ("bn1_weight", (8,)), ("bn1_bias", (8,))]
+    s.frozen += [("bn1_mean", (8,)), ("bn1_var", (8,))]
+    s.param("fc_weight", (10, 8))
+    s.param("fc_bias", (10,))
+    return s
+
+
+def frozen_forward(p, st, x):
+    """Frozen features (native convolution, inference BatchNorm, max and average pooling), a trained head."""
+    h = F.conv2d(x, p["conv1"], p["conv1_bias"], padding=1)
+    h = F.batch_norm(h, p["bn1_mean"], p["bn1_var"], p["bn1_weight"], p["bn1_bias"], training=False, eps=1e-5)
+    h = F.avg_pool2d(F.max_pool2d(F.relu(h), 2), 2)
+    return F.linear(h.mean((2, 3)), p["fc_weight"], p["fc_bias"]), {}
 
 
 # ---- ResNet-18 shape ----------------------------------------------------------------------------------------
@@ -282,6 +308,8 @@ MODELS = {
                      hp=dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=True)),
     "mlp_amp": dict(spec=mlp_spec, forward=mlp_forward, data=((8, 8), 4), amp=True,
                     hp=dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False)),
+    "cnn_frozen": dict(spec=frozen_spec, forward=frozen_forward, data=((16, 3, 8, 8), 10), native=True,
+                       hp=dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=1e-4, nesterov=True)),
     "resnet_small": dict(spec=resnet_spec, forward=resnet_forward, data=((16, 3, 16, 16), 10),
                          hp=dict(lr=0.05, momentum=0.9, dampening=0.0, weight_decay=1e-4, nesterov=False)),
 }
@@ -291,6 +319,7 @@ def input_names(name: str) -> list[str]:
     cfg = MODELS[name]
     spec = cfg["spec"]()
     names = ["x", "target"] + [n for n, _ in spec.params] + [f"buf_{n}" for n, _ in spec.params] + [n for n, _ in spec.stats]
+    names += [n for n, _ in spec.frozen]
     if cfg.get("schedule"):
         names.append("step")
     if cfg.get("amp"):
@@ -312,11 +341,12 @@ def make_step(name: str):
         params = [next(it) for _ in param_names]
         bufs = [next(it) for _ in param_names]
         stats = {n: next(it) for n in stat_names}
+        frozen = {n: next(it) for n, _ in spec.frozen}
         step_count = next(it) if cfg.get("schedule") else None
         scale = next(it) if cfg.get("amp") else None
         with torch.enable_grad():
             leaves = [q.detach().requires_grad_(True) for q in params]
-            logits, new_stats = cfg["forward"](dict(zip(param_names, leaves)), stats, x)
+            logits, new_stats = cfg["forward"](dict(zip(param_names, leaves)) | frozen, stats, x)
             loss = F.cross_entropy(logits, target)
             scaled = loss * scale if scale is not None else loss
             grads = list(torch.autograd.grad(scaled, leaves))
@@ -363,10 +393,12 @@ def initial_inputs(name: str, rng: np.random.Generator) -> dict[str, np.ndarray]
     spec = cfg["spec"]()
     values: dict[str, np.ndarray] = {}
     values.update(batch(name, rng))
-    for n, shape in spec.params:
+    for n, shape in spec.params + spec.frozen:
         fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else 1
         if n.endswith("_weight") and len(shape) == 1:  # norm scale
             value = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif n.endswith("_var"):  # frozen running variance
+            value = 1.0 + 0.5 * rng.random(shape)
         elif len(shape) == 1:
             value = 0.1 * rng.standard_normal(shape)
         else:
@@ -429,7 +461,8 @@ def wrapper(gm: torch.fx.GraphModule, names: list[str]) -> torch.nn.Module:
 
 
 def export(name: str, step, args: list[torch.Tensor], names: list[str], path: Path) -> None:
-    gm = make_fx(step, decomposition_table=DECOMPOSITIONS)(*args)
+    native = MODELS[name].get("native")
+    gm = make_fx(step, decomposition_table=NATIVE_DECOMPOSITIONS if native else DECOMPOSITIONS)(*args)
     with quiet():
         torch.onnx.export(wrapper(gm, names), tuple(args), str(path), dynamo=True, external_data=False)
     model = onnx.load(str(path))
@@ -552,7 +585,9 @@ def main() -> None:
     if only and path.exists():  # a partial run updates its models' entries and keeps the others
         fresh = {entry["file"]: entry for entry in manifest["models"]}
         kept = json.loads(path.read_text())["models"]
-        manifest["models"] = [fresh.pop(entry["file"], entry) for entry in kept] + list(fresh.values())
+        merged = [fresh.pop(entry["file"], entry) for entry in kept] + list(fresh.values())
+        order = {f"{model}.onnx": k for k, model in enumerate(MODELS)}
+        manifest["models"] = sorted(merged, key=lambda entry: order.get(entry["file"], len(order)))
     path.write_text(json.dumps(manifest, indent=1) + "\n")
     (HERE / "VERSIONS.txt").write_text("".join(f"{k} {v}\n" for k, v in manifest["versions"].items()))
 
