@@ -203,13 +203,6 @@ def lower_constant(ctx: NodeLowering) -> None:
 # ---- padding, slicing, splitting --------------------------------------------------------------------------
 
 
-def _static_shape(ctx: NodeLowering, i: int = 0) -> tuple[int, ...]:
-    spec = ctx.input_spec(i)
-    if not spec.is_static:
-        raise ctx.error(f"the shape of {ctx.node.input[i]} is not static; lowering this node needs it")
-    return tuple(int(d) for d in spec.shape)  # type: ignore[union-attr]
-
-
 def _constant(ctx: NodeLowering, i: int, what: str) -> np.ndarray:
     value = ctx.constant(i)
     if value is None:
@@ -232,7 +225,7 @@ def lower_pad(ctx: NodeLowering) -> None:
     else:
         pads = _constant(ctx, 1, "pads")
         value = ctx.input(2) if ctx.has_input(2) else None
-    rank = len(_static_shape(ctx)) if ctx.input_spec(0).shape is not None else None
+    rank = _rank(ctx)
     if ctx.has_input(3):
         if rank is None:
             raise ctx.error("Pad with axes needs the input rank")
