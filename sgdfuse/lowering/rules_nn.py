@@ -10,8 +10,8 @@ gets ``padding_mode="CALCULATED"`` (pooling) or explicit pads (convolution).
 Rules that emit several GE ops, and why:
 
 - ``BatchNormalization`` in training mode: reductions and elementwise ops, because GE's ``BatchNorm``
-  training outputs follow TensorFlow's fused batch norm (a Bessel-corrected batch variance for the running
-  average) while ONNX updates ``running_var`` with the population variance;
+  training outputs follow TensorFlow's fused batch norm (its prototype documents ``batch_variance`` as
+  Bessel-corrected) while ONNX updates ``running_var`` with the population variance;
 - ``LayerNormalization`` with its ``InvStdDev`` output: GE's ``LayerNorm`` returns the variance, so
   ``Rsqrt(variance + epsilon)`` follows;
 - ``MaxPool`` with ``Indices``: GE's argmax pooling ops return Ascend's argmax-mask layout, not ONNX's flat
@@ -232,7 +232,14 @@ def lower_batch_norm(ctx: NodeLowering) -> None:
     op = ctx.op(
         "BatchNorm",
         [("x", x), ("scale", ctx.input(1)), ("offset", ctx.input(2)), ("mean", ctx.input(3)), ("variance", ctx.input(4))],
-        [("y", y_spec), ("batch_mean", channel), ("batch_variance", channel), ("reserve_space_1", channel), ("reserve_space_2", channel)],
+        [
+            ("y", y_spec),
+            ("batch_mean", channel),
+            ("batch_variance", channel),
+            ("reserve_space_1", channel),
+            ("reserve_space_2", channel),
+            ("reserve_space_3", _spec(ctx, "reserve_space_3", (1,), TensorProto.FLOAT)),
+        ],
         {"epsilon": float(ctx.attr("epsilon", 1e-5)), "data_format": "NCHW", "is_training": False},
         suffix=None if len(shape) == 4 else "nchw_norm",
     )
