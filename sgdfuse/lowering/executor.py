@@ -576,3 +576,7 @@ class GEModelRunner:
             raise ExecutorError(f"no value for input(s) {', '.join(missing)}")
         results = self.executor.run(self.model.graph, {op: feeds[name] for op, name in names.items()})
         return dict(zip(self.model.outputs, results))
+
+
+# The layer, indexing and activation kernels register themselves in KERNELS on import.
+from sgdfuse.lowering import kernels_nn  # noqa: E402,F401

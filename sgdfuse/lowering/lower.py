@@ -36,7 +36,7 @@ from sgdfuse import api
 from sgdfuse.contract import product_line_for_soc
 from sgdfuse.fused_op import default_opset, is_sgd_node
 from sgdfuse.lowering import ge_ir
-from sgdfuse.lowering import rules_control, rules_elementwise, rules_linalg, rules_tensor  # noqa: F401  (fill the rule table)
+from sgdfuse.lowering import rules_control, rules_elementwise, rules_linalg, rules_nn, rules_tensor  # noqa: F401  (fill the rule table)
 from sgdfuse.lowering.context import GraphLowering, NodeLowering
 from sgdfuse.lowering.errors import UnsupportedOpError
 from sgdfuse.lowering.ge_model import GEModel

@@ -1,4 +1,4 @@
-"""ONNX → GE rules for elementwise ops: arithmetic, comparisons, activations, ``Where``.
+"""ONNX → GE rules for elementwise ops: arithmetic, comparisons, activations, ``Clip``, ``Where``.
 
 GE op prototypes (port names, attributes) are those of the public GE op IR headers (TensorFlow-style
 names: ``x1, x2 → y``; ``SelectV2``: ``condition, then, else → result``). Broadcasting is numpy's in both
@@ -8,11 +8,13 @@ become a left-to-right chain of the binary op (the order ONNX runtimes evaluate 
 
 from __future__ import annotations
 
+import numpy as np
 from onnx import TensorProto
 
 from sgdfuse.contract import TensorSpec
 from sgdfuse.lowering.context import NodeLowering
 from sgdfuse.lowering.registry import Rule, register
+from sgdfuse.runtime import onnx_to_numpy_dtype
 
 __all__: list[str] = []
 
@@ -67,6 +69,9 @@ for _onnx, _ge in {
     "Not": "LogicalNot",
     "Identity": "Identity",
     "Reciprocal": "Reciprocal",
+    "Erf": "Erf",
+    "Floor": "Floor",
+    "Ceil": "Ceil",
 }.items():
     register(_onnx)(_unary(_ge))
 
@@ -110,5 +115,51 @@ def lower_where(ctx: NodeLowering) -> None:
         "SelectV2",
         [("condition", ctx.input(0)), ("then", ctx.input(1)), ("else", ctx.input(2))],
         [("result", ctx.output_spec(0))],
+    )
+    ctx.set_output(0, op.output(0))
+
+
+@register("Mod")
+def lower_mod(ctx: NodeLowering) -> None:
+    """``Mod`` → ``FloorMod`` (``fmod=0``: the result has the divisor's sign, Python's ``%``) or ``Mod``
+    (``fmod=1``: C's ``fmod``, the dividend's sign)."""
+    ge_type = "Mod" if int(ctx.attr("fmod", 0)) else "FloorMod"
+    op = ctx.op(ge_type, [("x1", ctx.input(0)), ("x2", ctx.input(1))], [("y", ctx.output_spec(0))])
+    ctx.set_output(0, op.output(0))
+
+
+@register("Gelu")
+def lower_gelu(ctx: NodeLowering) -> None:
+    """``Gelu`` (opset 20) → ``GeluV2`` with ``approximate`` ``"none"`` (erf form) or ``"tanh"``."""
+    approximate = ctx.attr("approximate", "none")
+    if approximate not in ("none", "tanh"):
+        raise ctx.error(f"approximate={approximate!r}; ONNX defines only 'none' and 'tanh'")
+    op = ctx.op("GeluV2", [("x", ctx.input(0))], [("y", ctx.output_spec(0))], {"approximate": approximate})
+    ctx.set_output(0, op.output(0))
+
+
+@register("Clip")
+def lower_clip(ctx: NodeLowering) -> None:
+    """``Clip(x, min, max)`` (opset >= 11: bounds as optional inputs) → ``ClipByValue(x, clip_value_min,
+    clip_value_max)``; an absent bound becomes a ``Const`` of the dtype's extreme (-inf/+inf for floats),
+    which leaves every value unclipped on that side. Opset < 11 bounds come from the attributes."""
+    spec = ctx.input_spec(0)
+    if not spec.dtype:
+        raise ctx.error(f"the dtype of {ctx.node.input[0]} is unknown")
+    dtype = onnx_to_numpy_dtype(spec.dtype)
+    low_value, high_value = (-np.inf, np.inf) if dtype.kind == "f" or spec.dtype == TensorProto.BFLOAT16 else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+    bounds = []
+    for index, attribute, extreme, label in ((1, "min", low_value, "min"), (2, "max", high_value, "max")):
+        if ctx.opset >= 11:
+            tensor = ctx.input(index)
+            if tensor is None:
+                tensor = ctx.const(np.array(extreme, dtype=dtype), label)
+        else:
+            tensor = ctx.const(np.array(ctx.attr(attribute, extreme), dtype=dtype), label)
+        bounds.append(tensor)
+    op = ctx.op(
+        "ClipByValue",
+        [("x", ctx.input(0)), ("clip_value_min", bounds[0]), ("clip_value_max", bounds[1])],
+        [("y", ctx.output_spec(0))],
     )
     ctx.set_output(0, op.output(0))

@@ -6,9 +6,10 @@
 - ``Gemm(A, B, C)`` = ``alpha * op(A) @ op(B) + beta * C`` → ``MatMulV2`` (``transpose_x1/x2`` from
   ``transA/transB``), then ``Mul`` by ``alpha`` and ``Add`` of ``beta * C`` only when they change anything.
   Three ops round three times where ORT's GEMM may round once; the executor comparison bounds that.
-- ``ReduceSum``/``ReduceMean`` → the GE op of the same name with the axes as a ``Const`` input and
-  ``keep_dims``. ONNX's "no axes" means "all axes" unless ``noop_with_empty_axes``; GE's empty axes mean no
-  reduction, so the rule always writes the axes out (which needs the input rank).
+- ``ReduceSum``/``ReduceMean``/``ReduceMax``/``ReduceMin``/``ReduceProd`` → the GE op of the same name
+  with the axes as a ``Const`` input and ``keep_dims``. ONNX's "no axes" means "all axes" unless
+  ``noop_with_empty_axes``; GE's empty axes mean no reduction, so the rule always writes the axes out
+  (which needs the input rank). ``ReduceL2`` is composed (square, ``ReduceSum``, ``Sqrt``).
 - ``Softmax``/``LogSoftmax`` (opset >= 13: one axis) → ``SoftmaxV2``/``LogSoftmaxV2`` with ``axes``.
 """
 
@@ -22,7 +23,7 @@ from sgdfuse.lowering.graph_builder import Tensor
 from sgdfuse.lowering.registry import Rule, register
 from sgdfuse.runtime import onnx_to_numpy_dtype
 
-__all__: list[str] = []
+__all__ = ["reduce_axes"]
 
 
 def _rank(ctx: NodeLowering, i: int, what: str) -> int:
@@ -103,26 +104,41 @@ def _numpy(spec: TensorSpec) -> np.dtype:
     return onnx_to_numpy_dtype(spec.dtype)
 
 
+def reduce_axes(ctx: NodeLowering) -> list[int] | None:
+    """The axes an ONNX ``Reduce*`` node reduces, written out and non-negative; None for
+    ``noop_with_empty_axes`` with no axes (the node is an identity).
+
+    ONNX's "no axes" means "all axes" unless ``noop_with_empty_axes``; GE's empty axes mean no reduction, so
+    the axes are always written out (which needs the input rank).
+
+    Raises:
+        LoweringError: the axes are a run-time input, or all axes are meant and the rank is unknown.
+    """
+    axes = ctx.attr("axes")
+    if axes is None and ctx.has_input(1):
+        value = ctx.constant(1)
+        if value is None:
+            raise ctx.error("the axes input must be a compile-time constant (GE reads empty axes differently)")
+        axes = [int(a) for a in np.ravel(value)]
+    shape = ctx.input_spec(0).shape
+    if not axes:
+        if ctx.attr("noop_with_empty_axes", 0):
+            return None
+        return list(range(_rank(ctx, 0, "the input")))
+    if shape is not None:
+        return [a % len(shape) if len(shape) else a for a in axes]
+    return [int(a) for a in axes]
+
+
 def _reduce(ge_type: str) -> Rule:
     def rule(ctx: NodeLowering) -> None:
-        keep = bool(ctx.attr("keepdims", 1))
-        axes = ctx.attr("axes")
-        if axes is None and ctx.has_input(1):
-            value = ctx.constant(1)
-            if value is None:
-                raise ctx.error("the axes input must be a compile-time constant (GE reads empty axes differently)")
-            axes = [int(a) for a in np.ravel(value)]
-        shape = ctx.input_spec(0).shape
-        if not axes:
-            if ctx.attr("noop_with_empty_axes", 0):
-                op = ctx.op("Identity", [("x", ctx.input(0))], [("y", ctx.output_spec(0))])
-                ctx.set_output(0, op.output(0))
-                return
-            axes = list(range(_rank(ctx, 0, "the input")))
-        elif shape is not None:
-            axes = [a % len(shape) if len(shape) else a for a in axes]
+        axes = reduce_axes(ctx)
+        if axes is None:
+            op = ctx.op("Identity", [("x", ctx.input(0))], [("y", ctx.output_spec(0))])
+            ctx.set_output(0, op.output(0))
+            return
         axes_tensor = ctx.const(np.array(axes, dtype=np.int64), "axes")
-        op = ctx.op(ge_type, [("x", ctx.input(0)), ("axes", axes_tensor)], [("y", ctx.output_spec(0))], {"keep_dims": keep})
+        op = ctx.op(ge_type, [("x", ctx.input(0)), ("axes", axes_tensor)], [("y", ctx.output_spec(0))], {"keep_dims": bool(ctx.attr("keepdims", 1))})
         ctx.set_output(0, op.output(0))
 
     rule.__name__ = f"lower_{ge_type}"
@@ -131,6 +147,29 @@ def _reduce(ge_type: str) -> Rule:
 
 register("ReduceSum")(_reduce("ReduceSum"))
 register("ReduceMean")(_reduce("ReduceMean"))
+register("ReduceMax")(_reduce("ReduceMax"))
+register("ReduceMin")(_reduce("ReduceMin"))
+register("ReduceProd")(_reduce("ReduceProd"))
+
+
+@register("ReduceL2")
+def lower_reduce_l2(ctx: NodeLowering) -> None:
+    """``ReduceL2`` = sqrt(sum(x²)) → ``Mul(x, x)``, ``ReduceSum``, ``Sqrt``: three ops because GE's
+    ``LpNorm`` carries an ``epsilon`` whose effect the public prototype does not state; ONNX's definition
+    composed from exact pieces rounds as onnxruntime's kernel does (square, sum, root)."""
+    x = ctx.input(0)
+    out = ctx.output_spec(0)
+    axes = reduce_axes(ctx)
+    square = ctx.op("Mul", [("x1", x), ("x2", x)], [("y", _with_dims(out, f"{ctx.name}/square", ctx.input_spec(0).shape))], suffix="square").output(0)
+    if axes is None:
+        total = square
+    else:
+        axes_tensor = ctx.const(np.array(axes, dtype=np.int64), "axes")
+        total = ctx.op(
+            "ReduceSum", [("x", square), ("axes", axes_tensor)], [("y", _with_dims(out, f"{ctx.name}/sum", out.shape))], {"keep_dims": bool(ctx.attr("keepdims", 1))}, suffix="sum"
+        ).output(0)
+    op = ctx.op("Sqrt", [("x", total)], [("y", out)])
+    ctx.set_output(0, op.output(0))
 
 
 def _softmax(ge_type: str, in_port: str, out_port: str) -> Rule:

@@ -24,6 +24,7 @@ from sgdfuse.contract import TensorSpec, dtype_name
 from sgdfuse.lowering import ge_ir
 from sgdfuse.lowering.context import NodeLowering
 from sgdfuse.lowering.registry import register
+from sgdfuse.runtime import onnx_to_numpy_dtype
 
 __all__: list[str] = []
 
@@ -197,3 +198,212 @@ def lower_constant(ctx: NodeLowering) -> None:
     spec = ctx.output_spec(0)
     tensor = ctx.graph.const(value, ctx.name, onnx_dtype=spec.dtype or None, spec_name=ctx.node.output[0])
     ctx.set_output(0, tensor)
+
+
+# ---- padding, slicing, splitting --------------------------------------------------------------------------
+
+
+def _constant(ctx: NodeLowering, i: int, what: str) -> np.ndarray:
+    value = ctx.constant(i)
+    if value is None:
+        raise ctx.error(f"{what} ({ctx.node.input[i]}) must be a compile-time constant for GE")
+    return np.asarray(value)
+
+
+@register("Pad")
+def lower_pad(ctx: NodeLowering) -> None:
+    """``Pad`` → ``PadV3(x, paddings, constant_values)`` with ``paddings_contiguous=false``: GE then reads
+    ``paddings`` as ``[begin0, begin1, ..., end0, end1, ...]``, which is ONNX's ``pads`` layout. ONNX's
+    ``axes`` input (opset 18) is written out to every axis; ``mode`` ``constant``/``reflect``/``edge`` keep
+    their names (``wrap`` has no GE counterpart in PadV3's documented modes and is refused)."""
+    mode = ctx.attr("mode", "constant")
+    if mode not in ("constant", "reflect", "edge"):
+        raise ctx.error(f"mode {mode!r} has no PadV3 counterpart (constant, reflect, edge)")
+    if ctx.opset < 11:
+        pads = np.array(ctx.attr("pads"), dtype=np.int64)
+        value = ctx.const(np.array(ctx.attr("value", 0.0), dtype=onnx_to_numpy_dtype(ctx.input_spec(0).dtype)), "constant_values")
+    else:
+        pads = _constant(ctx, 1, "pads")
+        value = ctx.input(2) if ctx.has_input(2) else None
+    rank = _rank(ctx)
+    if ctx.has_input(3):
+        if rank is None:
+            raise ctx.error("Pad with axes needs the input rank")
+        axes = [int(a) % rank for a in _constant(ctx, 3, "axes")]
+        full = np.zeros(2 * rank, dtype=np.int64)
+        for k, axis in enumerate(axes):
+            full[axis], full[rank + axis] = pads[k], pads[len(axes) + k]
+        pads = full
+    if (np.asarray(pads) < 0).any():
+        raise ctx.error(f"negative pads {list(np.ravel(pads))} (cropping) are not lowered; PadV3 pads only")
+    paddings = ctx.const(np.asarray(pads, dtype=np.int64).reshape(-1), "paddings")
+    op = ctx.op(
+        "PadV3",
+        [("x", ctx.input(0)), ("paddings", paddings), ("constant_values", value)],
+        [("y", ctx.output_spec(0))],
+        {"mode": mode, "paddings_contiguous": False},
+    )
+    ctx.set_output(0, op.output(0))
+
+
+@register("Slice")
+def lower_slice(ctx: NodeLowering) -> None:
+    """``Slice`` → ``StridedSliceV2(x, begin, end, axes, strides)`` (all masks 0). With a static input
+    shape and constant operands the rule clamps ``starts``/``ends`` into range as ONNX defines (INT64_MAX
+    and negative values), so GE sees plain indices; otherwise the operands are passed as they are."""
+    if ctx.opset < 10:
+        starts, ends, axes = (np.array(ctx.attr(k), dtype=np.int64) if ctx.attr(k) is not None else None for k in ("starts", "ends", "axes"))
+        steps = None
+    else:
+        starts, ends = ctx.constant(1), ctx.constant(2)
+        axes = ctx.constant(3) if ctx.has_input(3) else None
+        steps = ctx.constant(4) if ctx.has_input(4) else None
+    shape = ctx.input_spec(0).shape
+    runtime = starts is None or ends is None or (ctx.has_input(3) and axes is None) or (ctx.has_input(4) and steps is None)
+    if runtime or shape is None or not ctx.input_spec(0).is_static:
+        inputs = [("x", ctx.input(0)), ("begin", ctx.input(1)), ("end", ctx.input(2)), ("axes", ctx.input(3)), ("strides", ctx.input(4))]
+    else:
+        rank = len(shape)
+        starts, ends = np.ravel(starts).astype(np.int64), np.ravel(ends).astype(np.int64)
+        axes = np.arange(len(starts)) if axes is None else np.ravel(axes).astype(np.int64) % rank
+        steps = np.ones(len(starts), np.int64) if steps is None else np.ravel(steps).astype(np.int64)
+        begin, end = [], []
+        for start, stop, axis, step in zip(starts, ends, axes, steps):
+            b, e, _ = slice(int(start), int(stop), int(step)).indices(int(shape[axis]))
+            if step < 0 and e < 0:
+                e = -int(shape[axis]) - 1  # "before index 0": -1 would mean the last element
+            begin.append(b)
+            end.append(e)
+        inputs = [
+            ("x", ctx.input(0)),
+            ("begin", ctx.const(np.array(begin, np.int64), "begin")),
+            ("end", ctx.const(np.array(end, np.int64), "end")),
+            ("axes", ctx.const(np.array(axes, np.int64), "axes")),
+            ("strides", ctx.const(np.array(steps, np.int64), "strides")),
+        ]
+    attrs = {"begin_mask": 0, "end_mask": 0, "ellipsis_mask": 0, "new_axis_mask": 0, "shrink_axis_mask": 0}
+    op = ctx.op("StridedSliceV2", inputs, [("y", ctx.output_spec(0))], attrs)
+    ctx.set_output(0, op.output(0))
+
+
+@register("Split")
+def lower_split(ctx: NodeLowering) -> None:
+    """``Split`` → ``SplitV(x, size_splits, split_dim)`` with ``num_split`` outputs ``y0, y1, ...``. Sizes
+    come from the ``split`` input/attribute, or (``num_outputs``, opset 18, or neither) from ONNX's rule:
+    equal parts of ``ceil(dim / n)``, the last one smaller."""
+    shape = ctx.input_spec(0).shape
+    if shape is None:
+        raise ctx.error("Split needs the input rank")
+    axis = int(ctx.attr("axis", 0)) % len(shape)
+    count = len(ctx.node.output)
+    sizes = ctx.attr("split")
+    if sizes is None and ctx.has_input(1):
+        sizes = _constant(ctx, 1, "split")
+    if sizes is None:
+        dim = shape[axis]
+        if not isinstance(dim, int):
+            raise ctx.error(f"split axis {axis} has no static size")
+        part = -(-dim // count)
+        sizes = [part] * (count - 1) + [dim - part * (count - 1)]
+    sizes = [int(s) for s in np.ravel(sizes)]
+    op = ctx.op(
+        "SplitV",
+        [("x", ctx.input(0)), ("size_splits", ctx.const(np.array(sizes, np.int64), "size_splits")), ("split_dim", ctx.const(np.array(axis, np.int32), "split_dim"))],
+        [(f"y{k}", ctx.output_spec(k) if ctx.node.output[k] else TensorSpec(f"{ctx.name}/y{k}", None, ctx.input_spec(0).dtype)) for k in range(count)],
+        {"num_split": count},
+    )
+    for k in range(count):
+        ctx.set_output(k, op.output(k))
+
+
+# ---- gathers and scatters ------------------------------------------------------------------------------------
+
+
+def _axis(ctx: NodeLowering, attribute: str = "axis", default: int = 0) -> int:
+    axis = int(ctx.attr(attribute, default))
+    rank = _rank(ctx)
+    return axis % rank if rank else axis
+
+
+@register("GatherElements")
+def lower_gather_elements(ctx: NodeLowering) -> None:
+    """``GatherElements(data, indices)`` → ``GatherElements(x, index)`` with ``dim`` = ONNX ``axis``."""
+    op = ctx.op("GatherElements", [("x", ctx.input(0)), ("index", ctx.input(1))], [("y", ctx.output_spec(0))], {"dim": _axis(ctx)})
+    ctx.set_output(0, op.output(0))
+
+
+@register("GatherND")
+def lower_gather_nd(ctx: NodeLowering) -> None:
+    """``GatherND(data, indices)`` with ``batch_dims=0`` → ``GatherNd(x, indices)`` (the TensorFlow
+    semantics, which equal ONNX's without batch dimensions)."""
+    if int(ctx.attr("batch_dims", 0)):
+        raise ctx.error("batch_dims != 0 has no GatherNd counterpart")
+    op = ctx.op("GatherNd", [("x", ctx.input(0)), ("indices", ctx.input(1))], [("y", ctx.output_spec(0))])
+    ctx.set_output(0, op.output(0))
+
+
+@register("ScatterElements")
+def lower_scatter_elements(ctx: NodeLowering) -> None:
+    """``ScatterElements(data, indices, updates)`` → ``ScatterElements(data, indices, updates)`` with
+    ``axis`` and ``reduction`` (``none``, ``add``, ``mul``; ``min``/``max`` are refused)."""
+    reduction = ctx.attr("reduction", "none")
+    if reduction not in ("none", "add", "mul"):
+        raise ctx.error(f"reduction {reduction!r} is not lowered (none, add, mul)")
+    op = ctx.op(
+        "ScatterElements",
+        [("data", ctx.input(0)), ("indices", ctx.input(1)), ("updates", ctx.input(2))],
+        [("y", ctx.output_spec(0))],
+        {"axis": _axis(ctx), "reduction": reduction},
+    )
+    ctx.set_output(0, op.output(0))
+
+
+@register("ScatterND")
+def lower_scatter_nd(ctx: NodeLowering) -> None:
+    """``ScatterND(data, indices, updates)`` → ``TensorScatterUpdate`` (``reduction=none``) or
+    ``TensorScatterAdd`` (``add``): TensorFlow's out-of-place scatters into a copy of ``x``, which is ONNX's
+    meaning (GE's ``ScatterNdUpdate`` would write its input in place)."""
+    reduction = ctx.attr("reduction", "none")
+    ge_type = {"none": "TensorScatterUpdate", "add": "TensorScatterAdd"}.get(reduction)
+    if ge_type is None:
+        raise ctx.error(f"reduction {reduction!r} is not lowered (none, add)")
+    op = ctx.op(ge_type, [("x", ctx.input(0)), ("indices", ctx.input(1)), ("updates", ctx.input(2))], [("y", ctx.output_spec(0))])
+    ctx.set_output(0, op.output(0))
+
+
+# ---- creation and repetition ---------------------------------------------------------------------------------
+
+
+@register("Tile")
+def lower_tile(ctx: NodeLowering) -> None:
+    """``Tile(input, repeats)`` → ``Tile(x, multiples)``."""
+    op = ctx.op("Tile", [("x", ctx.input(0)), ("multiples", ctx.input(1))], [("y", ctx.output_spec(0))])
+    ctx.set_output(0, op.output(0))
+
+
+@register("Range")
+def lower_range(ctx: NodeLowering) -> None:
+    """``Range(start, limit, delta)`` → ``Range(start, limit, delta)``."""
+    op = ctx.op("Range", [("start", ctx.input(0)), ("limit", ctx.input(1)), ("delta", ctx.input(2))], [("y", ctx.output_spec(0))])
+    ctx.set_output(0, op.output(0))
+
+
+@register("CumSum")
+def lower_cumsum(ctx: NodeLowering) -> None:
+    """``CumSum(x, axis)`` → ``Cumsum(x, axis)`` with ``exclusive`` and ``reverse`` as bools."""
+    op = ctx.op(
+        "Cumsum",
+        [("x", ctx.input(0)), ("axis", ctx.input(1))],
+        [("y", ctx.output_spec(0))],
+        {"exclusive": bool(ctx.attr("exclusive", 0)), "reverse": bool(ctx.attr("reverse", 0))},
+    )
+    ctx.set_output(0, op.output(0))
+
+
+@register("Trilu")
+def lower_trilu(ctx: NodeLowering) -> None:
+    """``Trilu(x, k)`` → ``Triu`` (``upper=1``) or ``Tril`` with ``diagonal`` = ``k`` (a constant)."""
+    k = int(np.ravel(_constant(ctx, 1, "k"))[0]) if ctx.has_input(1) else 0
+    ge_type = "Triu" if int(ctx.attr("upper", 1)) else "Tril"
+    op = ctx.op(ge_type, [("x", ctx.input(0))], [("y", ctx.output_spec(0))], {"diagonal": k})
+    ctx.set_output(0, op.output(0))
