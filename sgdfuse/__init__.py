@@ -17,6 +17,7 @@ from sgdfuse.errors import (  # noqa: E402
     SgdfuseError,
 )
 from sgdfuse.api import OptimizeResult, inspect, load_model, optimize, save_model  # noqa: E402
+from sgdfuse.passes.sgd_match import RolePins  # noqa: E402
 from sgdfuse.report import FusedUpdate, Refusal, Report, Verification  # noqa: E402
 from sgdfuse.lowering import GEModel, lower  # noqa: E402
 
@@ -31,6 +32,7 @@ __all__ = [
     "load_model",
     "save_model",
     "OptimizeResult",
+    "RolePins",
     "Report",
     "FusedUpdate",
     "Refusal",

@@ -24,7 +24,7 @@ from sgdfuse.passes.linear import Normaliser
 from sgdfuse.passes.onnx_momentum import TRAINING_DOMAIN, convert_momentum_nodes
 from sgdfuse.passes import traffic
 from sgdfuse.passes.rewrite import Planner, apply_plans, describe_scalar, shortest_float32
-from sgdfuse.passes.sgd_match import Match, Miss, find_updates
+from sgdfuse.passes.sgd_match import Match, Miss, RolePins, find_updates
 from sgdfuse.report import FusedUpdate, Refusal, Report, Verification
 from sgdfuse.contract import dtype_name
 from sgdfuse import verify as verification
@@ -150,6 +150,7 @@ def optimize(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     allow_rounding: bool = False,
+    pins: RolePins | None = None,
 ) -> OptimizeResult:
     """Fuse every momentum-SGD update of an ONNX model into ``ai.sgdfuse::SGD`` nodes.
 
@@ -166,6 +167,9 @@ def optimize(
             parameters' dtype, rounds the graph's values (a FLOAT 0.1 in a BFLOAT16 model becomes
             0.10009765625); the report lists each rounded value. By default such an update is refused
             (``hyperparameter-precision``).
+        pins: the user's word on roles (:class:`~sgdfuse.passes.sgd_match.RolePins`: which output replaces which
+            input, which inputs are momentum buffers), consulted before any other evidence; each fused entry
+            says in ``roles_from`` what decided its roles.
 
     Returns:
         :class:`OptimizeResult` with the new model and the report.
@@ -177,7 +181,7 @@ def optimize(
     tell("load")
     source_model, source, source_dir = _as_model(model)
     report, plans, index, base = _analyse(
-        source_model, source, verify=verify, steps=steps, seed=seed, tell=tell, allow_rounding=allow_rounding
+        source_model, source, verify=verify, steps=steps, seed=seed, tell=tell, allow_rounding=allow_rounding, pins=pins
     )
     tell("rewrite")
     new_model = apply_plans(base, index, plans)
@@ -187,13 +191,19 @@ def optimize(
 
 
 def inspect(
-    model: str | os.PathLike | onnx.ModelProto, *, verify: bool = False, steps: int = 3, seed: int = 0, allow_rounding: bool = False
+    model: str | os.PathLike | onnx.ModelProto,
+    *,
+    verify: bool = False,
+    steps: int = 3,
+    seed: int = 0,
+    allow_rounding: bool = False,
+    pins: RolePins | None = None,
 ) -> Report:
     """The analysis of :func:`optimize` with nothing rewritten (a dry run): which updates would fuse,
     which candidates are refused and why. ``verify`` runs the differential check as well;
-    ``allow_rounding`` as for :func:`optimize`."""
+    ``allow_rounding`` and ``pins`` as for :func:`optimize`."""
     source_model, source, _ = _as_model(model)
-    report, plans, _, _ = _analyse(source_model, source, verify=verify, steps=steps, seed=seed, allow_rounding=allow_rounding)
+    report, plans, _, _ = _analyse(source_model, source, verify=verify, steps=steps, seed=seed, allow_rounding=allow_rounding, pins=pins)
     report.written = False
     report.nodes_after = report.nodes_before
     return report
@@ -208,6 +218,7 @@ def _analyse(
     seed: int,
     tell: Callable[[str], None] = lambda stage: None,
     allow_rounding: bool = False,
+    pins: RolePins | None = None,
 ):
     """Returns (report, plans, index, base): ``base`` is the model the plans apply to (``model`` with any
     ONNX ``Momentum`` nodes already converted)."""
@@ -234,7 +245,7 @@ def _analyse(
 
     tell("match")
     normaliser = Normaliser(index)
-    matches, found_misses = find_updates(index, normaliser, allow_rounding=allow_rounding)
+    matches, found_misses = find_updates(index, normaliser, allow_rounding=allow_rounding, pins=pins)
     misses.extend(found_misses)
     if report.fused:
         # A converted Momentum node already writes its state in place: a second update of it is refused.
@@ -419,6 +430,7 @@ def _fused_entry(plan, index) -> FusedUpdate:
         matched_nodes=len(match.nodes),
         source="pattern" if match.first_step is None else "pattern with first-step Where",
         rounded={name: describe_scalar(match.learning_rate if name == "learning_rate" else match.momentum) for name in match.rounded},
+        roles_from=match.roles_from,
     )
 
 

@@ -18,6 +18,7 @@ import sgdfuse
 from sgdfuse import contract
 from sgdfuse import api
 from sgdfuse.errors import SgdfuseError
+from sgdfuse.passes.sgd_match import RolePins
 from sgdfuse.output import OutputBatch, resolve_destination, write_bytes
 from sgdfuse.report import Report, format_value
 from sgdfuse.runtime import ONNXRUNTIME_ERRORS
@@ -222,6 +223,17 @@ def _progress(model: Path, quiet: bool):
     return _Bar()
 
 
+def _pins(state: Optional[list[str]], buffers: Optional[list[str]]) -> RolePins:
+    """``--state NEW=OLD`` and ``--buffers GLOB`` as :class:`RolePins`; a malformed pair is one error line."""
+    pairs: dict[str, str] = {}
+    for item in state or []:
+        new, sep, old = item.partition("=")
+        if not sep or not new or not old:
+            raise typer.BadParameter(f"--state takes NEW=OLD (a graph output and the input it replaces), got {item!r}")
+        pairs[new] = old
+    return RolePins(state=pairs, buffers=tuple(buffers or ()))
+
+
 @app.command("optimize")
 def optimize_command(
     model: Path = typer.Argument(..., help="ONNX training graph to optimise."),
@@ -233,6 +245,10 @@ def optimize_command(
     allow_rounding: bool = typer.Option(
         False, "--allow-rounding", help="Fuse even when the op's dtype (the parameters') rounds the graph's learning rate or momentum."
     ),
+    state: Optional[list[str]] = typer.Option(
+        None, "--state", help="NEW=OLD: graph output NEW is the next value of input OLD, written into it in place (repeatable)."
+    ),
+    buffers: Optional[list[str]] = typer.Option(None, "--buffers", help="Glob of the momentum-buffer inputs, e.g. 'b*' (repeatable)."),
 ) -> None:
     """Fuse every momentum-SGD update of MODEL into one ai.sgdfuse::SGD node each, verify, and write the result."""
     _require_input(model)
@@ -249,7 +265,9 @@ def optimize_command(
         if mindir:
             result = optimize_mindir_file(model, verify=verify, steps=steps)
         else:
-            result = api.optimize(model, verify=verify, steps=steps, progress=tell, allow_rounding=allow_rounding)
+            result = api.optimize(
+                model, verify=verify, steps=steps, progress=tell, allow_rounding=allow_rounding, pins=_pins(state, buffers)
+            )
         tell("save")
         with OutputBatch() as batch:  # the model and the report are written together or not at all
             result.save(destination, batch=batch)
@@ -272,10 +290,12 @@ def inspect_command(
     allow_rounding: bool = typer.Option(
         False, "--allow-rounding", help="Accept a learning rate or momentum that the op's dtype rounds."
     ),
+    state: Optional[list[str]] = typer.Option(None, "--state", help="NEW=OLD: output NEW replaces input OLD in place (repeatable)."),
+    buffers: Optional[list[str]] = typer.Option(None, "--buffers", help="Glob of the momentum-buffer inputs (repeatable)."),
 ) -> None:
     """Report which updates of MODEL would fuse and why the other candidates would not; write nothing else."""
     _require_input(model)
-    report = api.inspect(model, verify=verify, allow_rounding=allow_rounding)
+    report = api.inspect(model, verify=verify, allow_rounding=allow_rounding, pins=_pins(state, buffers))
     if report_path is not None:
         _write_text(report_path, report.to_json())
     _print_report(report)

@@ -77,6 +77,9 @@ class FusedUpdate:
             before and after fusion (see :mod:`sgdfuse.passes.traffic`); None when a shape is not static.
         source: how it was found: ``"pattern"`` (algebraic matching), ``"pattern with first-step Where"``,
             ``"onnx-momentum"`` (an ``ai.onnx.preview.training::Momentum`` node converted).
+        roles_from: which evidence decided the roles (``pin``, ``names``, ``structure``, ``conventions``,
+            ``plausibility``; see ``sgdfuse.passes.sgd_match.ROLE_EVIDENCE``), ``"onnx-momentum"`` for a converted
+            ``Momentum`` node.
         rounded: hyper-parameters the op's dtype rounds (only with rounding allowed): name → the graph's value;
             ``learning_rate`` and ``momentum`` above are then the values the op uses.
     """
@@ -105,6 +108,7 @@ class FusedUpdate:
     traffic_before_bytes: int | None = None
     traffic_after_bytes: int | None = None
     rounded: dict = dataclasses.field(default_factory=dict)
+    roles_from: str = "structure"
 
 
 @dataclasses.dataclass

@@ -18,8 +18,11 @@ these equations fuses; anything else is refused with the term that did not fit.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import logging
 import math
+import re
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -30,7 +33,7 @@ from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.linear import ONE, Form, Normaliser, Poly, add_forms, format_form, format_poly, scale_form
 from sgdfuse.passes.precision import FLOAT_DTYPES, SPACINGS, Precision, round_to_dtype, working_precision
 
-__all__ = ["Match", "Miss", "FirstStep", "REASONS", "find_updates", "coefficient_tolerance"]
+__all__ = ["Match", "Miss", "FirstStep", "RolePins", "REASONS", "ROLE_EVIDENCE", "find_updates", "coefficient_tolerance"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +110,8 @@ class Match:
     rounded: dict[str, float] = dataclasses.field(default_factory=dict)
     """Learning rate or momentum constants the op's dtype rounds (only with rounding allowed): name → the
     value the op uses."""
+    roles_from: str = "structure"
+    """Which evidence decided the roles (:data:`ROLE_EVIDENCE`)."""
     coefficient_error: float = 0.0
     """The largest difference between a coefficient of the buffer update as the op applies it and the
     graph's, in spacings of the working precision (:mod:`sgdfuse.passes.precision`). The graph writes the
@@ -171,6 +176,44 @@ REASONS = {
 
 
 @dataclasses.dataclass(frozen=True)
+class RolePins:
+    """What the user says about roles, the first evidence consulted (:data:`ROLE_EVIDENCE`).
+
+    Attributes:
+        state: new value → the input it replaces (``{"add": "b0", "add_1": "p0"}``): that output is written
+            into that input in place.
+        buffers: glob patterns (``fnmatch``) of the momentum-buffer inputs (``"b*"``, ``"*.momentum_buffer"``).
+    """
+
+    state: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    buffers: tuple[str, ...] = ()
+
+    def is_buffer(self, name: str) -> bool | None:
+        """True/False when the globs say whether ``name`` is a buffer; None when there are none."""
+        if not self.buffers:
+            return None
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.buffers)
+
+
+ROLE_EVIDENCE = ("pin", "names", "structure", "conventions", "plausibility")
+"""Which evidence decides a fused update's roles (which input is the buffer, which the gradient, which
+output is written in place), in the order consulted (``Match.roles_from``):
+
+- ``pin``: the user's ``RolePins`` (``--state NEW=OLD``, ``--buffers GLOB``);
+- ``names``: an output named after its input (``buf_out``/``new_buf``/``buf_next`` for ``buf``);
+- ``structure``: only one reading is momentum SGD with its state fed from outside (the algebra, and a
+  gradient computed in the graph while the buffer is fed in);
+- ``conventions``: the ecosystem's names for buffers (``momentum_buffer``, ``velocity``, ``accum``, ``buf``,
+  ``moments``, ``slot``) and gradients (``grad``, ``gradient``, ``g``, ``g0``);
+- ``plausibility``: the reading with a constant momentum in (0, 1) and dampening 0, when the others do not
+  have both. The weakest evidence: ``lower`` warns when it decided.
+"""
+
+_BUFFER_NAME = re.compile(r"(^|[^a-z])(momentum|moments?|velocity|veloc|buf|buffer|bufs|accum|accumulator|slot|trace|mom)([^a-z]|$)", re.I)
+_GRADIENT_NAME = re.compile(r"(^|[^a-z])(grad|grads|gradient|gradients|g|dw|dp)([^a-z]|\d|$)", re.I)
+
+
+@dataclasses.dataclass(frozen=True)
 class FirstStep:
     """A first-step rule selected by ``Where`` on one boolean.
 
@@ -189,13 +232,15 @@ class FirstStep:
 
 
 def find_updates(
-    index: GraphIndex, normaliser: Normaliser | None = None, *, allow_rounding: bool = False
+    index: GraphIndex, normaliser: Normaliser | None = None, *, allow_rounding: bool = False, pins: RolePins | None = None
 ) -> tuple[list[Match], list[Miss]]:
     """All momentum-SGD updates among the graph outputs of ``index``, and the candidates refused.
 
     Deterministic: candidates are taken in graph-output order. ``allow_rounding`` accepts a learning rate or
     momentum that the op's dtype (the parameters') rounds (reason ``hyperparameter-precision`` otherwise).
+    ``pins`` is the user's word on roles, consulted first (:data:`ROLE_EVIDENCE`).
     """
+    pins = pins or RolePins()
     normaliser = normaliser or Normaliser(index)
     outputs = list(dict.fromkeys(index.graph_outputs))
     float_outputs = [o for o in outputs if index.spec(o).dtype in _EPS]
@@ -208,7 +253,7 @@ def find_updates(
     # write must hit the input its output replaces, whatever order the outputs come in.
     named_next: dict[str, str] = {}
     for o in float_outputs:
-        previous = _previous_by_name(index, o)
+        previous = _previous_by_name(index, o, pins)
         if previous is not None:
             named_next.setdefault(previous, canonical[o])
 
@@ -243,7 +288,7 @@ def find_updates(
         found: Match | None = None
         tried_buffers.update(v for v in buffers if canonical[v] in values_w)
         for v in buffers:
-            result = _solve(index, normaliser, w, v, canonical[v], allow_rounding)
+            result = _solve(index, normaliser, w, v, canonical[v], allow_rounding, pins)
             if isinstance(result, Match):
                 result = _in_place_problem(result, named_next, canonical) or result
             if isinstance(result, Match):
@@ -414,8 +459,10 @@ def _substitute(form: Form, leaf: str, replacement: Form) -> Form:
     return add_forms(rest, replacement, coefficient)
 
 
-def _solve(index: GraphIndex, normaliser: Normaliser, w: str, v: str, v_source: str, allow_rounding: bool = False) -> Match | Miss:
-    result = _solve_selection(index, normaliser, w, v, v_source, allow_rounding)
+def _solve(
+    index: GraphIndex, normaliser: Normaliser, w: str, v: str, v_source: str, allow_rounding: bool = False, pins: RolePins | None = None
+) -> Match | Miss:
+    result = _solve_selection(index, normaliser, w, v, v_source, allow_rounding, pins or RolePins())
     cancelled = {**normaliser.cancellations(w), **normaliser.cancellations(v)}
     if cancelled and isinstance(result, Match):
         # A refusal for another reason says more (momentum 0 is a buffer times 0); a match is blocked.
@@ -431,8 +478,10 @@ def _solve(index: GraphIndex, normaliser: Normaliser, w: str, v: str, v_source: 
     return result
 
 
-def _solve_selection(index: GraphIndex, normaliser: Normaliser, w: str, v: str, v_source: str, allow_rounding: bool) -> Match | Miss:
-    rel = _Reading(working_precision(_coefficient_dtypes(index, normaliser, w, v), index.spec(w).dtype), allow_rounding)
+def _solve_selection(
+    index: GraphIndex, normaliser: Normaliser, w: str, v: str, v_source: str, allow_rounding: bool, pins: RolePins
+) -> Match | Miss:
+    rel = _Reading(working_precision(_coefficient_dtypes(index, normaliser, w, v), index.spec(w).dtype), allow_rounding, pins)
     form_w = normaliser.form(w)
     source_node = index.node(v_source)
     branches = normaliser.where_branches(v_source)
@@ -472,6 +521,7 @@ class _Reading:
 
     precision: Precision
     allow_rounding: bool
+    pins: RolePins = dataclasses.field(default_factory=RolePins)
 
 
 def _coefficient_dtypes(index: GraphIndex, normaliser: Normaliser, w: str, v: str) -> set[int]:
@@ -503,11 +553,12 @@ def _solve_pair(
     rel: float,
     selection: tuple[str, Form, bool, str] | None,
 ) -> Match | Miss:
-    first = [n for n in (_previous_by_name(index, w), _previous_by_name(index, v)) if n]
+    first = [n for n in (_previous_by_name(index, w, rel.pins), _previous_by_name(index, v, rel.pins)) if n]
     equation = LazyText(lambda: f"{w} = {format_form(form_w, first)};  {v} = {format_form(form_v, first[1:])}")
     best = Miss(w, "extra-term", f"{w} is not a momentum-SGD update of buffer {v}.", equation=equation, score=1)
-    named_buffer = _previous_by_name(index, v)
-    named_parameters = _previous_by_name(index, w)
+    named_buffer = _previous_by_name(index, v, rel.pins)
+    named_parameters = _previous_by_name(index, w, rel.pins)
+    named_by = "pin" if v in rel.pins.state or w in rel.pins.state else "names"
     if named_buffer is not None and named_buffer not in form_v:
         # Tensors fed from outside with the buffer's shape and dtype: one is the gradient; a second is a buffer.
         fed = [
@@ -558,6 +609,8 @@ def _solve_pair(
         m = form_v[a]
         if named_buffer is not None and a != named_buffer:
             continue  # the names say which input this buffer replaces
+        if rel.pins.is_buffer(a) is False:
+            continue  # the user's globs say which inputs are buffers
         for p in [leaf for leaf in form_w if leaf not in (ONE, a)]:
             if named_parameters is not None and p != named_parameters:
                 continue
@@ -567,23 +620,44 @@ def _solve_pair(
             elif result.score > best.score:
                 best = result
     if len(solutions) == 1:
-        return solutions[0]
+        decided = named_by if named_buffer is not None or rel.pins.buffers else "structure"
+        return dataclasses.replace(solutions[0], roles_from=decided)
     if solutions:
         # One step's algebra cannot tell the buffer from the gradient when both are inputs: buf' = 0.9*buf + g
-        # is also "accum = g, momentum 1, dampening 0.1". The in-place write must hit the real buffer, so
-        # without evidence (names pairing the output with its input) the update is left alone.
+        # is also "accum = g, momentum 1, dampening 0.1". The in-place write must hit the real buffer: the
+        # ecosystem's names, then plausibility decide; failing both, the update is left alone.
+        for evidence, score in (("conventions", _convention_score), ("plausibility", _plausibility_score)):
+            scores = [score(solution) for solution in solutions]
+            best_score = max(scores)
+            if scores.count(best_score) == 1 and best_score > 0:
+                return dataclasses.replace(solutions[scores.index(best_score)], roles_from=evidence)
         readings = "; ".join(
             f"buffer {s.accum}, gradient {s.gradient}, momentum {format_poly(s.momentum)}, dampening {s.dampening:g}" for s in solutions
         )
         return Miss(
             w,
             "ambiguous-roles",
-            f"{v} = {format_form(form_v)} reads as more than one momentum-SGD update ({readings}); name the buffer "
-            f"output after its input (e.g. <buffer>_out) so the in-place buffer is known.",
+            f"{v} = {format_form(form_v)} reads as more than one momentum-SGD update ({readings}), and no name or "
+            f"hyper-parameter tells them apart. Say which input {v} replaces: --state {v}=<buffer input> (repeatable; "
+            f"RolePins(state=...) in the API), or --buffers GLOB for the buffer inputs, or name the output after its "
+            "input (<buffer>_out).",
             equation=equation,
             score=9,
         )
     return best
+
+
+def _convention_score(match: Match) -> int:
+    """How well the names fit the ecosystem's conventions: the buffer named like one, the gradient too."""
+    return int(bool(_BUFFER_NAME.search(match.accum))) + int(bool(_GRADIENT_NAME.search(match.gradient))) - int(
+        bool(_GRADIENT_NAME.search(match.accum))
+    ) - int(bool(_BUFFER_NAME.search(match.gradient)))
+
+
+def _plausibility_score(match: Match) -> int:
+    """A momentum that is a constant in (0, 1) and a dampening of 0: what momentum SGD is configured with."""
+    momentum = match.momentum.constant_value if match.momentum.is_constant else None
+    return int(momentum is not None and 0 < momentum < 1) + int(match.dampening == 0)
 
 
 def _solve_roles(
@@ -695,7 +769,7 @@ def _solve_roles(
     else:
         lr = lr_plain
 
-    state_problem = _state_problem(index, w, v, p, a)
+    state_problem = _state_problem(index, w, v, p, a, rel.pins)
     if state_problem is not None:
         # A constant or computed state is the graph's own fact; a name mismatch may just be a wrong reading.
         score = 8 if state_problem.reason in ("constant-state", "computed-state") else 7
@@ -1180,7 +1254,7 @@ def _why_unread(index: GraphIndex, normaliser: Normaliser, v: str, buffer: str) 
     return None
 
 
-def _state_problem(index: GraphIndex, w: str, v: str, p: str, a: str) -> Miss | None:
+def _state_problem(index: GraphIndex, w: str, v: str, p: str, a: str, pins: RolePins | None = None) -> Miss | None:
     for role, name in (("parameters", p), ("momentum buffer", a)):
         if name in index.initializers and not index.is_input_name(name):
             return Miss(
@@ -1200,7 +1274,7 @@ def _state_problem(index: GraphIndex, w: str, v: str, p: str, a: str) -> Miss | 
     # ONNX does not say which input a new state output replaces. Where the names say it (buf -> buf_out),
     # the buffer an update reads must be the one its output replaces, or the in-place write hits another.
     for role, old, new in (("momentum buffer", a, v), ("parameters", p, w)):
-        named = _previous_by_name(index, new)
+        named = _previous_by_name(index, new, pins)
         if named is not None and named != old:
             return Miss(
                 w,
@@ -1215,8 +1289,11 @@ _STATE_SUFFIXES = ("_out", "_new", "_next", "_updated", ".out", ".new")
 _STATE_PREFIXES = ("new_", "next_", "updated_", "out_")
 
 
-def _previous_by_name(index: GraphIndex, output: str) -> str | None:
-    """The graph input whose name marks ``output`` as its next value (``buf`` for ``buf_out``), if any."""
+def _previous_by_name(index: GraphIndex, output: str, pins: RolePins | None = None) -> str | None:
+    """The graph input that ``output`` is the next value of: as pinned by the user, else as its name says
+    (``buf`` for ``buf_out``); None when neither says."""
+    if pins is not None and output in pins.state:
+        return pins.state[output]
     inputs = index.state_names
     for suffix in _STATE_SUFFIXES:
         if output.endswith(suffix) and output[: -len(suffix)] in inputs:
