@@ -431,6 +431,7 @@ def _fused_entry(plan, index) -> FusedUpdate:
         source="pattern" if match.first_step is None else "pattern with first-step Where",
         rounded={name: describe_scalar(match.learning_rate if name == "learning_rate" else match.momentum) for name in match.rounded},
         roles_from=match.roles_from,
+        guard=match.guard.describe() if match.guard is not None else "",
     )
 
 

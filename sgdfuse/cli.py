@@ -18,6 +18,7 @@ import sgdfuse
 from sgdfuse import contract
 from sgdfuse import api
 from sgdfuse.errors import SgdfuseError
+from sgdfuse.passes.rewrite import ROLES_BY_PLAUSIBILITY
 from sgdfuse.passes.sgd_match import RolePins
 from sgdfuse.output import OutputBatch, resolve_destination, write_bytes
 from sgdfuse.report import Report, format_value
@@ -126,17 +127,23 @@ def _print_fused(report: Report) -> None:
     if not report.fused:
         return
     table = Table(title=f"Fused updates ({len(report.fused)})")
-    for column in ("parameters", "gradient", "momentum buffer", "lr", "momentum", "dampening", "weight decay", "form"):
+    for column in ("parameters", "gradient", "momentum buffer", "lr", "momentum", "dampening", "weight decay", "form", "roles from"):
         table.add_column(column)
     narrow = sorted({f.dtype for f in report.fused if f.dtype in ("FLOAT16", "BFLOAT16")})
     for f in report.fused:
         form = ", ".join(x for x in ("nesterov" if f.nesterov else "", "maximize" if f.maximize else "") if x) or "plain"
-        table.add_row(
-            f.parameters, f.gradient, f.accum,
-            *(format_value(v, f.dtype) for v in (f.learning_rate, f.momentum, f.dampening, f.weight_decay)),
-            form,
-        )
+        values = [format_value(v, f.dtype) for v in (f.learning_rate, f.momentum, f.dampening, f.weight_decay)]
+        for position, name in enumerate(("learning_rate", "momentum")):
+            if name in f.rounded:
+                values[position] += f" (rounded from {f.rounded[name]})"
+        table.add_row(f.parameters, f.gradient, f.accum, *values, form, f.roles_from)
     _out.print(table)
+    if any(f.roles_from == "plausibility" for f in report.fused):
+        _out.print(
+            "roles from plausibility: nothing but the hyper-parameters (momentum in (0, 1), dampening 0) told the buffer "
+            "from the gradient; pin them with --state NEW=OLD or --buffers GLOB if that is wrong.",
+            markup=False, highlight=False,
+        )
     if narrow:
         _out.print(
             f"{' and '.join(narrow)} values: the decimal written in the graph's {narrow[0]} constant, then after = "
@@ -411,6 +418,14 @@ def lower_command(
         _out.print(
             f"{model.name} had no ai.sgdfuse::SGD node, so it was optimised first: {len(report.fused)} update(s) fused, "
             f"{refused}; {verified}",
+            markup=False, highlight=False, soft_wrap=True,
+        )
+    guessed = [node.name for node in fused.graph.node if is_sgd_node(node) and ROLES_BY_PLAUSIBILITY in node.doc_string]
+    if guessed:
+        _err.print(
+            f"warning: the roles of {len(guessed)} SGD node(s) ({', '.join(guessed[:3])}{', ...' if len(guessed) > 3 else ''}) were "
+            "decided by plausibility alone (momentum in (0, 1), dampening 0): the buffer written in place is a guess. "
+            "Pin it with `sgdfuse optimize --state NEW=OLD` or `--buffers GLOB` if it is wrong.",
             markup=False, highlight=False, soft_wrap=True,
         )
     if not any(is_sgd_node(node) for node in fused.graph.node):

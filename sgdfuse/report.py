@@ -80,6 +80,8 @@ class FusedUpdate:
         roles_from: which evidence decided the roles (``pin``, ``names``, ``structure``, ``conventions``,
             ``plausibility``; see ``sgdfuse.passes.sgd_match.ROLE_EVIDENCE``), ``"onnx-momentum"`` for a converted
             ``Momentum`` node.
+        guard: when the graph skips the update under a condition (``"skipped where found_inf is true"``): the
+            graph's ``Where(condition, old, new)`` outputs stay and read the fused node's outputs; "" otherwise.
         rounded: hyper-parameters the op's dtype rounds (only with rounding allowed): name → the graph's value;
             ``learning_rate`` and ``momentum`` above are then the values the op uses.
     """
@@ -109,6 +111,7 @@ class FusedUpdate:
     traffic_after_bytes: int | None = None
     rounded: dict = dataclasses.field(default_factory=dict)
     roles_from: str = "structure"
+    guard: str = ""
 
 
 @dataclasses.dataclass

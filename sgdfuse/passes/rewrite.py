@@ -27,7 +27,11 @@ from sgdfuse.passes.linear import Poly, format_poly
 from sgdfuse.passes.sgd_match import Match
 from sgdfuse.runtime import onnx_to_numpy_dtype
 
-__all__ = ["Plan", "Planner", "apply_plans"]
+__all__ = ["Plan", "Planner", "apply_plans", "ROLES_BY_PLAUSIBILITY"]
+
+ROLES_BY_PLAUSIBILITY = "sgdfuse: roles from plausibility"
+"""Written into an SGD node's ``doc_string`` when only plausibility decided its roles, so that ``lower``
+can warn about a fused model it did not fuse itself."""
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +159,10 @@ class Planner:
             SgdAttributes(match.dampening, match.weight_decay, match.nesterov),
             name=self._fresh(f"{base}/SGD"),
         )
+        sgd.doc_string = ROLES_BY_PLAUSIBILITY if match.roles_from == "plausibility" else f"sgdfuse: roles from {match.roles_from}"
+        if match.guard is not None:
+            # The graph's Where(condition, old, new) outputs stay and read this node's outputs.
+            sgd.doc_string += f"; guarded: {match.guard.describe()}"
         nodes.append(sgd)
         if accum_out != match.accum_out:
             nodes.extend(self._momentum_zero_buffer(match, base, (match.parameters, gradient, accum, momentum, stat), accum_out))

@@ -112,6 +112,10 @@ class Match:
     value the op uses."""
     roles_from: str = "structure"
     """Which evidence decided the roles (:data:`ROLE_EVIDENCE`)."""
+    guard: "Guard | None" = None
+    """The condition under which the graph skips this update (a loss-scaling overflow, a frozen parameter):
+    the graph outputs are ``Where(condition, old, new)``; ``parameters_out``/``accum_out`` are the new values
+    and the ``Where`` nodes stay, reading the fused node's outputs."""
     coefficient_error: float = 0.0
     """The largest difference between a coefficient of the buffer update as the op applies it and the
     graph's, in spacings of the working precision (:mod:`sgdfuse.passes.precision`). The graph writes the
@@ -172,6 +176,7 @@ REASONS = {
     "wrong-in-place-output": "another graph output is named as the next value of the state this reading would overwrite",
     "momentum-op": "an ai.onnx.preview.training Momentum node whose settings the SGD operator cannot express",
     "nonlinear-update": "the new buffer reaches the parameter update through an op that is not a scaling (Pow, say)",
+    "guarded-update": "the update is skipped under a condition in a form sgdfuse cannot keep exact",
 }
 
 
@@ -187,6 +192,9 @@ class RolePins:
 
     state: Mapping[str, str] = dataclasses.field(default_factory=dict)
     buffers: tuple[str, ...] = ()
+    guarded: frozenset[str] = frozenset()
+    """(Filled in by the matcher, not the user.) New values whose input the graph's own guard names:
+    ``Where(found_inf, buf, buf_new)`` says ``buf_new`` replaces ``buf``; their pairs are in :attr:`state`."""
 
     def is_buffer(self, name: str) -> bool | None:
         """True/False when the globs say whether ``name`` is a buffer; None when there are none."""
@@ -211,6 +219,26 @@ output is written in place), in the order consulted (``Match.roles_from``):
 
 _BUFFER_NAME = re.compile(r"(^|[^a-z])(momentum|moments?|velocity|veloc|buf|buffer|bufs|accum|accumulator|slot|trace|mom)([^a-z]|$)", re.I)
 _GRADIENT_NAME = re.compile(r"(^|[^a-z])(grad|grads|gradient|gradients|g|dw|dp)([^a-z]|\d|$)", re.I)
+
+
+@dataclasses.dataclass(frozen=True)
+class Guard:
+    """A guarded state output ``output = Where(condition, old, new)`` (or with the branches swapped).
+
+    Attributes:
+        output: the graph output; new: the updated value it selects; old: the state input it keeps.
+        condition: a boolean of one element; skip_when: the condition's value that keeps ``old``.
+    """
+
+    output: str
+    new: str
+    old: str
+    condition: str
+    skip_when: bool
+
+    def describe(self) -> str:
+        """``"skipped where found_inf is true"``."""
+        return f"skipped where {self.condition} is {'true' if self.skip_when else 'false'}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +271,14 @@ def find_updates(
     pins = pins or RolePins()
     normaliser = normaliser or Normaliser(index)
     outputs = list(dict.fromkeys(index.graph_outputs))
-    float_outputs = [o for o in outputs if index.spec(o).dtype in _EPS]
+    # A guarded output Where(c, old, new) is matched through its new value; the guard pairs new with old.
+    guards = {g.new: g for g in (_guard(index, o) for o in outputs) if g is not None}
+    if guards:
+        pins = dataclasses.replace(
+            pins, state={**{g.new: g.old for g in guards.values()}, **pins.state}, guarded=frozenset(guards)
+        )
+    float_outputs = [o for o in ([_guarded_new(guards, o) for o in outputs]) if index.spec(o).dtype in _EPS]
+    float_outputs = list(dict.fromkeys(float_outputs))
     canonical = {o: _skip_copies(index, o) for o in float_outputs}
     position = {o: k for k, o in enumerate(float_outputs)}
     outputs_by_canonical: dict[str, list[str]] = {}
@@ -304,6 +339,8 @@ def find_updates(
         elif best is not None:
             misses.append(best if best.buffer else dataclasses.replace(best, buffer=v if len(buffers) == 1 else best.buffer))
 
+    matches, guard_misses = _check_guards(matches, guards)
+    misses.extend(guard_misses)
     # One parameter, one buffer, one update: a second claim on the same state is refused.
     claimed: set[str] = set()
     accepted: list[Match] = []
@@ -336,6 +373,67 @@ def find_updates(
     read_as_buffer = {miss.buffer for miss in misses if miss.buffer and miss.buffer_in_cone}
     misses = [miss for miss in misses if miss.buffer or miss.candidate not in read_as_buffer]
     return accepted, misses
+
+
+def _guard(index: GraphIndex, output: str) -> Guard | None:
+    """``output = Where(condition, old, new)`` with ``condition`` one boolean and ``old`` a state input of
+    ``output``'s shape and dtype (either branch): a guarded update, else None."""
+    node = index.node(_skip_copies(index, output))
+    if node is None or node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.input) != 3:
+        return None
+    condition, if_true, if_false = node.input
+    spec = index.spec(condition)
+    if spec.dtype != onnx.TensorProto.BOOL or spec.num_elements() != 1:
+        return None
+    out_spec = index.spec(output)
+    for old, new, skip_when in ((if_true, if_false, True), (if_false, if_true, False)):
+        old_spec = index.spec(old)
+        if (
+            index.is_input_name(old)
+            and not index.is_input_name(new)
+            and old_spec.dtype == out_spec.dtype
+            and _same_shape(old_spec, out_spec)
+            and index.spec(new).dtype == out_spec.dtype
+        ):
+            return Guard(output, new, old, condition, skip_when)
+    return None
+
+
+def _guarded_new(guards: dict[str, Guard], output: str) -> str:
+    for guard in guards.values():
+        if guard.output == output:
+            return guard.new
+    return output
+
+
+def _check_guards(matches: list[Match], guards: dict[str, Guard]) -> tuple[list[Match], list[Miss]]:
+    """Keep a guarded match only when its parameters and its buffer are guarded alike, each keeping its own
+    old value: then the graph's Where nodes, left reading the fused node's outputs, skip the whole update
+    (the op's stat output is not used, so stat is unchanged too). Anything else is ``guarded-update``."""
+    kept: list[Match] = []
+    misses: list[Miss] = []
+    for match in matches:
+        gw, gv = guards.get(match.parameters_out), guards.get(match.accum_out)
+        if gw is None and gv is None:
+            kept.append(match)
+            continue
+        problem = ""
+        if gw is None or gv is None:
+            guarded, bare = (match.parameters_out, match.accum_out) if gw is not None else (match.accum_out, match.parameters_out)
+            problem = f"{guarded} is selected by a guard but {bare} is not: a skipped step would still move one of them"
+        elif (gw.condition, gw.skip_when) != (gv.condition, gv.skip_when):
+            problem = f"the parameters are {gw.describe()}, the buffer {gv.describe()}: one guard must skip both"
+        elif (gw.old, gv.old) != (match.parameters, match.accum):
+            problem = f"the guard keeps {gw.old} and {gv.old}, not the update's own state {match.parameters} and {match.accum}"
+        if problem:
+            condition = (gw or gv).condition
+            misses.append(
+                Miss((gw or gv).output if gw is None else gw.output, "guarded-update",
+                     f"the update of {match.parameters} is guarded by {condition}, but {problem}.", score=9)
+            )
+            continue
+        kept.append(dataclasses.replace(match, guard=gw))
+    return kept, misses
 
 
 def _in_place_problem(match: Match, named_next: dict[str, str], canonical: dict[str, str]) -> Miss | None:
@@ -558,7 +656,7 @@ def _solve_pair(
     best = Miss(w, "extra-term", f"{w} is not a momentum-SGD update of buffer {v}.", equation=equation, score=1)
     named_buffer = _previous_by_name(index, v, rel.pins)
     named_parameters = _previous_by_name(index, w, rel.pins)
-    named_by = "pin" if v in rel.pins.state or w in rel.pins.state else "names"
+    named_by = "structure" if v in rel.pins.guarded else ("pin" if v in rel.pins.state or w in rel.pins.state else "names")
     if named_buffer is not None and named_buffer not in form_v:
         # Tensors fed from outside with the buffer's shape and dtype: one is the gradient; a second is a buffer.
         fed = [
