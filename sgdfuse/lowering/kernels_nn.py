@@ -349,7 +349,9 @@ def _batch_norm(op: Op, inputs: list) -> list:
     epsilon = float(op.attrs.get("epsilon", 1e-4))
     y = (x - mean.reshape(view)) / np.sqrt(variance.reshape(view) + np.asarray(epsilon, x.dtype)) * scale.reshape(view) + offset.reshape(view)
     # Inference: the statistics outputs echo the inputs; reserve_space_3 holds one meaningless element.
-    return [_out(op, y), _out(op, mean, 1), _out(op, variance, 2), _out(op, mean, 3), _out(op, variance, 4), _out(op, np.zeros(1), 5)]
+    # Copies: a kernel's outputs never alias its inputs unless sgdfuse.lowering.alias says the op may.
+    return [_out(op, y), _out(op, mean.copy(), 1), _out(op, variance.copy(), 2), _out(op, mean.copy(), 3), _out(op, variance.copy(), 4),
+            _out(op, np.zeros(1), 5)]
 
 
 @kernel("LayerNorm")

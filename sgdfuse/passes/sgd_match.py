@@ -177,6 +177,7 @@ REASONS = {
     "momentum-op": "an ai.onnx.preview.training Momentum node whose settings the SGD operator cannot express",
     "nonlinear-update": "the new buffer reaches the parameter update through an op that is not a scaling (Pow, say)",
     "guarded-update": "the update is skipped under a condition in a form sgdfuse cannot keep exact",
+    "hidden-update": "the parameters' output is a Slice, Reshape or other non-elementwise op of an update",
 }
 
 
@@ -271,14 +272,49 @@ def find_updates(
     pins = pins or RolePins()
     normaliser = normaliser or Normaliser(index)
     outputs = list(dict.fromkeys(index.graph_outputs))
-    # A guarded output Where(c, old, new) is matched through its new value; the guard pairs new with old.
-    guards = {g.new: g for g in (_guard(index, o) for o in outputs) if g is not None}
-    if guards:
-        pins = dataclasses.replace(
-            pins, state={**{g.new: g.old for g in guards.values()}, **pins.state}, guarded=frozenset(guards)
-        )
-    float_outputs = [o for o in ([_guarded_new(guards, o) for o in outputs]) if index.spec(o).dtype in _EPS]
-    float_outputs = list(dict.fromkeys(float_outputs))
+    matches, misses = _find(index, normaliser, outputs, pins, allow_rounding, {})
+    # A guarded output Where(c, old, new) that no update explains as it is (a first-step Where is one) is
+    # matched through its new value; the guard pairs new with old.
+    claimed = {_skip_copies(index, name) for m in matches for name in (m.parameters_out, m.accum_out)}
+    guards = {g.new: g for g in (_guard(index, o) for o in outputs if _skip_copies(index, o) not in claimed) if g is not None}
+    if not guards:
+        return matches, misses
+    guarded_pins = dataclasses.replace(pins, state={**{g.new: g.old for g in guards.values()}, **pins.state}, guarded=frozenset(guards))
+    guarded_matches, guarded_misses = _find(index, normaliser, list(guards), guarded_pins, allow_rounding, guards)
+    guard_outputs = {g.output for g in guards.values()} | set(guards)
+    misses = [miss for miss in misses if miss.candidate not in guard_outputs] + guarded_misses
+    combined, shared = _one_writer(matches + guarded_matches)
+    return combined, misses + shared
+
+
+def _one_writer(matches: list[Match]) -> tuple[list[Match], list[Miss]]:
+    """One parameter, one buffer, one update: a second claim on the same state is refused."""
+    claimed: set[str] = set()
+    accepted: list[Match] = []
+    misses: list[Miss] = []
+    for match in matches:
+        state = {match.parameters, match.accum, match.parameters_out, match.accum_out}
+        if state & claimed:
+            misses.append(
+                Miss(
+                    match.parameters_out,
+                    "shared-state",
+                    f"{match.parameters_out}: {', '.join(sorted(state & claimed))} is already updated by "
+                    "another fused update; fusing both would write it twice.",
+                    score=5,
+                )
+            )
+            continue
+        claimed |= state
+        accepted.append(match)
+    return accepted, misses
+
+
+def _find(
+    index: GraphIndex, normaliser: Normaliser, outputs: list[str], pins: RolePins, allow_rounding: bool, guards: dict[str, "Guard"]
+) -> tuple[list[Match], list[Miss]]:
+    """The updates among ``outputs`` (graph outputs, or the new values of guarded ones) and the refusals."""
+    float_outputs = [o for o in outputs if index.spec(o).dtype in _EPS]
     canonical = {o: _skip_copies(index, o) for o in float_outputs}
     position = {o: k for k, o in enumerate(float_outputs)}
     outputs_by_canonical: dict[str, list[str]] = {}
@@ -305,6 +341,9 @@ def find_updates(
     for w in float_outputs:
         form_w = normaliser.form(w)
         if not _looks_like_update(index, w, form_w):
+            hidden = _hidden_update(index, normaliser, w)
+            if hidden is not None:
+                misses.append(hidden)
             continue
         _, values_w = normaliser.cone(w)
         buffers = sorted(
@@ -339,28 +378,21 @@ def find_updates(
         elif best is not None:
             misses.append(best if best.buffer else dataclasses.replace(best, buffer=v if len(buffers) == 1 else best.buffer))
 
-    matches, guard_misses = _check_guards(matches, guards)
-    misses.extend(guard_misses)
-    # One parameter, one buffer, one update: a second claim on the same state is refused.
-    claimed: set[str] = set()
-    accepted: list[Match] = []
-    for match in matches:
-        state = {match.parameters, match.accum, match.parameters_out, match.accum_out}
-        if state & claimed:
-            misses.append(
-                Miss(
-                    match.parameters_out,
-                    "shared-state",
-                    f"{match.parameters_out}: {', '.join(sorted(state & claimed))} is already updated by "
-                    "another fused update; fusing both would write it twice.",
-                    score=5,
-                )
-            )
-            continue
-        claimed |= state
-        accepted.append(match)
+    if guards:
+        matches, guard_misses = _check_guards(matches, guards)
+        misses.extend(guard_misses)
+    accepted, shared = _one_writer(matches)
+    misses.extend(shared)
     # A buffer output is reported through the parameter update that reads it, not as a candidate itself.
     tried_buffers |= {m.accum_out for m in accepted}
+    # An output computed from a fused update's new values (delta = lr*buf_out beside p_out = p - delta) is a
+    # reader of that update, not a refused update of its own.
+    fused_outputs = {name for m in accepted for name in (m.parameters_out, m.accum_out)}
+    misses = [
+        miss for miss in misses
+        if miss.reason in ("shared-state", "parameters-not-own-previous", "guarded-update")
+        or not (fused_outputs & normaliser.cone(miss.candidate)[1] - {miss.candidate})
+    ]
     misses = [miss for miss in misses if miss.candidate not in tried_buffers or miss.reason == "shared-state"]
     # (W, V) and (V, W) are one pair read two ways: report the reading that got further.
     best_of_pair: dict[frozenset, Miss] = {}
@@ -399,11 +431,41 @@ def _guard(index: GraphIndex, output: str) -> Guard | None:
     return None
 
 
-def _guarded_new(guards: dict[str, Guard], output: str) -> str:
-    for guard in guards.values():
-        if guard.output == output:
-            return guard.new
-    return output
+def _hidden_update(index: GraphIndex, normaliser: Normaliser, output: str) -> Miss | None:
+    """A graph output that is not itself an update but passes one through a non-elementwise op (a ``Slice``,
+    a ``Reshape``, a ``Where`` on a per-element mask): named here, so that the refusal is on the parameters'
+    output and not only on the buffer it reads."""
+    node = index.node(_skip_copies(index, output))
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    for operand in node.input:
+        if not operand or operand == output or index.spec(operand).dtype not in _EPS or index.producer.get(operand) is None:
+            continue
+        form = normaliser.form(operand)
+        if not _looks_like_update(index, operand, form):
+            continue
+        state = sorted(leaf for leaf in form if leaf != ONE and index.is_input_name(leaf))
+        if node.op_type == "Where":
+            condition = node.input[0]
+            return Miss(
+                output,
+                "guarded-update",
+                f"{output} selects the update {operand} (of {', '.join(state)}) with Where on {condition}, which is not "
+                "one boolean keeping the old state on one side: sgdfuse fuses a guarded update written as "
+                "Where(condition, old, new) with a condition of one element, the parameters and buffer guarded alike.",
+                equation=f"{operand} = {format_form(form, state)}",
+                score=2,
+            )
+        return Miss(
+            output,
+            "hidden-update",
+            f"{output} is {node.op_type}({operand}, ...) of an update of {', '.join(state)}; the fused op writes its "
+            f"state whole, so the update must be the graph output itself (an {node.op_type} after it changes what is "
+            "written). Output the update before the " + node.op_type + " to fuse it.",
+            equation=f"{operand} = {format_form(form, state)}",
+            score=2,
+        )
+    return None
 
 
 def _check_guards(matches: list[Match], guards: dict[str, Guard]) -> tuple[list[Match], list[Miss]]:
@@ -718,7 +780,7 @@ def _solve_pair(
             elif result.score > best.score:
                 best = result
     if len(solutions) == 1:
-        decided = named_by if named_buffer is not None or rel.pins.buffers else "structure"
+        decided = "pin" if rel.pins.buffers and named_by != "structure" else (named_by if named_buffer is not None else "structure")
         return dataclasses.replace(solutions[0], roles_from=decided)
     if solutions:
         # One step's algebra cannot tell the buffer from the gradient when both are inputs: buf' = 0.9*buf + g
