@@ -142,11 +142,16 @@ def to_onnx_atc(
     """
     line = product_line_for_soc(soc)
     source, _ = prepare(model, optimise=optimise)
-    check_product_line(build_index(source), [n for n in source.graph.node if is_sgd_node(n)], line)
     result = onnx.ModelProto()
     result.CopyFrom(source)
-    _set_domains(result.graph, explicit=explicit_onnx_domain)
-    _set_opset_domains(result, explicit=explicit_onnx_domain)
+    # The default domain as "" first: ONNX shape inference, which the product-line check reads, knows no
+    # "ai.onnx" on nodes (an input already written with explicit domains is accepted too).
+    _set_domains(result.graph, explicit=False)
+    _set_opset_domains(result, explicit=False)
+    check_product_line(build_index(result), [n for n in result.graph.node if is_sgd_node(n)], line)
+    if explicit_onnx_domain:
+        _set_domains(result.graph, explicit=True)
+        _set_opset_domains(result, explicit=True)
     sgd_nodes = [n for n in result.graph.node if is_sgd_node(n)]
     for node in sgd_nodes:
         _sgd_attributes_for_atc(node)
