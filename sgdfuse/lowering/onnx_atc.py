@@ -383,7 +383,8 @@ inline bool FloatFromBits(int64_t bits, const char *name, float &value, std::str
   const uint32_t pattern = static_cast<uint32_t>(bits);
   std::memcpy(&value, &pattern, sizeof value);
   if (!std::isfinite(value)) {
-    error = std::string("attribute ") + name + " is " + std::to_string(bits) + ", the bit pattern of a non-finite float";
+    error = std::string("attribute ") + name + " is " + std::to_string(bits) +
+            ", the bit pattern of a non-finite float";
     return false;
   }
   return true;
