@@ -155,6 +155,9 @@ def to_onnx_atc(
     sgd_nodes = [n for n in result.graph.node if is_sgd_node(n)]
     for node in sgd_nodes:
         _sgd_attributes_for_atc(node)
+    for entry in result.opset_import:
+        if entry.domain == DOMAIN:
+            entry.version = OP_VERSION  # the version is part of the key the plugin registers
     if sgd_nodes and not any(e.domain == DOMAIN for e in result.opset_import):
         result.opset_import.add(domain=DOMAIN, version=OP_VERSION)
     del result.functions[:]
