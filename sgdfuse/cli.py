@@ -369,6 +369,12 @@ def lower_command(
         help="Run the GE graph in sgdfuse's executor against onnxruntime on the fused model before writing it.",
     ),
     steps: int = typer.Option(3, "--steps", min=1, help="Chained steps of the check."),
+    explicit_onnx_domain: bool = typer.Option(
+        False,
+        "--explicit-onnx-domain",
+        help="onnx-atc only: write standard nodes in domain ai.onnx instead of \"\", for ATC parsers that refuse "
+        "an empty domain beside ai.sgdfuse (onnx.checker refuses that form; see docs/atc.md).",
+    ),
 ) -> None:
     """Lower MODEL to the Ascend Graph Engine for one SoC (GE IR .air, or ONNX prepared for ATC).
 
@@ -386,6 +392,8 @@ def lower_command(
         raise typer.BadParameter(f"{output_format!r} is not one of 'air', 'onnx-atc'", param_hint="--format")
     if output_format == "onnx-atc" and json_path is not None:
         raise typer.BadParameter("--json describes a GE graph; use it with --format air", param_hint="--json")
+    if output_format != "onnx-atc" and explicit_onnx_domain:
+        raise typer.BadParameter("--explicit-onnx-domain shapes the ONNX for ATC; use it with --format onnx-atc", param_hint="--explicit-onnx-domain")
     # An unknown SoC fails before the work, not after it; any case is accepted, ATC's spelling is written.
     soc = contract.canonical_soc(soc)
     _require_input(model)
@@ -436,9 +444,16 @@ def lower_command(
         )
 
     if output_format == "onnx-atc":
-        written, plugin = onnx_atc.write_onnx_atc(fused, destination, soc=soc, optimise=False)
-        _out.print(f"Wrote {written} (SGD nodes as {onnx_atc.ATC_OP_KEY}, standard nodes in domain ai.onnx)")
-        _out.print(f"Wrote {plugin} (ATC op plugin source mapping {onnx_atc.ATC_OP_KEY} to GE SGD)")
+        written, plugin = onnx_atc.write_onnx_atc(
+            fused, destination, soc=soc, optimise=False, explicit_onnx_domain=explicit_onnx_domain
+        )
+        domains = (
+            f"standard nodes in domain {onnx_atc.STANDARD_DOMAIN} (onnx.checker refuses this form)"
+            if explicit_onnx_domain
+            else 'standard nodes in the default domain ""'
+        )
+        _out.print(f"Wrote {written} (SGD nodes as {onnx_atc.ATC_OP_KEY}, {domains})", markup=False, highlight=False, soft_wrap=True)
+        _out.print(f"Wrote {plugin} (ATC op plugin source mapping {onnx_atc.ATC_OP_KEY} to GE SGD)", markup=False, highlight=False, soft_wrap=True)
         return
     lowered = lowering.lower(fused, soc=soc, optimise=False)
     if verify:
