@@ -128,7 +128,8 @@ def _print_fused(report: Report) -> None:
         return
     table = Table(title=f"Fused updates ({len(report.fused)})")
     for column in ("parameters", "gradient", "momentum buffer", "lr", "momentum", "dampening", "weight decay", "form", "roles from"):
-        table.add_column(column)
+        # Numbers stay on one line (a FLOAT16 value and its exact value read as one); names may wrap.
+        table.add_column(column, no_wrap=column in ("lr", "momentum", "dampening", "weight decay"))
     narrow = sorted({f.dtype for f in report.fused if f.dtype in ("FLOAT16", "BFLOAT16")})
     for f in report.fused:
         form = ", ".join(x for x in ("nesterov" if f.nesterov else "", "maximize" if f.maximize else "") if x) or "plain"

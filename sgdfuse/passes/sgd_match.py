@@ -33,21 +33,12 @@ from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.linear import ONE, Form, Normaliser, Poly, add_forms, format_form, format_poly, scale_form
 from sgdfuse.passes.precision import FLOAT_DTYPES, SPACINGS, Precision, round_to_dtype, working_precision
 
-__all__ = ["Match", "Miss", "FirstStep", "RolePins", "REASONS", "ROLE_EVIDENCE", "find_updates", "coefficient_tolerance"]
+__all__ = ["Match", "Miss", "FirstStep", "RolePins", "REASONS", "ROLE_EVIDENCE", "Guard", "find_updates"]
 
 logger = logging.getLogger(__name__)
 
-_EPS = {onnx.TensorProto.FLOAT: 2.0**-23, onnx.TensorProto.FLOAT16: 2.0**-10, onnx.TensorProto.BFLOAT16: 2.0**-7}
-
-
-def coefficient_tolerance(dtype: int) -> float:
-    """Relative tolerance for comparing coefficients read from constants of ``dtype``.
-
-    Exporters fold products of hyper-parameters (``-lr``, ``lr·m``, ``1 - d``) into one constant of the
-    model's dtype; each fold rounds once. Four machine epsilons cover a product of up to three rounded
-    factors; anything further apart is a different coefficient, not a rounding of the same one.
-    """
-    return 4 * _EPS.get(dtype, 2.0**-23)
+_EPS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
+"""The dtypes the SGD operator keeps state in (the only candidates for an update)."""
 
 
 class LazyText:
@@ -710,7 +701,7 @@ def _solve_pair(
     v: str,
     form_w: Form,
     form_v: Form,
-    rel: float,
+    rel: "_Reading",
     selection: tuple[str, Form, bool, str] | None,
 ) -> Match | Miss:
     first = [n for n in (_previous_by_name(index, w, rel.pins), _previous_by_name(index, v, rel.pins)) if n]
@@ -830,7 +821,7 @@ def _solve_roles(
     p: str,
     a: str,
     m: Poly,
-    rel: float,
+    rel: "_Reading",
     equation: str,
     selection: tuple[str, Form, bool, str] | None,
 ) -> Match | Miss:
