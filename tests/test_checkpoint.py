@@ -314,3 +314,38 @@ def test_npz_checkpoint_is_read_without_pickle(tmp_path):
     np.savez(path, w=np.array([object()], dtype=object))
     with pytest.raises(CheckpointError, match="plain arrays"):
         read_checkpoint(path)
+
+
+# -- MindSpore mint.optim.SGD checkpoints -------------------------------------------------------------------
+def _mindspore():
+    return pytest.importorskip("mindspore", reason="MindSpore is not installed here (CI installs .[test,mindspore])")
+
+
+def test_mindspore_checkpoint_resumes_the_fused_step_like_mint_optim_sgd(fused):
+    # testdata/checkpoint/make_mindspore_checkpoint.py: the same network, names and groups in MindSpore; the
+    # checkpoint after K steps (step_t = K), and mint.optim.SGD's next step.
+    _mindspore()
+    checkpoint = read_checkpoint(DATA / "mindspore.ckpt")
+    assert checkpoint.step == 2 and set(checkpoint.buffers) == set(NAMES)
+    result = checkpoint_feeds(checkpoint, fused)
+    assert [u.stat for u in result.updates] == [0] * len(NAMES) and not result.warnings
+    with np.load(DATA / "mindspore_expected.npz") as data:
+        expected = {k: data[k] for k in data.files}
+    ran = _run_steps(fused, result.feeds, {f"grad/0/{n}": expected[f"grad/{n}"] for n in NAMES}, 1)[0]
+    start = {n: checkpoint.tensors[n] for n in NAMES} | {f"{n}/momentum_buffer": checkpoint.buffers[n] for n in NAMES}
+    after = {f"grad/0/{n}": expected[f"grad/{n}"] for n in NAMES} | {f"param/0/{n}": expected[f"param/{n}"] for n in NAMES}
+    after |= {f"buf/0/{n}": expected[f"buf/{n}"] for n in NAMES}
+    bounds = _accumulated_bounds(start, after, 1)[0]
+    for n in NAMES:
+        assert np.all(np.abs(ran[n].astype(np.float64) - expected[f"param/{n}"]) <= bounds[n]), n
+        assert np.all(np.abs(ran[f"buf.{n}"].astype(np.float64) - expected[f"buf/{n}"]) <= bounds[f"buf.{n}"]), n
+
+
+def test_mindspore_checkpoint_at_step_zero_is_every_parameters_first_step(fused):
+    # step_t == 0: mint.optim.SGD copies the gradient into every buffer, so the saved zero buffers are not
+    # state; fc1 dampens (0.25) and this model computes stat = 0, so its first step is refused.
+    _mindspore()
+    checkpoint = read_checkpoint(DATA / "mindspore_step0.ckpt")
+    assert checkpoint.step == 0 and checkpoint.buffers == {}
+    with pytest.raises(CheckpointError, match="'fc1.weight'.*first"):
+        checkpoint_feeds(checkpoint, fused)
