@@ -155,7 +155,7 @@ def _read_torch(path: str) -> Checkpoint:
     try:
         import torch
     except ImportError as error:
-        raise CheckpointError(path, "", "reading .pt needs PyTorch (pip install torch), or export the checkpoint to .npz/.safetensors (docs/checkpoint.md)") from error
+        raise CheckpointError(path, "", "reading .pt needs PyTorch: pip install 'sgdfuse[torch]', or export the checkpoint to .npz/.safetensors (docs/checkpoint.md)") from error
     try:
         # weights_only: the file is untrusted; only tensors and plain containers are unpickled.
         content = torch.load(path, map_location="cpu", weights_only=True)
@@ -238,7 +238,7 @@ class StatSource:
     def describe(self) -> str:
         """One phrase for tables and JSON."""
         if self.kind == "zeros":
-            return "computed as 0 in the graph (not an input)"
+            return "computed as 0 in the graph"
         if self.kind == "input":
             return f"graph input {self.input}"
         if self.kind == "condition":
@@ -602,8 +602,8 @@ def _stat_feeds(ckpt: Checkpoint, updates: list[UpdateState], mapped: list[Mappe
                     f"stat = 0 and dampens by {update.dampening:g} on every step: that first step cannot be expressed; "
                     "take the checkpoint after one more step, or export the step with a first-step condition as an input",
                 )
-            entry.stat_fed = source.describe() + ("; the buffer is fed as zeros, and with dampening 0 the step is m*0 + grad = grad, "
-                                                  "the first step" if entry.stat == 1 else "")
+            # With dampening 0, stat has no effect: a zero buffer gives m*0 + grad = grad, the optimizers' first step.
+            entry.stat_fed = source.describe() + ("; exact: zero buffer and dampening 0 give buf = grad" if entry.stat == 1 else "")
         elif source.kind == "input":
             spec_dtype = onnx_to_numpy_dtype(update.dtype)
             feeds[source.input] = np.full(feeds[update.parameters].shape, entry.stat, dtype=spec_dtype)
