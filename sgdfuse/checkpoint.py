@@ -256,7 +256,8 @@ class UpdateState:
     Attributes:
         node: the node's name.
         parameters, accum: the graph inputs fed to ports ``parameters`` and ``accum`` (through ``Identity``,
-            ``Cast``, and the rewrite's first-step ``Where(first, 0, buffer)``).
+            ``Cast``, and for ``accum`` the rewrite's first-step ``Where(first, 0, buffer)``): the report's
+            ``parameters`` and ``accum`` names.
         dtype: ONNX element type of ``parameters``; shape: its dims (ints, or str/None where not static).
         dampening: the node's ``dampening`` attribute.
         stat: how ``stat`` is provided.
@@ -286,7 +287,7 @@ def model_state(model: onnx.ModelProto, *, source: str = "<model>") -> list[Upda
         if not is_sgd_node(node):
             continue
         name = node.name or node.output[0]
-        parameters = _state_input(index, node.input[0], source, name, "parameters", follow=("Identity",))
+        parameters = _state_input(index, node.input[0], source, name, "parameters", follow=("Identity", "Cast", "CastLike"))
         accum = _state_input(index, node.input[3], source, name, "accum", follow=("Identity", "Cast", "CastLike", "Where"))
         p_spec, a_spec = index.spec(parameters), index.spec(accum)
         updates.append(
@@ -328,9 +329,8 @@ def _stat_source(index: GraphIndex, value: str) -> StatSource:
             spec = index.spec(value)
             if spec.dtype == onnx.TensorProto.BOOL:
                 return StatSource("condition", value, when=when, input_shape=spec.shape, input_dtype=spec.dtype)
-            if spec.shape is not None and len(spec.shape) <= 1 and spec.dtype in _INTEGER_TYPES:
-                return StatSource("computed", inputs=(value,))
-            return StatSource("input", value) if when else StatSource("computed", inputs=(value,))
+            # A float input reaching the port through Identity/Cast/Expand is stat itself.
+            return StatSource("input", value) if when and spec.dtype not in _INTEGER_TYPES else StatSource("computed", inputs=(value,))
         constant = index.constant(value)
         if constant is not None:
             return StatSource("zeros") if not np.any(constant) and when else StatSource("computed")
