@@ -7,9 +7,10 @@ first-step flag ``stat``, is whatever the graph computes for that port (:mod:`sg
 - zeros (``ConstantOfShape``): the original graph dampens on every step; a parameter on its first step is
   then exact only when its dampening is 0 (``accum`` fed as zeros gives ``m·0 + grad = grad``, the first
   step of ``torch.optim.SGD`` and ``mint.optim.SGD``), and refused otherwise;
-- ``Expand(Cast(condition))`` with the condition a boolean graph input (``first_step``) or ``Equal`` of an
-  integer graph input with a constant (a step counter, ``Equal(step, 0)``), possibly through ``Not``: that
-  input is fed so the condition says "first step" exactly for parameters with no buffer;
+- ``Expand(Cast(condition))`` with the condition a boolean graph input (``first_step``) or a comparison of an
+  integer graph input with a constant (a step counter: ``Equal(step, 0)``, ONNX ``Momentum``'s ``T <= 0``),
+  possibly through ``Not``: that input is fed so the condition says "first step" exactly for parameters with
+  no buffer;
 - a graph input itself: fed ``stat`` (1 or 0 in every element).
 
 The checkpoint decides ``stat`` as the optimizers do: 1 for a parameter with no momentum buffer yet (PyTorch:
@@ -220,16 +221,17 @@ class StatSource:
     Attributes:
         kind: ``"zeros"`` (computed as zeros), ``"input"`` (the graph input ``input`` is ``stat`` itself),
             ``"condition"`` (``stat`` is 1 where the boolean graph input ``input`` equals ``when``),
-            ``"step"`` (``stat`` is 1 where ``Equal(input, value)`` equals ``when``; ``input`` an integer
-            step counter), ``"computed"`` (none of these; ``inputs`` lists the graph inputs it depends on).
-        only_compared: for ``"step"``: the counter is read by nothing but such ``Equal`` nodes, so any value
-            other than ``value`` means "not the first step".
+            ``"step"`` (``stat`` is 1 where ``input relation value`` equals ``when``; ``input`` an integer
+            step counter, ``relation`` one of ``== < <= > >=``), ``"computed"`` (none of these; ``inputs`` lists the graph inputs it depends on).
+        only_compared: for ``"step"``: the counter is read by nothing but this same comparison, so sgdfuse
+            may pick its value.
     """
 
     kind: str
     input: str = ""
     when: bool = True
     value: int = 0
+    relation: str = "=="
     only_compared: bool = False
     inputs: tuple[str, ...] = ()
     input_shape: tuple | None = None
@@ -244,8 +246,8 @@ class StatSource:
         if self.kind == "condition":
             return f"from graph input {self.input} (first step where it is {str(self.when).lower()})"
         if self.kind == "step":
-            relation = "==" if self.when else "!="
-            return f"from graph input {self.input} (first step where {self.input} {relation} {self.value})"
+            negation = "" if self.when else "not "
+            return f"from graph input {self.input} (first step where {negation}{self.input} {self.relation} {self.value})"
         return f"computed from {', '.join(self.inputs) or 'constants'} (not set from a checkpoint)"
 
 
@@ -345,7 +347,7 @@ def _stat_source(index: GraphIndex, value: str) -> StatSource:
             value = producer.input[0]
         elif producer.op_type == "Not":
             when, value = not when, producer.input[0]
-        elif producer.op_type == "Equal":
+        elif producer.op_type in _COMPARISONS:
             return _step_source(index, producer, when)
         else:
             return StatSource("computed", inputs=tuple(sorted(_graph_inputs_reaching(index, value))))
@@ -355,20 +357,50 @@ _INTEGER_TYPES = {onnx.TensorProto.INT32, onnx.TensorProto.INT64, onnx.TensorPro
                   onnx.TensorProto.UINT8, onnx.TensorProto.UINT16, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64}
 
 
-def _step_source(index: GraphIndex, equal: onnx.NodeProto, when: bool) -> StatSource:
-    """``Equal(counter, constant)`` on an integer graph input (either order) → a ``"step"`` source."""
-    for counter, other in ((equal.input[0], equal.input[1]), (equal.input[1], equal.input[0])):
-        constant = index.constant(other)
-        if _is_feedable(index, counter) and constant is not None and constant.size == 1 and index.spec(counter).dtype in _INTEGER_TYPES:
-            value = int(constant.reshape(-1)[0])
-            readers = [index.graph.node[i] for i in index.consumers.get(counter, [])]
-            only = counter not in index.graph_outputs and counter not in index.subgraph_reads and all(
-                r.op_type == "Equal" and {index.constant(x).reshape(-1)[0] if index.constant(x) is not None and index.constant(x).size == 1 else None for x in r.input if x != counter} == {value}
-                for r in readers
-            )
-            spec = index.spec(counter)
-            return StatSource("step", counter, when=when, value=value, only_compared=only, input_shape=spec.shape, input_dtype=spec.dtype)
-    return StatSource("computed", inputs=tuple(sorted(_graph_inputs_reaching(index, equal.output[0]))))
+_COMPARISONS = {"Equal": "==", "Less": "<", "LessOrEqual": "<=", "Greater": ">", "GreaterOrEqual": ">="}
+_MIRRORED = {"==": "==", "<": ">", "<=": ">=", ">": "<", ">=": "<="}  # C < t is t > C
+
+
+def _comparison(index: GraphIndex, node: onnx.NodeProto, counter: str) -> tuple[str, int] | None:
+    """``(relation, C)`` when ``node`` compares ``counter`` with a one-element integer constant C, read as
+    ``counter relation C``; else None."""
+    relation = _COMPARISONS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+    if relation is None or len(node.input) != 2 or counter not in node.input or node.input[0] == node.input[1]:
+        return None
+    other = node.input[1] if node.input[0] == counter else node.input[0]
+    constant = index.constant(other)
+    if constant is None or constant.size != 1 or constant.dtype.kind not in "iu":
+        return None
+    return (relation if node.input[0] == counter else _MIRRORED[relation]), int(constant.reshape(-1)[0])
+
+
+def _step_source(index: GraphIndex, compare: onnx.NodeProto, when: bool) -> StatSource:
+    """``counter relation C`` on an integer graph input (``Equal(step, 0)``, ONNX ``Momentum``'s ``T <= 0``)
+    → a ``"step"`` source; else ``"computed"``."""
+    for counter in compare.input:
+        found = _comparison(index, compare, counter) if _is_feedable(index, counter) else None
+        if found is None or index.spec(counter).dtype not in _INTEGER_TYPES:
+            continue
+        relation, value = found
+        readers = [index.graph.node[i] for i in index.consumers.get(counter, [])]
+        only = (
+            counter not in index.graph_outputs
+            and counter not in index.subgraph_reads
+            and all(_comparison(index, r, counter) == found for r in readers)
+        )
+        spec = index.spec(counter)
+        return StatSource("step", counter, when=when, value=value, relation=relation, only_compared=only, input_shape=spec.shape, input_dtype=spec.dtype)
+    return StatSource("computed", inputs=tuple(sorted(_graph_inputs_reaching(index, compare.output[0]))))
+
+
+def _counter_for(relation: str, value: int, truth: bool) -> int:
+    """A counter value ``t`` with ``(t relation value) == truth``."""
+    choices = {"==": (value, value + 1), "<=": (value, value + 1), "<": (value - 1, value), ">": (value + 1, value), ">=": (value, value - 1)}
+    return choices[relation][0 if truth else 1]
+
+
+def _holds(relation: str, counter: int, value: int) -> bool:
+    return {"==": counter == value, "<": counter < value, "<=": counter <= value, ">": counter > value, ">=": counter >= value}[relation]
 
 
 def _graph_inputs_reaching(index: GraphIndex, value: str) -> set[str]:
@@ -637,19 +669,19 @@ def _flag_value(ckpt: Checkpoint, update: UpdateState, entry: MappedUpdate) -> n
     shape = _flag_shape(ckpt, source)
     if source.kind == "condition":
         return np.full(shape, first == source.when, dtype=np.bool_)
-    equal = first == source.when  # the Equal must come out true
+    truth = first == source.when  # what the comparison must give
     if not source.only_compared:
         if ckpt.step is None:
             raise CheckpointError(
                 ckpt.source, source.input,
                 f"the step counter {source.input!r} is read by more than the first-step test, and the checkpoint has no step count; feed it yourself",
             )
-        if (ckpt.step == source.value) != equal:
+        if _holds(source.relation, ckpt.step, source.value) != truth:
             raise CheckpointError(ckpt.source, source.input, f"the checkpoint's step count {ckpt.step} contradicts its buffers for {entry.checkpoint_name!r}")
         value = ckpt.step
     else:
-        # Only Equal(counter, value) reads the counter: value itself, or the next integer, decide it alone.
-        value = source.value if equal else source.value + 1
+        # Only this comparison reads the counter: any value on the right side of it decides the flag alone.
+        value = _counter_for(source.relation, source.value, truth)
     return np.full(shape, value, dtype=onnx_to_numpy_dtype(source.input_dtype))
 
 

@@ -349,3 +349,37 @@ def test_mindspore_checkpoint_at_step_zero_is_every_parameters_first_step(fused)
     assert checkpoint.step == 0 and checkpoint.buffers == {}
     with pytest.raises(CheckpointError, match="'fc1.weight'.*first"):
         checkpoint_feeds(checkpoint, fused)
+
+
+@pytest.mark.parametrize("has_buffer", [False, True], ids=["first-step", "later-step"])
+def test_onnx_momentum_update_count_is_fed_from_the_checkpoint(has_buffer):
+    # ONNX's ai.onnx.preview.training::Momentum (standard mode) decides its first step with T <= 0 on the
+    # update count T; fused, stat comes from that comparison. Expected: torch.optim.SGD's rule with
+    # m = alpha, 1 - d = beta, weight decay = norm_coefficient, lr = R, in float64.
+    alpha, beta, norm, lr = 0.9, 0.25, 0.01, 0.1
+    f = TensorProto.FLOAT
+    node = helper.make_node("Momentum", ["R", "T", "X", "G", "V"], ["X_new", "V_new"], domain="ai.onnx.preview.training",
+                            alpha=alpha, beta=beta, norm_coefficient=norm, mode="standard")
+    inputs = [helper.make_tensor_value_info("R", f, []), helper.make_tensor_value_info("T", TensorProto.INT64, [])]
+    inputs += [helper.make_tensor_value_info(n, f, [3, 2]) for n in ("X", "G", "V")]
+    outputs = [helper.make_tensor_value_info(n, f, [3, 2]) for n in ("X_new", "V_new")]
+    model = helper.make_model(helper.make_graph([node], "m", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.onnx.preview.training", 1)])
+    result = sgdfuse.optimize(model)
+    rng = np.random.default_rng(1)
+    x, g, v = (rng.standard_normal((3, 2)).astype(np.float32) for _ in range(3))
+    mapped = checkpoint_feeds(Checkpoint.from_flat({"X": x} | ({"X/momentum_buffer": v} if has_buffer else {})), result.model)
+    assert mapped.feeds["T"].dtype == np.int64
+    feeds = mapped.feeds | {"G": g, "R": np.array(lr, np.float32)}
+    got_x, got_v = make_session(result.model).run(["X_new", "V_new"], feeds)
+    grad = g.astype(np.float64) + norm * x
+    want_v = grad if not has_buffer else alpha * v.astype(np.float64) + beta * grad
+    np.testing.assert_allclose(got_v, want_v, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got_x, x - lr * want_v, rtol=1e-6, atol=1e-6)
+
+
+def test_a_missing_checkpoint_file_is_one_error_line(fused, tmp_path, capsys):
+    code, _, err = _cli("state", tmp_path / "nope.npz", "--model", fused, "-o", tmp_path / "feeds.npz", capsys=capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and "nope.npz" in lines[0] and "no such file" in lines[0]
+    assert not (tmp_path / "feeds.npz").exists()
