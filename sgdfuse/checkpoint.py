@@ -320,6 +320,7 @@ def _state_input(index: GraphIndex, value: str, source: str, node: str, port: st
 
 
 def _is_feedable(index: GraphIndex, value: str) -> bool:
+    # A graph input, also one with an initializer (its default): onnxruntime lets a feed replace it.
     return index.is_input_name(value)
 
 

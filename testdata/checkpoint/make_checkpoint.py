@@ -19,7 +19,9 @@ What it writes into ``testdata/checkpoint/``:
 - ``manifest.json``: K, N, the groups' hyper-parameters and the versions used.
 
 Run: ``/path/to/venv-with-torch/bin/python testdata/checkpoint/make_checkpoint.py`` (torch 2.13.0 CPU, onnx,
-numpy, safetensors). Two runs give the same files.
+numpy, safetensors). Seeded: two runs give the same arrays, the same ``step.onnx`` bytes and manifest (the
+``.npz`` zip headers carry the write time). ``checkpoint.pt`` (``torch.save`` of both state dicts, for trying
+the torch reader) is written too and not committed: CI has no torch.
 """
 
 from __future__ import annotations
