@@ -631,7 +631,7 @@ def _stat_feeds(ckpt: Checkpoint, updates: list[UpdateState], mapped: list[Mappe
             if entry.stat == 1 and update.dampening != 0:
                 raise CheckpointError(
                     ckpt.source, entry.checkpoint_name,
-                    f"has no momentum buffer, so its next step is its first (no dampening), but SGD node {update.node!r} computes "
+                    f"has no momentum buffer yet, so its next step is its first (which does not dampen), but SGD node {update.node!r} computes "
                     f"stat = 0 and dampens by {update.dampening:g} on every step: that first step cannot be expressed; "
                     "take the checkpoint after one more step, or export the step with a first-step condition as an input",
                 )

@@ -490,7 +490,7 @@ def state_command(
     model: Path = typer.Option(..., "--model", help="The fused ONNX model (sgdfuse optimize's output)."),
     output: Path = typer.Option(..., "-o", "--output", help="Feeds to write (.npz, keys the ONNX input names)."),
     name_map: Optional[list[str]] = typer.Option(
-        None, "--map", help="CHECKPOINT_NAME=ONNX_INPUT for a parameter the exporter renamed (repeatable)."
+        None, "--map", metavar="NAME=INPUT", help="CHECKPOINT_NAME=ONNX_INPUT for a parameter the exporter renamed (repeatable)."
     ),
     soc: Optional[str] = typer.Option(
         None, "--soc", help="Also write the GE init graph's <state>/initial_value inputs for this SoC (the model is lowered to learn them)."

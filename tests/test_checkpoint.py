@@ -10,7 +10,6 @@ N steps (derived below).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
