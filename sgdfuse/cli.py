@@ -485,6 +485,58 @@ def lower_command(
         _out.print(f"Wrote {json_path}")
 
 
+@app.command("state")
+def state_command(
+    checkpoint: Path = typer.Argument(..., help="Checkpoint: .npz or .safetensors (flat layout), .pt/.pth (needs torch), .ckpt (needs mindspore)."),
+    model: Path = typer.Option(..., "--model", help="The fused ONNX model (sgdfuse optimize's output)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Feeds to write (.npz, keys the ONNX input names)."),
+    name_map: Optional[list[str]] = typer.Option(
+        None, "--map", metavar="NAME=INPUT", help="CHECKPOINT_NAME=ONNX_INPUT for a parameter the exporter renamed (repeatable)."
+    ),
+    soc: Optional[str] = typer.Option(
+        None, "--soc", help="Also write the GE init graph's <state>/initial_value inputs for this SoC (the model is lowered to learn them)."
+    ),
+    init_output: Optional[Path] = typer.Option(
+        None, "--init-output", help="Where to write the GE init feeds (.npz; default: OUTPUT with .init.npz); needs --soc."
+    ),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the mapping as JSON."),
+) -> None:
+    """Map CHECKPOINT onto the state inputs of a fused MODEL: parameters, momentum buffers (accum) and the
+    first-step flag (stat = 1 for a parameter with no buffer yet), written as .npz feeds by ONNX input name
+    and, with --soc, as the GE init graph's initial values. A missing parameter or a shape or dtype mismatch is
+    an error and nothing is written; a checkpoint tensor that maps to nothing is a warning."""
+    from sgdfuse.checkpoint import checkpoint_feeds, parse_name_map
+
+    if init_output is not None and soc is None:
+        raise typer.BadParameter("the GE init feeds need the SoC the model is lowered for; give --soc", param_hint="--init-output")
+    if soc is not None:
+        soc = contract.canonical_soc(soc)
+        if init_output is None:
+            stem = output.name[: -len(".npz")] if output.name.endswith(".npz") else output.name
+            init_output = output.with_name(stem + ".init.npz")
+    for path in (output, init_output, json_path):
+        if path is not None:
+            resolve_destination(path)
+    _require_input(model)
+    result = checkpoint_feeds(checkpoint, model, name_map=parse_name_map(name_map), soc=soc)
+    for line in result.warnings:
+        _err.print(f"warning: {line}", markup=False, highlight=False, soft_wrap=True)
+    table = Table(title=f"{checkpoint.name} → {model.name}")
+    for column in ("checkpoint", "parameters", "accum", "buffer", "stat", "how stat reaches the model"):
+        table.add_column(column)
+    for entry in result.updates:
+        buffer = "yes" if entry.has_buffer else "none (first step): zeros"
+        table.add_row(entry.checkpoint_name, entry.parameters, entry.accum, buffer, str(entry.stat), entry.stat_fed)
+    with OutputBatch() as batch:
+        result.save(output, init_path=init_output, batch=batch)
+        if json_path is not None:
+            batch.stage(json_path, (result.to_json() + "\n").encode())
+        batch.commit()
+    _out.print(table)
+    written = [str(output)] + [str(p) for p in (init_output, json_path) if p is not None]
+    _out.print(f"Wrote {', '.join(written)}.", markup=False, highlight=False)
+
+
 def _write_text(path: Path, text: str) -> None:
     write_bytes(path, (text + "\n").encode())
 

@@ -18,6 +18,7 @@ __all__ = [
     "DtypeContractError",
     "ProductLineError",
     "UnknownSocError",
+    "CheckpointError",
 ]
 
 
@@ -124,3 +125,17 @@ class UnknownSocError(ProductLineError):
         self.subject = f"--soc {soc}"
         self.soc = soc
         self.suggestions = list(suggestions)
+
+
+class CheckpointError(SgdfuseError):
+    """A checkpoint does not fit the fused model it is mapped onto (a missing parameter, a shape or dtype
+    mismatch, a first step the model cannot express), or cannot be read; nothing is written.
+
+    Attributes:
+        path: the checkpoint file. tensor: the tensor the message is about ("" when about the whole file).
+    """
+
+    def __init__(self, path: str, tensor: str, message: str) -> None:
+        super().__init__(f"{path}: {'tensor ' + repr(tensor) + ': ' if tensor else ''}{message}")
+        self.path = path
+        self.tensor = tensor
