@@ -154,7 +154,10 @@ class StateVariable:
         assigned: the ONNX value ``Assign``-ed to the variable on every step before the ``SGD`` op writes
             it (a port fed a computed value), else None.
         next_value: the ONNX value ``Assign``-ed to the variable after the ``SGD`` op (the output of the
-            runtime-momentum ``If`` that selects the buffer, see the module docstring), else None.
+            runtime-momentum ``If`` that selects the buffer, or of the guard ``Where`` that keeps the old
+            state on a skipped step, see the module docstring), else None.
+        guarded_by: for a guarded update, the ONNX boolean value that selects between the old state and the
+            op's result (``next_value`` is then the guard's output), else None.
     """
 
     name: str
@@ -168,6 +171,7 @@ class StateVariable:
     shape_from: str | None = None
     assigned: str | None = None
     next_value: str | None = None
+    guarded_by: str | None = None
 
 
 @dataclasses.dataclass
@@ -281,6 +285,7 @@ def plan_state(index: GraphIndex) -> StatePlan:
     sources_of = _Sources(index)
     shaped_sources = _ShapedSources(index)
     selections = _selections(index)
+    outputs = set(index.graph_outputs)
     for position, node in enumerate(index.graph.node):
         if not _is_sgd(node):
             continue
@@ -329,6 +334,11 @@ def plan_state(index: GraphIndex) -> StatePlan:
             shape_from = by_port[(position, 0)].name if fresh and (position, 0) in by_port else None
             if fresh and not spec.is_static and shape_from is None:
                 raise InPlaceStateError(subject, "a computed parameters input of dynamic shape cannot be sized for its variable")
+            next_value = _next_value(index, selections, node, port, spec)
+            guard = None
+            if not fresh and role != "stat":
+                new_value = next_value or (node.output[_NEW_VALUE_OF_PORT[port]] if _NEW_VALUE_OF_PORT[port] < len(node.output) else "")
+                guard = _guard(index, outputs, new_value, state, spec, role, subject) if new_value else None
             variable = StateVariable(
                 name=name,
                 role=role,
@@ -340,7 +350,8 @@ def plan_state(index: GraphIndex) -> StatePlan:
                 initial=initial,
                 shape_from=shape_from,
                 assigned=assigned,
-                next_value=_next_value(index, selections, node, port, spec),
+                next_value=guard[0] if guard else next_value,
+                guarded_by=guard[1] if guard else None,
             )
             variables.append(variable)
             by_port[(position, port)] = variable
@@ -351,6 +362,60 @@ def plan_state(index: GraphIndex) -> StatePlan:
 
 _OUTPUT_OF_PORT = {3: 1, 5: 2}
 """SGD output index carrying the new value of a writable port (``accum_out``, ``stat_out``)."""
+
+_NEW_VALUE_OF_PORT = {0: 0, 3: 1, 5: 2}
+"""SGD output index carrying the op's result for each writable port (``parameters_out``, ``accum_out``,
+``stat_out``), before any guard selects it."""
+
+
+def _copies(index: GraphIndex, value: str) -> list[str]:
+    """``value`` and every value that is an ``Identity`` copy of it (transitively), in discovery order."""
+    found = [value]
+    for name in found:
+        for position in index.consumers.get(name, ()):
+            node = index.graph.node[position]
+            if node.op_type == "Identity" and node.domain in _STANDARD and node.output and node.output[0] not in found:
+                found.append(node.output[0])
+    return found
+
+
+def _guard(
+    index: GraphIndex, outputs: set[str], new: str, state: str, spec: TensorSpec, role: str, subject: str
+) -> tuple[str, str] | None:
+    """``(guarded output, condition)`` when the op's result ``new`` for the state ``state`` reaches the step's
+    outputs through a guard: ``Where(condition, state, new)`` or ``Where(condition, new, state)`` (each
+    branch possibly through ``Identity``), a boolean condition, the state's shape and dtype, the ``Where``'s
+    output (or a copy of it) one of the graph ``outputs``. That output, not ``new``, is then the state's next value: on a
+    skipped step it is the old state. ``None`` when ``new`` is not guarded.
+
+    Raises:
+        InPlaceStateError: several such outputs (which one is the next value is ambiguous).
+    """
+    found: dict[str, str] = {}
+    for read in _copies(index, new):
+        for position in index.consumers.get(read, ()):
+            where = index.graph.node[position]
+            if where.op_type != "Where" or where.domain not in _STANDARD or len(where.input) != 3 or len(where.output) != 1:
+                continue
+            condition, if_true, if_false = where.input
+            kept = if_false if if_true == read else if_true if if_false == read else None
+            if kept is None or _through(index, kept, ("Identity",)) != state:
+                continue
+            if index.spec(condition).dtype != onnx.TensorProto.BOOL:
+                continue
+            output = where.output[0]
+            out_spec = index.spec(output)
+            if out_spec.dtype != spec.dtype or out_spec.shape is None or out_spec.shape != spec.shape:
+                continue  # a Where that broadcasts to another shape is not the state's next value
+            if any(name in outputs for name in _copies(index, output)):
+                found[output] = condition
+    if len(found) > 1:
+        raise InPlaceStateError(
+            subject,
+            f"the update's new {role} {new} is selected against the old {state} by several guarded outputs "
+            f"({', '.join(sorted(found))}); which one is the next {role} is ambiguous",
+        )
+    return next(iter(found.items())) if found else None
 
 
 def _selections(index: GraphIndex) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
@@ -575,6 +640,14 @@ def lower_sgd(ctx: NodeLowering) -> None:
         graph.writers.setdefault(plan.by_port[(ctx.position, port)].name, []).append(op.name)
     graph.sgd_ops.append(op.name)
     ctx.set_output(0, op.output(0))
+    parameters = plan.by_port[(ctx.position, 0)]
+    if parameters.next_value is not None and _read_besides(graph.index, ctx.node.output[0], parameters.next_value):
+        # A guarded parameters variable is restored by its write-back on a skipped step, and output 0 is a ref
+        # of that variable: readers of the op's result other than the guard read a copy taken before.
+        copy = ctx.op("TensorMove", [("x", op.output(0))], [("y", ctx.output_spec(0))], suffix="parameters_after_write")
+        graph.after_write.add(copy.name)
+        graph.after_write_of.setdefault(parameters.name, []).append(copy.name)
+        ctx.set_output(0, copy.output(0))
     for out_index, port in ((1, 3), (2, 5)):
         value = ctx.node.output[out_index] if out_index < len(ctx.node.output) else ""
         if not value or not graph.index.is_used(value):
@@ -585,6 +658,18 @@ def lower_sgd(ctx: NodeLowering) -> None:
         graph.after_write.add(snapshot.name)
         graph.after_write_of.setdefault(plan.by_port[(ctx.position, port)].name, []).append(snapshot.name)
         ctx.set_output(out_index, snapshot.output(0))
+
+
+def _read_besides(index: GraphIndex, value: str, guarded: str) -> bool:
+    """True when ``value`` is read by anything but the one node producing ``guarded`` (another node, a
+    subgraph, a graph output)."""
+    readers = index.consumers.get(value, [])
+    return (
+        value in index.subgraph_reads
+        or value in index.graph_outputs
+        or len(readers) != 1
+        or index.producer.get(guarded) != readers[0]
+    )
 
 
 def add_write_backs(graph: GraphLowering) -> None:
