@@ -16,7 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import sgdfuse
 from sgdfuse import runtime
-from sgdfuse.fused_op import is_sgd_node
+from sgdfuse.contract import SgdAttributes
+from sgdfuse.fused_op import ensure_sgd_function, is_sgd_node, make_sgd_node
 from sgdfuse.lowering.errors import InPlaceStateError
 from sgdfuse.lowering.verify import verify_lowering
 from steps_support import ENTRIES, STEPS_DIR, step_feeds
@@ -170,6 +171,67 @@ def test_readers_of_the_unguarded_new_parameters_read_them_before_the_restore():
     original = guarded_step(extra_reader=True)
     _, lowered = lowered_guarded(original)
     run_steps(original, lowered, SKIPS, condition="found_inf", skip_when=True)
+
+
+def first_step_pair(dampening: float = 0.25) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """PyTorch's first step under a found_inf guard, unfused (``buf' = Where(first, g, m*buf + (1-d)*g)``) and
+    fused by hand the way the rewrite feeds the op on a first step (``accum = Where(first, 0, buf)``, ``stat =
+    Expand(Cast(first), Shape(p))``: the contract then gives ``buf' = g``); both guarded by the same Where
+    outputs. Lowered, the buffer is assigned its zeroed value before the op and stat is a variable of its
+    own assigned every step."""
+    inputs = [vi("p"), vi("g"), vi("buf"), vi("first", TensorProto.BOOL, ()), vi("found_inf", TensorProto.BOOL, ())]
+    outputs = [vi("p_out"), vi("buf_out")]
+    constants = [scalar("lr", 0.1), scalar("mom", 0.9)]
+    guards = [helper.make_node("Where", ["found_inf", "p", "p_new"], ["p_out"]), helper.make_node("Where", ["found_inf", "buf", "buf_new"], ["buf_out"])]
+    unfused_nodes = [
+        helper.make_node("Mul", ["buf", "mom"], ["buf_m"]),
+        helper.make_node("Mul", ["g", "one_minus_d"], ["g_d"]),
+        helper.make_node("Add", ["buf_m", "g_d"], ["buf_later"]),
+        helper.make_node("Where", ["first", "g", "buf_later"], ["buf_new"]),
+        helper.make_node("Mul", ["buf_new", "lr"], ["lr_step"]),
+        helper.make_node("Sub", ["p", "lr_step"], ["p_new"]),
+        *guards,
+    ]
+    unfused = helper.make_graph(unfused_nodes, "first_step", inputs, outputs, initializer=[*constants, scalar("one_minus_d", 1.0 - dampening)])
+    fused_nodes = [
+        helper.make_node("Where", ["first", "zero", "buf"], ["accum"]),
+        helper.make_node("Cast", ["first"], ["first_f"], to=TensorProto.FLOAT),
+        helper.make_node("Shape", ["p"], ["p_shape"]),
+        helper.make_node("Expand", ["first_f", "p_shape"], ["stat"]),
+        make_sgd_node(("p", "g", "lr", "accum", "mom", "stat"), ("p_new", "buf_new", "stat_out"), SgdAttributes(dampening, 0.0, False), name="update/SGD"),
+        *guards,
+    ]
+    fused = helper.make_graph(fused_nodes, "first_step", inputs, outputs, initializer=[*constants, scalar("zero", 0.0)])
+    models = [helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8) for graph in (unfused, fused)]
+    ensure_sgd_function(models[1])
+    return models[0], models[1]
+
+
+def test_a_guarded_first_step_keeps_the_buffer_zeroing_and_the_stat_flag_exact():
+    original, fused = first_step_pair()
+    lowered = sgdfuse.lower(fused, soc=SOC)
+    by_role = {v.role: v for v in lowered.state}
+    assert (by_role["accum"].name, by_role["accum"].assigned, by_role["accum"].guarded_by) == ("buf", "accum", "found_inf")
+    assert by_role["stat"].source == "computed" and by_role["stat"].guarded_by is None
+    assert verify_lowering(fused, lowered).passed
+    # Skipped first step, taken first step, then later steps taken and skipped.
+    rng = np.random.default_rng(2)
+    feeds = {name: rng.standard_normal(SHAPE).astype(np.float32) for name in ("p", "g", "buf")}
+    session = runtime.make_session(original)
+    runner = lowered.runner()
+    runner.initialise({name: feeds[name] for name in lowered.init_inputs.values()})
+    for step, (first, skip) in enumerate([(True, True), (True, False), (False, False), (False, True), (False, False)]):
+        feeds.update(first=np.array(first), found_inf=np.array(skip))
+        before = {state: runner.variables[state].copy() for state in CHAIN.values()}
+        expected = runtime.run(session, feeds)
+        actual = runner.step(feeds)
+        for output, state in CHAIN.items():
+            assert_agree(f"step {step} {output}", expected[output], actual[output])
+            assert_agree(f"step {step} variable {state}", expected[output], runner.variables[state])
+            if skip:
+                np.testing.assert_array_equal(runner.variables[state], before[state])
+            feeds[state] = expected[output]
+        feeds["g"] = rng.standard_normal(SHAPE).astype(np.float32)
 
 
 def test_a_new_value_guarded_by_two_outputs_is_refused():

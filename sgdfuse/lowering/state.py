@@ -63,6 +63,34 @@ Values after the write
       ``Identity(accum_out)``, a condition ``Equal`` reading the node's ``momentum``); a user's ``If`` that
       selects on the momentum is an ordinary node whose result is never written into the buffer.
 
+Guarded updates
+    A fused update whose state outputs the graph selects under a guard — ``p_out = Where(found_inf, p,
+    p_new)`` and ``buf_out = Where(found_inf, buf, buf_new)`` (a loss-scaling overflow skip), or
+    ``Where(has_grad, new, old)`` — keeps those ``Where`` nodes, reading the ``SGD`` node's outputs; in ONNX
+    (values) that is exact. GE's ``SGD`` has no condition and writes ``parameters`` and ``accum`` in place on
+    every step, so the guard's output is made the variable's next value (:attr:`StateVariable.next_value`,
+    with :attr:`StateVariable.guarded_by` naming the condition) and written back after the op, as for the
+    runtime momentum above:
+
+    - the ``Where`` reads the variable's old value, and it depends on the op, so it reads a ``TensorMove``
+      snapshot taken before the first write (the ordering rule below); its other branch is the op's result
+      (``parameters_out``, or ``accum_out``'s after-write copy, or the runtime-momentum ``If``'s output);
+    - after the op the variable is ``Assign``-ed the ``Where``'s result: on a skipped step the old value,
+      bit for bit; on the others the value the op wrote;
+    - ``parameters_out`` is a ref of the variable, which the write-back overwrites: when anything besides the
+      guard reads it (``delta = p_new - p``), its readers read a ``TensorMove`` copy taken after the op, and
+      the write-back waits for that copy. When the guard is its only reader, the ``Where`` reads the ref
+      directly (a data edge orders it before the write-back);
+    - ``stat`` needs nothing: its variable is never the graph's state (zeros stay zeros, a computed ``stat``
+      is assigned before every update) and the fused node's ``stat_out`` is unused.
+
+    Recognised (:func:`_guard`): a ``Where`` with a boolean condition (one element, or a mask of the state's
+    shape) whose one branch is the port's new value and the other the state the variable replaces (each
+    possibly through ``Identity``), of the state's shape and dtype, whose output or an ``Identity`` copy of
+    it is a graph output: the step hands it out as the next state. Only graph-input and initializer states
+    are considered (a fresh variable has no old value the graph could keep). Refused: two such outputs for
+    one state (which one the variable holds next is ambiguous).
+
 Values before the write
     A variable's writers run in order: its step ``Assign`` (if any), the ``SGD`` op, its write-back (if
     any). Every GE op that
@@ -183,11 +211,13 @@ class StatePlan:
         by_port: ``(node position, port index)`` → its variable.
         readable: ONNX value name → variable, for graph-input and initializer states (their other readers
             read the variable).
+        graph_outputs: the ONNX graph's output names.
     """
 
     variables: list[StateVariable]
     by_port: dict[tuple[int, int], StateVariable]
     readable: dict[str, StateVariable]
+    graph_outputs: frozenset[str] = frozenset()
 
 
 def _is_sgd(node: onnx.NodeProto) -> bool:
@@ -357,7 +387,7 @@ def plan_state(index: GraphIndex) -> StatePlan:
             by_port[(position, port)] = variable
             if not fresh:
                 readable[state] = variable
-    return StatePlan(variables, by_port, readable)
+    return StatePlan(variables, by_port, readable, frozenset(outputs))
 
 
 _OUTPUT_OF_PORT = {3: 1, 5: 2}
@@ -385,8 +415,8 @@ def _guard(
     """``(guarded output, condition)`` when the op's result ``new`` for the state ``state`` reaches the step's
     outputs through a guard: ``Where(condition, state, new)`` or ``Where(condition, new, state)`` (each
     branch possibly through ``Identity``), a boolean condition, the state's shape and dtype, the ``Where``'s
-    output (or a copy of it) one of the graph ``outputs``. That output, not ``new``, is then the state's next value: on a
-    skipped step it is the old state. ``None`` when ``new`` is not guarded.
+    output (or a copy of it) one of the graph ``outputs``. That output, not ``new``, is then the state's next
+    value: on a skipped step it is the old state. ``None`` when ``new`` is not guarded.
 
     Raises:
         InPlaceStateError: several such outputs (which one is the next value is ambiguous).
@@ -641,9 +671,9 @@ def lower_sgd(ctx: NodeLowering) -> None:
     graph.sgd_ops.append(op.name)
     ctx.set_output(0, op.output(0))
     parameters = plan.by_port[(ctx.position, 0)]
-    if parameters.next_value is not None and _read_besides(graph.index, ctx.node.output[0], parameters.next_value):
+    if parameters.next_value is not None and _read_besides(graph.index, plan, ctx.node.output[0], parameters.next_value):
         # A guarded parameters variable is restored by its write-back on a skipped step, and output 0 is a ref
-        # of that variable: readers of the op's result other than the guard read a copy taken before.
+        # of that variable: readers of the op's result other than the guard read a copy taken before that.
         copy = ctx.op("TensorMove", [("x", op.output(0))], [("y", ctx.output_spec(0))], suffix="parameters_after_write")
         graph.after_write.add(copy.name)
         graph.after_write_of.setdefault(parameters.name, []).append(copy.name)
@@ -660,13 +690,13 @@ def lower_sgd(ctx: NodeLowering) -> None:
         ctx.set_output(out_index, snapshot.output(0))
 
 
-def _read_besides(index: GraphIndex, value: str, guarded: str) -> bool:
+def _read_besides(index: GraphIndex, plan: StatePlan, value: str, guarded: str) -> bool:
     """True when ``value`` is read by anything but the one node producing ``guarded`` (another node, a
     subgraph, a graph output)."""
     readers = index.consumers.get(value, [])
     return (
         value in index.subgraph_reads
-        or value in index.graph_outputs
+        or value in plan.graph_outputs
         or len(readers) != 1
         or index.producer.get(guarded) != readers[0]
     )

@@ -13,12 +13,12 @@ Inputs, as :mod:`sgdfuse.verify` makes them: floats from a standard normal (a on
 rate or runtime momentum, from U(0.01, 0.1); a momentum fed at run time is 0 on the second step);
 integer scalars count steps (0, 1, 2, ...); other integer tensors are zeros; booleans are true on the first
 step only, so a guard fed as a graph input takes both values within two steps. A guard computed in the graph
-(a loss-scaling ``found_inf = any(!isfinite(grads))``) is made to skip on the second step: the float
-graph inputs it is computed from are fed +inf there (the one-element ones, a loss scale, when there are
-any; else every such input, gradients fed to the step), an overflow that random inputs never produce (a
-loss scale of float32's largest finite value does not overflow a small model's gradients). A state held in an initializer is made a graph
-input of the onnxruntime copy (fed its initial value, then chained), since an initializer cannot change
-between runs while the GE variable does.
+(a loss-scaling ``found_inf = any(!isfinite(grads))``) is made to skip on the second step: the float graph
+inputs it is computed from (through node inputs, not subgraphs) are fed +inf there: the one-element ones, a
+loss scale, when there are any, else every such input (gradients fed to the step). Random inputs never
+overflow, and even float32's largest finite loss scale leaves a small model's gradients finite. A state held
+in an initializer is made a graph input of the onnxruntime copy (fed its initial value, then chained), since
+an initializer cannot change between runs while the GE variable does.
 
 Agreement, per element (NaN equals NaN; integers and booleans exactly): ``|ge - onnx| <= atol + rtol*|onnx|``,
 with (rtol, atol) = (1e-4, 1e-5) for FLOAT and DOUBLE, (2^-8, 2^-10) for FLOAT16 and (2^-5, 2^-7) for
