@@ -381,6 +381,10 @@ def _guard(index: GraphIndex, output: str) -> Guard | None:
     node = index.node(_skip_copies(index, output))
     if node is None or node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.input) != 3:
         return None
+    if not _read_only_by_copies(index, node.output[0]):
+        # The selected value feeds more of the step: not a guard on the final state but a step rule, such as
+        # the first step's buf = Where(first, g, m*buf + (1-d)*g) that the parameter update reads.
+        return None
     condition, if_true, if_false = node.input
     spec = index.spec(condition)
     if spec.dtype != onnx.TensorProto.BOOL or spec.num_elements() != 1:
@@ -397,6 +401,25 @@ def _guard(index: GraphIndex, output: str) -> Guard | None:
         ):
             return Guard(output, new, old, condition, skip_when)
     return None
+
+
+def _read_only_by_copies(index: GraphIndex, value: str) -> bool:
+    """True when nothing but copies (``Identity``, float-to-float ``Cast``/``CastLike``, as
+    :func:`_skip_copies` follows) read ``value``, and nothing but copies read those, nor any subgraph."""
+    stack, seen = [value], set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in index.subgraph_reads:
+            return False
+        for position in index.consumers.get(name, ()):
+            reader = index.graph.node[position]
+            if not reader.output or _skip_copies(index, reader.output[0]) != _skip_copies(index, name):
+                return False
+            stack.extend(reader.output)
+    return True
 
 
 def _guarded_new(guards: dict[str, Guard], output: str) -> str:
