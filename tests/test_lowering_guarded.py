@@ -96,7 +96,9 @@ def lowered_guarded(original: onnx.ModelProto):
     return result.model, lowered
 
 
-def run_steps(original: onnx.ModelProto, lowered, skips: list[bool], *, condition: str, skip_when: bool, extra=None) -> list[dict[str, np.ndarray]]:
+def run_steps(
+    original: onnx.ModelProto, lowered, skips: list[bool], *, condition: str, skip_when: bool, extra=None
+) -> list[dict[str, np.ndarray]]:
     """Run ``len(skips)`` chained steps (step k skipped when ``skips[k]``) in onnxruntime on ``original`` and in
     the executor; assert every output and the state variables agree at every step; return the variables
     after each step (copies)."""
@@ -182,7 +184,10 @@ def first_step_pair(dampening: float = 0.25) -> tuple[onnx.ModelProto, onnx.Mode
     inputs = [vi("p"), vi("g"), vi("buf"), vi("first", TensorProto.BOOL, ()), vi("found_inf", TensorProto.BOOL, ())]
     outputs = [vi("p_out"), vi("buf_out")]
     constants = [scalar("lr", 0.1), scalar("mom", 0.9)]
-    guards = [helper.make_node("Where", ["found_inf", "p", "p_new"], ["p_out"]), helper.make_node("Where", ["found_inf", "buf", "buf_new"], ["buf_out"])]
+    guards = [
+        helper.make_node("Where", ["found_inf", "p", "p_new"], ["p_out"]),
+        helper.make_node("Where", ["found_inf", "buf", "buf_new"], ["buf_out"]),
+    ]
     unfused_nodes = [
         helper.make_node("Mul", ["buf", "mom"], ["buf_m"]),
         helper.make_node("Mul", ["g", "one_minus_d"], ["g_d"]),
@@ -207,11 +212,17 @@ def first_step_pair(dampening: float = 0.25) -> tuple[onnx.ModelProto, onnx.Mode
     return models[0], models[1]
 
 
-def test_a_guarded_first_step_keeps_the_buffer_zeroing_and_the_stat_flag_exact():
+@pytest.mark.parametrize("fused_by", ["hand", "optimize"])
+def test_a_guarded_first_step_keeps_the_buffer_zeroing_and_the_stat_flag_exact(fused_by):
     original, fused = first_step_pair()
+    if fused_by == "optimize":
+        result = sgdfuse.optimize(original)
+        (update,) = result.report.fused
+        assert update.guard == "skipped where found_inf is true" and "first" in update.stat
+        fused = result.model
     lowered = sgdfuse.lower(fused, soc=SOC)
     by_role = {v.role: v for v in lowered.state}
-    assert (by_role["accum"].name, by_role["accum"].assigned, by_role["accum"].guarded_by) == ("buf", "accum", "found_inf")
+    assert (by_role["accum"].name, by_role["accum"].guarded_by) == ("buf", "found_inf") and by_role["accum"].assigned
     assert by_role["stat"].source == "computed" and by_role["stat"].guarded_by is None
     assert verify_lowering(fused, lowered).passed
     # Skipped first step, taken first step, then later steps taken and skipped.

@@ -367,7 +367,8 @@ def plan_state(index: GraphIndex) -> StatePlan:
             next_value = _next_value(index, selections, node, port, spec)
             guard = None
             if not fresh and role != "stat":
-                new_value = next_value or (node.output[_NEW_VALUE_OF_PORT[port]] if _NEW_VALUE_OF_PORT[port] < len(node.output) else "")
+                out_index = _NEW_VALUE_OF_PORT[port]
+                new_value = next_value or (node.output[out_index] if out_index < len(node.output) else "")
                 guard = _guard(index, outputs, new_value, state, spec, role, subject) if new_value else None
             variable = StateVariable(
                 name=name,
