@@ -19,6 +19,7 @@ from sgdfuse import runtime
 from sgdfuse.contract import SgdAttributes
 from sgdfuse.fused_op import ensure_sgd_function, is_sgd_node, make_sgd_node
 from sgdfuse.lowering.errors import InPlaceStateError
+from sgdfuse.lowering.lower import prepare
 from sgdfuse.lowering.verify import verify_lowering
 from steps_support import ENTRIES, STEPS_DIR, step_feeds
 from test_lowering_support import assert_agree
@@ -291,15 +292,17 @@ AMP = "mlp_amp"
 
 @pytest.fixture(scope="module")
 def amp():
+    """``(original, fused, report of the fusion, lowered)`` for the loss-scaled step."""
     original = onnx.load(STEPS_DIR / ENTRIES[AMP]["file"])
-    lowered = sgdfuse.lower(original, soc=SOC)
-    return original, lowered
+    fused, report = prepare(original)
+    return original, fused, report, sgdfuse.lower(fused, soc=SOC)
 
 
 def test_the_loss_scaled_step_lowers_to_one_SGD_op_per_guarded_update(amp):
-    _, lowered = amp
-    assert len(lowered.optimization.fused) == ENTRIES[AMP]["expected_momentum_updates"] == 4
-    assert all(update.guard for update in lowered.optimization.fused)
+    _, fused, report, lowered = amp
+    assert len(report.fused) == ENTRIES[AMP]["expected_momentum_updates"] == 4
+    assert all(update.guard for update in report.fused)
+    assert sum(is_sgd_node(n) for n in fused.graph.node) == 4
     assert [op.type for op in lowered.graph.op].count("SGD") == len(lowered.sgd_ops) == 4
     state = {v.name: v.guarded_by for v in lowered.state if v.role != "stat"}
     parameters = [o["feeds"] for o in ENTRIES[AMP]["outputs"] if o["feeds"]]
@@ -309,7 +312,7 @@ def test_the_loss_scaled_step_lowers_to_one_SGD_op_per_guarded_update(amp):
 
 
 def test_the_loss_scaled_step_skips_overflowing_steps_in_place(amp):
-    original, lowered = amp
+    original, _, _, lowered = amp
     initial, batches = step_feeds(AMP)
     feeds = dict(initial)
     session = runtime.make_session(original)
@@ -337,8 +340,7 @@ def test_the_loss_scaled_step_skips_overflowing_steps_in_place(amp):
 
 
 def test_the_lowering_check_overflows_a_computed_guard_and_sees_a_missing_restore(amp):
-    original, lowered = amp
-    fused = sgdfuse.optimize(original).model
+    _, fused, _, lowered = amp
     assert verify_lowering(fused, lowered).passed
     broken = verify_lowering(fused, _without_write_backs(lowered))
     # The check feeds scale = +inf on step 2 (skipped); step 3 then starts from the unguarded update.
