@@ -349,7 +349,9 @@ def _batch_norm(op: Op, inputs: list) -> list:
     epsilon = float(op.attrs.get("epsilon", 1e-4))
     y = (x - mean.reshape(view)) / np.sqrt(variance.reshape(view) + np.asarray(epsilon, x.dtype)) * scale.reshape(view) + offset.reshape(view)
     # Inference: the statistics outputs echo the inputs; reserve_space_3 holds one meaningless element.
-    return [_out(op, y), _out(op, mean, 1), _out(op, variance, 2), _out(op, mean, 3), _out(op, variance, 4), _out(op, np.zeros(1), 5)]
+    # Copies: BatchNorm is no aliasing op (sgdfuse.lowering.alias), so its outputs are arrays of their own.
+    mean, variance = np.array(mean, copy=True), np.array(variance, copy=True)
+    return [_out(op, y), _out(op, mean, 1), _out(op, variance, 2), _out(op, mean.copy(), 3), _out(op, variance.copy(), 4), _out(op, np.zeros(1), 5)]
 
 
 @kernel("LayerNorm")
