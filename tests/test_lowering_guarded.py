@@ -345,3 +345,12 @@ def test_the_lowering_check_overflows_a_computed_guard_and_sees_a_missing_restor
     broken = verify_lowering(fused, _without_write_backs(lowered))
     # The check feeds scale = +inf on step 2 (skipped); step 3 then starts from the unguarded update.
     assert not broken.passed and "step 3" in broken.message
+
+
+def test_the_onnx_check_of_a_guarded_model_chains_the_guarded_outputs():
+    from sgdfuse.verify import check_models
+
+    original = guarded_step()
+    check = check_models(original, sgdfuse.optimize(original).model)
+    assert check.passed and check.state_pairs == CHAIN
+    assert {o["name"]: o["kind"] for o in check.outputs} == {"p_out": "fused update", "buf_out": "fused update"}

@@ -33,7 +33,9 @@ from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.linear import ONE, Form, Normaliser, Poly, add_forms, format_form, format_poly, scale_form
 from sgdfuse.passes.precision import FLOAT_DTYPES, SPACINGS, Precision, round_to_dtype, working_precision
 
-__all__ = ["Match", "Miss", "FirstStep", "RolePins", "REASONS", "ROLE_EVIDENCE", "find_updates", "coefficient_tolerance"]
+__all__ = [
+    "Match", "Miss", "FirstStep", "Guard", "RolePins", "REASONS", "ROLE_EVIDENCE", "find_updates", "guarded_outputs", "coefficient_tolerance",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +274,7 @@ def find_updates(
     normaliser = normaliser or Normaliser(index)
     outputs = list(dict.fromkeys(index.graph_outputs))
     # A guarded output Where(c, old, new) is matched through its new value; the guard pairs new with old.
-    guards = {g.new: g for g in (_guard(index, o) for o in outputs) if g is not None}
+    guards = guarded_outputs(index)
     if guards:
         pins = dataclasses.replace(
             pins, state={**{g.new: g.old for g in guards.values()}, **pins.state}, guarded=frozenset(guards)
@@ -373,6 +375,13 @@ def find_updates(
     read_as_buffer = {miss.buffer for miss in misses if miss.buffer and miss.buffer_in_cone}
     misses = [miss for miss in misses if miss.buffer or miss.candidate not in read_as_buffer]
     return accepted, misses
+
+
+def guarded_outputs(index: GraphIndex) -> dict[str, Guard]:
+    """The graph's guarded state outputs ``Where(condition, old, new)`` (or with the branches swapped), by
+    their new value: a matched update's ``parameters_out``/``accum_out`` is then the ``new`` of a guard whose
+    ``output`` is the graph output carrying the next state."""
+    return {g.new: g for g in (_guard(index, o) for o in dict.fromkeys(index.graph_outputs)) if g is not None}
 
 
 def _guard(index: GraphIndex, output: str) -> Guard | None:
