@@ -34,7 +34,8 @@ from sgdfuse.passes.linear import ONE, Form, Normaliser, Poly, add_forms, format
 from sgdfuse.passes.precision import FLOAT_DTYPES, SPACINGS, Precision, round_to_dtype, working_precision
 
 __all__ = [
-    "Match", "Miss", "FirstStep", "Guard", "RolePins", "REASONS", "ROLE_EVIDENCE", "find_updates", "guarded_outputs", "coefficient_tolerance",
+    "Match", "Miss", "FirstStep", "Guard", "RolePins", "REASONS", "ROLE_EVIDENCE",
+    "find_updates", "guarded_outputs", "coefficient_tolerance",
 ]
 
 logger = logging.getLogger(__name__)
