@@ -168,6 +168,41 @@ def test_a_guarded_update_with_a_runtime_momentum_restores_the_buffer_the_If_sel
     run_steps(original, lowered, [False, True, False, True, False, True], condition="found_inf", skip_when=True, extra={"mom": momenta})
 
 
+def test_a_guarded_float16_update_computed_in_float_is_restored_bit_for_bit():
+    # FLOAT16 state computed in FLOAT between casts, as exporters write it; the guard selects the cast results.
+    half = TensorProto.FLOAT16
+    nodes = [helper.make_node("Cast", [x], [f"{x}_f"], to=TensorProto.FLOAT) for x in ("p", "g", "buf")]
+    nodes += [
+        helper.make_node("Mul", ["buf_f", "mom"], ["buf_m"]),
+        helper.make_node("Add", ["buf_m", "g_f"], ["buf_new_f"]),
+        helper.make_node("Cast", ["buf_new_f"], ["buf_new"], to=half),
+        helper.make_node("Mul", ["buf_new_f", "lr"], ["lr_step"]),
+        helper.make_node("Sub", ["p_f", "lr_step"], ["p_new_f"]),
+        helper.make_node("Cast", ["p_new_f"], ["p_new"], to=half),
+        helper.make_node("Where", ["found_inf", "p", "p_new"], ["p_out"]),
+        helper.make_node("Where", ["found_inf", "buf", "buf_new"], ["buf_out"]),
+    ]
+    inputs = [vi("p", half), vi("g", half), vi("buf", half), vi("found_inf", TensorProto.BOOL, ())]
+    graph = helper.make_graph(nodes, "half", inputs, [vi("p_out", half), vi("buf_out", half)], [scalar("mom", 0.875), scalar("lr", 0.125)])
+    original = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    _, lowered = lowered_guarded(original)
+    rng = np.random.default_rng(3)
+    feeds = {name: rng.standard_normal(SHAPE).astype(np.float16) for name in ("p", "g", "buf")}
+    session = runtime.make_session(original)
+    runner = lowered.runner()
+    runner.initialise({name: feeds[name] for name in lowered.init_inputs.values()})
+    for step, skip in enumerate(SKIPS):
+        feeds["found_inf"] = np.array(skip)
+        before = {state: runner.variables[state].copy() for state in CHAIN.values()}
+        expected = runtime.run(session, feeds)
+        runner.step(feeds)
+        for output, state in CHAIN.items():
+            assert_agree(f"step {step} variable {state}", expected[output], runner.variables[state])
+            assert np.array_equal(runner.variables[state], before[state]) == skip
+            feeds[state] = expected[output]
+        feeds["g"] = rng.standard_normal(SHAPE).astype(np.float16)
+
+
 def test_readers_of_the_unguarded_new_parameters_read_them_before_the_restore():
     # delta = p_new - p is an output: it reads the op's result, which the restore on a skipped step would
     # otherwise overwrite before delta is computed.
