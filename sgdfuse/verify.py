@@ -348,8 +348,8 @@ class ModelCheck:
 def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: int = 3, seed: int = 0) -> ModelCheck:
     """Run two whole models in onnxruntime on the same seeded inputs for ``steps`` lockstep steps.
 
-    State pairs (new weights → weights, new buffer → buffer) come from matching ``original``; after each
-    step the original's new state is fed to both. Outputs of updates that were fused are compared with the
+    State pairs (new weights → weights, new buffer → buffer; for a guarded update the guard's outputs) come
+    from matching ``original``; after each step the original's new state is fed to both. Outputs of updates that were fused are compared with the
     per-element bound of this module; every other output must be identical (NaN equal to NaN), since the
     rewrite leaves the nodes computing it untouched.
 
@@ -360,7 +360,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
     from sgdfuse.passes.index import build_index
     from sgdfuse.passes.linear import Normaliser
     from sgdfuse.passes.rewrite import Planner
-    from sgdfuse.passes.sgd_match import find_updates
+    from sgdfuse.passes.sgd_match import find_updates, guarded_outputs
 
     original_inputs = [i.name for i in original.graph.input if i.name not in {t.name for t in original.graph.initializer}]
     fused_inputs = [i.name for i in fused.graph.input if i.name not in {t.name for t in fused.graph.initializer}]
@@ -374,12 +374,16 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
     plans = {m.parameters_out: planner.plan(m) for m in matches}
     fused_outputs = {o for n in fused.graph.node if n.domain == "ai.sgdfuse" for o in n.output}
     plans = {k: v for k, v in plans.items() if k in fused_outputs}
+    # A guarded update's next state is the guard's output Where(condition, old, new), not its new value.
+    guards = guarded_outputs(index)
     by_output = {}
+    pairs = {}
     for plan in plans.values():
-        by_output[plan.match.parameters_out] = (plan, "weights")
-        by_output[plan.match.accum_out] = (plan, "buffer")
-    pairs = {p.match.parameters_out: p.match.parameters for p in plans.values()}
-    pairs.update({p.match.accum_out: p.match.accum for p in plans.values()})
+        match = plan.match
+        for new, state, role in ((match.parameters_out, match.parameters, "weights"), (match.accum_out, match.accum, "buffer")):
+            output = guards[new].output if match.guard is not None and new in guards else new
+            by_output[output] = (plan, role)
+            pairs[output] = state
 
     # Gradients computed inside the graph are read back for the bound.
     probe = onnx.ModelProto()

@@ -272,7 +272,8 @@ def test_a_rolled_back_rewrite_leaves_the_initializers_the_kept_one_reads(monkey
 
 
 def test_bfloat16_updates_with_a_runtime_momentum_give_a_valid_model_that_lowers_and_agrees():
-    result = sgdfuse.optimize(two_updates(B))
+    # The op takes lr and momentum in BFLOAT16 while the graph computes in FLOAT: the rounding is accepted here.
+    result = sgdfuse.optimize(two_updates(B), allow_rounding=True)
     assert "p2_out" in {u.parameters_out for u in result.report.fused}
     onnx.checker.check_model(result.model, full_check=True)
     lowered = sgdfuse.lower(result.model, soc=SOC)

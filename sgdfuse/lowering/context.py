@@ -40,7 +40,8 @@ class GraphLowering:
         values: ONNX value name → the GE tensor that holds it.
         opset: the model's default-domain opset version.
         after_write: names of GE ops that read a state variable on purpose *after* its in-place write
-            (snapshots of ``accum``/``stat`` for their ``*_out`` readers); the ordering pass leaves them alone.
+            (snapshots of ``accum``/``stat`` for their ``*_out`` readers, and of a guarded update's
+            ``parameters_out``); the ordering pass leaves them alone.
         writers: state variable name → the GE ops writing it in place, in the order they run (a step
             ``Assign`` of a computed input, then the ``SGD`` op).
         sgd_ops: names of the GE ``SGD`` ops, in creation order.

@@ -17,7 +17,8 @@ GE semantics it keeps, because lowering depends on them:
   an ``Expand`` to the same shape) return views or the input itself; every other op returns a new array
   (``TensorMove`` copies), and a kernel returning a view the rule does not allow is an error; ``NetOutput`` copies its inputs out when the run ends, ``Data`` copies its feed in.
 - Order: an op runs when its data and control predecessors have run; among ready ops the in-place writers
-  (``SGD``, ``Assign``) go first and the readers of variable memory last. So a read of an old value that
+  (``SGD``, ``Assign``) go first and the readers of variable memory (a ``Variable``, the ref output of an
+  ``SGD`` or ``Assign``, or an alias of one) last. So a read of an old value that
   lowering forgot to order before the write sees the new value and the comparison with onnxruntime fails,
   as it could on the device.
 
@@ -270,9 +271,10 @@ def _schedule(ops: Mapping[str, Op]) -> list[Op]:
             waiting[op.name] += 1
             dependants.setdefault(source, []).append(op.name)
 
-    # Adversarial among ready ops: in-place writers first, readers of variable memory (directly or through
-    # ops that may alias it) last. A read that lowering did not order before a write then sees the write.
-    state: set[tuple[str, int]] = {(name, 0) for name, op in ops.items() if op.type == "Variable"}
+    # Adversarial among ready ops: in-place writers first, readers of variable memory (directly, through the
+    # refs SGD and Assign output, or through ops that may alias it) last. A read that lowering did not order
+    # before a write (a later write: the restore of a guarded update) then sees the write.
+    state: set[tuple[str, int]] = {(name, 0) for name, op in ops.items() if op.type == "Variable" or op.type in WRITERS}
     for op in sorted(ops.values(), key=lambda o: o.position):
         if op.inputs and op.inputs[0] in state and _may_alias(op, ops):
             state.add((op.name, 0))

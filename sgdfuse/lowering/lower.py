@@ -12,8 +12,9 @@ Flow:
 5. the state plan (:mod:`sgdfuse.lowering.state`): writable ``SGD`` inputs become ``Variable`` ops (computed
    ones assigned on every step before the op);
 6. ``Data`` ops for the other graph inputs, then each node through its rule (``If`` branches inlined, see
-   :mod:`sgdfuse.lowering.rules_control`), then ``NetOutput`` for the graph outputs; ops nothing needs are
-   pruned (``Shape``/``Fill`` of a ``stat`` that became a variable);
+   :mod:`sgdfuse.lowering.rules_control`), then the write-backs of state whose next value is not the op's
+   result (the runtime-momentum ``If``, a guarded update's ``Where``), then ``NetOutput`` for the graph
+   outputs; ops nothing needs are pruned (``Shape``/``Fill`` of a ``stat`` that became a variable);
 7. reads of old state values are ordered before the in-place writes (control edges, snapshots);
 8. the init graph assigns the state's initial values.
 

@@ -63,6 +63,34 @@ Values after the write
       ``Identity(accum_out)``, a condition ``Equal`` reading the node's ``momentum``); a user's ``If`` that
       selects on the momentum is an ordinary node whose result is never written into the buffer.
 
+Guarded updates
+    A fused update whose state outputs the graph selects under a guard — ``p_out = Where(found_inf, p,
+    p_new)`` and ``buf_out = Where(found_inf, buf, buf_new)`` (a loss-scaling overflow skip), or
+    ``Where(has_grad, new, old)`` — keeps those ``Where`` nodes, reading the ``SGD`` node's outputs; in ONNX
+    (values) that is exact. GE's ``SGD`` has no condition and writes ``parameters`` and ``accum`` in place on
+    every step, so the guard's output is made the variable's next value (:attr:`StateVariable.next_value`,
+    with :attr:`StateVariable.guarded_by` naming the condition) and written back after the op, as for the
+    runtime momentum above:
+
+    - the ``Where`` reads the variable's old value, and it depends on the op, so it reads a ``TensorMove``
+      snapshot taken before the first write (the ordering rule below); its other branch is the op's result
+      (``parameters_out``, or ``accum_out``'s after-write copy, or the runtime-momentum ``If``'s output);
+    - after the op the variable is ``Assign``-ed the ``Where``'s result: on a skipped step the old value,
+      bit for bit; on the others the value the op wrote;
+    - ``parameters_out`` is a ref of the variable, which the write-back overwrites: when anything besides the
+      guard reads it (``delta = p_new - p``), its readers read a ``TensorMove`` copy taken after the op, and
+      the write-back waits for that copy. When the guard is its only reader, the ``Where`` reads the ref
+      directly (a data edge orders it before the write-back);
+    - ``stat`` needs nothing: its variable is never the graph's state (zeros stay zeros, a computed ``stat``
+      is assigned before every update) and the fused node's ``stat_out`` is unused.
+
+    Recognised (:func:`_guard`): a ``Where`` with a boolean condition (one element, or a mask of the state's
+    shape) whose one branch is the port's new value and the other the state the variable replaces (each
+    possibly through ``Identity``), of the state's shape and dtype, whose output or an ``Identity`` copy of
+    it is a graph output: the step hands it out as the next state. Only graph-input and initializer states
+    are considered (a fresh variable has no old value the graph could keep). Refused: two such outputs for
+    one state (which one the variable holds next is ambiguous).
+
 Values before the write
     A variable's writers run in order: its step ``Assign`` (if any), the ``SGD`` op, its write-back (if
     any). Every GE op that
@@ -154,7 +182,10 @@ class StateVariable:
         assigned: the ONNX value ``Assign``-ed to the variable on every step before the ``SGD`` op writes
             it (a port fed a computed value), else None.
         next_value: the ONNX value ``Assign``-ed to the variable after the ``SGD`` op (the output of the
-            runtime-momentum ``If`` that selects the buffer, see the module docstring), else None.
+            runtime-momentum ``If`` that selects the buffer, or of the guard ``Where`` that keeps the old
+            state on a skipped step, see the module docstring), else None.
+        guarded_by: for a guarded update, the ONNX boolean value that selects between the old state and the
+            op's result (``next_value`` is then the guard's output), else None.
     """
 
     name: str
@@ -168,6 +199,7 @@ class StateVariable:
     shape_from: str | None = None
     assigned: str | None = None
     next_value: str | None = None
+    guarded_by: str | None = None
 
 
 @dataclasses.dataclass
@@ -179,11 +211,13 @@ class StatePlan:
         by_port: ``(node position, port index)`` → its variable.
         readable: ONNX value name → variable, for graph-input and initializer states (their other readers
             read the variable).
+        graph_outputs: the ONNX graph's output names.
     """
 
     variables: list[StateVariable]
     by_port: dict[tuple[int, int], StateVariable]
     readable: dict[str, StateVariable]
+    graph_outputs: frozenset[str] = frozenset()
 
 
 def _is_sgd(node: onnx.NodeProto) -> bool:
@@ -281,6 +315,7 @@ def plan_state(index: GraphIndex) -> StatePlan:
     sources_of = _Sources(index)
     shaped_sources = _ShapedSources(index)
     selections = _selections(index)
+    outputs = set(index.graph_outputs)
     for position, node in enumerate(index.graph.node):
         if not _is_sgd(node):
             continue
@@ -329,6 +364,12 @@ def plan_state(index: GraphIndex) -> StatePlan:
             shape_from = by_port[(position, 0)].name if fresh and (position, 0) in by_port else None
             if fresh and not spec.is_static and shape_from is None:
                 raise InPlaceStateError(subject, "a computed parameters input of dynamic shape cannot be sized for its variable")
+            next_value = _next_value(index, selections, node, port, spec)
+            guard = None
+            if not fresh and role != "stat":
+                out_index = _NEW_VALUE_OF_PORT[port]
+                new_value = next_value or (node.output[out_index] if out_index < len(node.output) else "")
+                guard = _guard(index, outputs, new_value, state, spec, role, subject) if new_value else None
             variable = StateVariable(
                 name=name,
                 role=role,
@@ -340,17 +381,72 @@ def plan_state(index: GraphIndex) -> StatePlan:
                 initial=initial,
                 shape_from=shape_from,
                 assigned=assigned,
-                next_value=_next_value(index, selections, node, port, spec),
+                next_value=guard[0] if guard else next_value,
+                guarded_by=guard[1] if guard else None,
             )
             variables.append(variable)
             by_port[(position, port)] = variable
             if not fresh:
                 readable[state] = variable
-    return StatePlan(variables, by_port, readable)
+    return StatePlan(variables, by_port, readable, frozenset(outputs))
 
 
 _OUTPUT_OF_PORT = {3: 1, 5: 2}
 """SGD output index carrying the new value of a writable port (``accum_out``, ``stat_out``)."""
+
+_NEW_VALUE_OF_PORT = {0: 0, 3: 1, 5: 2}
+"""SGD output index carrying the op's result for each writable port (``parameters_out``, ``accum_out``,
+``stat_out``), before any guard selects it."""
+
+
+def _copies(index: GraphIndex, value: str) -> list[str]:
+    """``value`` and every value that is an ``Identity`` copy of it (transitively), in discovery order."""
+    found = [value]
+    for name in found:
+        for position in index.consumers.get(name, ()):
+            node = index.graph.node[position]
+            if node.op_type == "Identity" and node.domain in _STANDARD and node.output and node.output[0] not in found:
+                found.append(node.output[0])
+    return found
+
+
+def _guard(
+    index: GraphIndex, outputs: set[str], new: str, state: str, spec: TensorSpec, role: str, subject: str
+) -> tuple[str, str] | None:
+    """``(guarded output, condition)`` when the op's result ``new`` for the state ``state`` reaches the step's
+    outputs through a guard: ``Where(condition, state, new)`` or ``Where(condition, new, state)`` (each
+    branch possibly through ``Identity``), a boolean condition, the state's shape and dtype, the ``Where``'s
+    output (or a copy of it) one of the graph ``outputs``. That output, not ``new``, is then the state's next
+    value: on a skipped step it is the old state. ``None`` when ``new`` is not guarded.
+
+    Raises:
+        InPlaceStateError: several such outputs (which one is the next value is ambiguous).
+    """
+    found: dict[str, str] = {}
+    for read in _copies(index, new):
+        for position in index.consumers.get(read, ()):
+            where = index.graph.node[position]
+            if where.op_type != "Where" or where.domain not in _STANDARD or len(where.input) != 3 or len(where.output) != 1:
+                continue
+            condition, if_true, if_false = where.input
+            kept = if_false if if_true == read else if_true if if_false == read else None
+            if kept is None or _through(index, kept, ("Identity",)) != state:
+                continue
+            if index.spec(condition).dtype != onnx.TensorProto.BOOL:
+                continue
+            output = where.output[0]
+            out_spec = index.spec(output)
+            if out_spec.dtype != spec.dtype or out_spec.shape is None or out_spec.shape != spec.shape:
+                continue  # a Where that broadcasts to another shape is not the state's next value
+            if any(name in outputs for name in _copies(index, output)):
+                found[output] = condition
+    if len(found) > 1:
+        raise InPlaceStateError(
+            subject,
+            f"the update's new {role} {new} is selected against the old {state} by several guarded outputs "
+            f"({', '.join(sorted(found))}); which one is the next {role} is ambiguous",
+        )
+    return next(iter(found.items())) if found else None
 
 
 def _selections(index: GraphIndex) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
@@ -575,6 +671,14 @@ def lower_sgd(ctx: NodeLowering) -> None:
         graph.writers.setdefault(plan.by_port[(ctx.position, port)].name, []).append(op.name)
     graph.sgd_ops.append(op.name)
     ctx.set_output(0, op.output(0))
+    parameters = plan.by_port[(ctx.position, 0)]
+    if parameters.next_value is not None and _read_besides(graph.index, plan, ctx.node.output[0], parameters.next_value):
+        # A guarded parameters variable is restored by its write-back on a skipped step, and output 0 is a ref
+        # of that variable: readers of the op's result other than the guard read a copy taken before that.
+        copy = ctx.op("TensorMove", [("x", op.output(0))], [("y", ctx.output_spec(0))], suffix="parameters_after_write")
+        graph.after_write.add(copy.name)
+        graph.after_write_of.setdefault(parameters.name, []).append(copy.name)
+        ctx.set_output(0, copy.output(0))
     for out_index, port in ((1, 3), (2, 5)):
         value = ctx.node.output[out_index] if out_index < len(ctx.node.output) else ""
         if not value or not graph.index.is_used(value):
@@ -585,6 +689,18 @@ def lower_sgd(ctx: NodeLowering) -> None:
         graph.after_write.add(snapshot.name)
         graph.after_write_of.setdefault(plan.by_port[(ctx.position, port)].name, []).append(snapshot.name)
         ctx.set_output(out_index, snapshot.output(0))
+
+
+def _read_besides(index: GraphIndex, plan: StatePlan, value: str, guarded: str) -> bool:
+    """True when ``value`` is read by anything but the one node producing ``guarded`` (another node, a
+    subgraph, a graph output)."""
+    readers = index.consumers.get(value, [])
+    return (
+        value in index.subgraph_reads
+        or value in plan.graph_outputs
+        or len(readers) != 1
+        or index.producer.get(guarded) != readers[0]
+    )
 
 
 def add_write_backs(graph: GraphLowering) -> None:

@@ -3,14 +3,22 @@
 The step graph runs in the numpy GE executor (:mod:`sgdfuse.lowering.executor`, in place: state lives in its
 ``Variable`` s, written by the ``SGD`` op and ``Assign`` s, after the init graph set it), and the fused ONNX
 model runs in onnxruntime, for ``steps`` chained steps on the same seeded inputs. onnxruntime is fed its own
-new state between steps (``parameters_out`` → ``parameters``, the buffer's next value → the buffer); the GE
-graph keeps its own. Every ONNX graph output must agree at every step.
+new state between steps (the next value of each state variable, :attr:`StateVariable.next_value
+<sgdfuse.lowering.state.StateVariable.next_value>` when it has one, else the op's result: for a guarded update
+the guard's output ``Where(condition, old, new)``, for a runtime momentum the rewrite's ``If``); the GE graph
+keeps its own. Every ONNX graph output must agree at every step, so a state the GE graph left wrong after a
+step shows in the next step's outputs.
 
 Inputs, as :mod:`sgdfuse.verify` makes them: floats from a standard normal (a one-element float, a learning
 rate or runtime momentum, from U(0.01, 0.1); a momentum fed at run time is 0 on the second step);
-integer scalars count steps (0, 1, 2, ...); other integer tensors are zeros; booleans are true on the first step only. A state held in an initializer is made a graph
-input of the onnxruntime copy (fed its initial value, then chained), since an initializer cannot change
-between runs while the GE variable does.
+integer scalars count steps (0, 1, 2, ...); other integer tensors are zeros; booleans are true on the first
+step only, so a guard fed as a graph input takes both values within two steps. A guard computed in the graph
+(a loss-scaling ``found_inf = any(!isfinite(grads))``) is made to skip on the second step: the float graph
+inputs it is computed from (through node inputs, not subgraphs) are fed +inf there: the one-element ones, a
+loss scale, when there are any, else every such input (gradients fed to the step). Random inputs never
+overflow, and even float32's largest finite loss scale leaves a small model's gradients finite. A state held
+in an initializer is made a graph input of the onnxruntime copy (fed its initial value, then chained), since
+an initializer cannot change between runs while the GE variable does.
 
 Agreement, per element (NaN equals NaN; integers and booleans exactly): ``|ge - onnx| <= atol + rtol*|onnx|``,
 with (rtol, atol) = (1e-4, 1e-5) for FLOAT and DOUBLE, (2^-8, 2^-10) for FLOAT16 and (2^-5, 2^-7) for
@@ -44,7 +52,8 @@ TOLERANCES: dict[int, tuple[float, float]] = {
 """ONNX float dtype → (rtol, atol) of the comparison (module docstring)."""
 
 _OUTPUT_OF_ROLE = {"parameters": 0, "accum": 1}
-"""State role → the ``SGD`` output holding its new value."""
+"""State role → the ``SGD`` output holding its new value (the next state unless the variable names another
+``next_value``: a guard's output, the runtime-momentum ``If``'s output)."""
 
 
 class LoweringVerificationError(LoweringError):
@@ -81,6 +90,33 @@ def _feed(value: onnx.ValueInfoProto, rng: np.random.Generator, step: int) -> np
     if dtype == np.bool_:
         return np.full(shape, step == 0, dtype=bool)
     raise LoweringVerificationError(f"input {value.name}", f"no test data for dtype {dtype}; pass --no-verify to write the graph unchecked")
+
+
+def _overflow_inputs(fused: onnx.ModelProto, lowered: GEModel, inputs: list[onnx.ValueInfoProto]) -> list[str]:
+    """The runtime inputs fed +inf on the overflow step (module docstring): float graph inputs that a guard
+    condition computed in the graph is computed from, the one-element ones if there are any. State inputs
+    are never among them (their values are chained)."""
+    runtime_floats = {i.name: i for i in inputs if i.type.tensor_type.elem_type in TOLERANCES}
+    state = {v.onnx_value for v in lowered.state}
+    producers = {output: node for node in fused.graph.node for output in node.output}
+    stack = [v.guarded_by for v in lowered.state if v.guarded_by and v.guarded_by in producers]
+    seen: set[str] = set()
+    while stack:
+        value = stack.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        node = producers.get(value)
+        if node is not None:
+            stack.extend(i for i in node.input if i)
+    found = [name for name in runtime_floats if name in seen and name not in state]
+    scalars = [name for name in found if _elements(runtime_floats[name]) == 1]
+    return scalars or found
+
+
+def _elements(value: onnx.ValueInfoProto) -> int:
+    dims = value.type.tensor_type.shape.dim
+    return int(np.prod([d.dim_value if d.HasField("dim_value") else 2 for d in dims]))
 
 
 def _probe(fused: onnx.ModelProto, lowered: GEModel) -> tuple[onnx.ModelProto, dict[str, str], dict[str, np.ndarray]]:
@@ -179,6 +215,8 @@ def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3,
     # A momentum fed at run time is 0 on the second step: the kernel then keeps the buffer, and the
     # rewrite's If recomputes it (the write-back), the path most easily lowered wrong.
     momenta = {n.input[4] for n in fused.graph.node if is_sgd_node(n) and len(n.input) > 4} & {i.name for i in inputs}
+    # A guard computed in the graph (found_inf) skips on the second step: its float inputs overflow there.
+    overflow = _overflow_inputs(fused, lowered, inputs)
     rng = np.random.default_rng(seed)
     feeds = {i.name: _feed(i, rng, 0) for i in inputs}
     feeds.update(initial)
@@ -205,6 +243,8 @@ def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3,
                     feeds[value.name] = _feed(value, rng, step + 1)
                     if value.name in momenta and step == 0:
                         feeds[value.name] = np.zeros_like(feeds[value.name])
+                    if value.name in overflow and step == 0:
+                        feeds[value.name] = np.full_like(feeds[value.name], np.inf)
     except ExecutorError as error:
         raise _cannot_verify(str(error)) from error
     except LoweringError:

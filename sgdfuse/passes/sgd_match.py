@@ -33,7 +33,7 @@ from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.linear import ONE, Form, Normaliser, Poly, add_forms, format_form, format_poly, scale_form
 from sgdfuse.passes.precision import FLOAT_DTYPES, SPACINGS, Precision, round_to_dtype, working_precision
 
-__all__ = ["Match", "Miss", "FirstStep", "RolePins", "REASONS", "ROLE_EVIDENCE", "Guard", "find_updates"]
+__all__ = ["Match", "Miss", "FirstStep", "Guard", "RolePins", "REASONS", "ROLE_EVIDENCE", "find_updates", "guarded_outputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -398,11 +398,22 @@ def _find(
     return accepted, misses
 
 
+def guarded_outputs(index: GraphIndex) -> dict[str, Guard]:
+    """The graph's guarded state outputs ``Where(condition, old, new)`` (or with the branches swapped), by
+    their new value: a matched update's ``parameters_out``/``accum_out`` is then the ``new`` of a guard whose
+    ``output`` is the graph output carrying the next state."""
+    return {g.new: g for g in (_guard(index, o) for o in dict.fromkeys(index.graph_outputs)) if g is not None}
+
+
 def _guard(index: GraphIndex, output: str) -> Guard | None:
     """``output = Where(condition, old, new)`` with ``condition`` one boolean and ``old`` a state input of
     ``output``'s shape and dtype (either branch): a guarded update, else None."""
     node = index.node(_skip_copies(index, output))
     if node is None or node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.input) != 3:
+        return None
+    if not _read_only_by_copies(index, node.output[0]):
+        # The selected value feeds more of the step: not a guard on the final state but a step rule, such as
+        # the first step's buf = Where(first, g, m*buf + (1-d)*g) that the parameter update reads.
         return None
     condition, if_true, if_false = node.input
     spec = index.spec(condition)
@@ -457,6 +468,26 @@ def _hidden_update(index: GraphIndex, normaliser: Normaliser, output: str) -> Mi
             score=2,
         )
     return None
+
+
+def _read_only_by_copies(index: GraphIndex, value: str) -> bool:
+    """True when nothing but copies (``Identity``, float-to-float ``Cast``/``CastLike``, as
+    :func:`_skip_copies` follows) read ``value``, and nothing but copies read those, nor any subgraph."""
+    stack, seen = [value], set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in index.subgraph_reads:
+            return False
+        for position in index.consumers.get(name, ()):
+            reader = index.graph.node[position]
+            if not reader.output or _skip_copies(index, reader.output[0]) != _skip_copies(index, name):
+                return False
+            stack.extend(reader.output)
+    return True
+
 
 
 def _check_guards(matches: list[Match], guards: dict[str, Guard]) -> tuple[list[Match], list[Miss]]:
