@@ -414,8 +414,8 @@ struct Bindings {
 // parameter groups reaches it through each group's hyper_map graph: top -> hyper_map_k -> update graph.
 using Path = std::vector<Site>;
 
-// One level of what a node stands for: `node` (in `graph`) is passed by `user` at input `index` to the next
-// graph up; the last link has no user.
+// One level of what a node stands for: `node` is a parameter of `graph`, and `user` -- a site of `graph`, one
+// level up -- passes its argument at input `index` (the next link's node). The last link has no user.
 struct Link {
   AnfNodePtr node;
   FuncGraphPtr graph;
@@ -783,11 +783,13 @@ class Matcher {
       if (weight_chain.size() < chain.size() || weight_chain[chain.size() - 1].node != load->input(1)) return 0.0;
       if (wd >= 0.0 && c != wd) return 0.0;
       wd = c;
+      // chain[k + 1].node is what chain[k].user passes at chain[k].index for chain[k].node.
       for (size_t k = 0; k + 1 < chain.size(); ++k) {
         passed.insert({chain[k].user.get(), chain[k].index});
         if (k > 0) {
+          const auto &down = chain[k - 1];
           for (auto &use : manager_->node_users()[chain[k].node]) {
-            if (!(use.first == chain[k].user && use.second == chain[k].index) && !IsPrim(use.first, "UpdateState")) return 0.0;
+            if (!(use.first == down.user && use.second == down.index) && !IsPrim(use.first, "UpdateState")) return 0.0;
           }
         }
       }
@@ -996,8 +998,11 @@ struct UpdateInputs {
 // agree only while the buffer is zero at step_t == 0, which a schedule that resets step_t, or a checkpoint
 // that restores the buffers but not step_t, breaks. MaskedFill, not a multiplication by 1 - stat: a
 // non-finite buffer times 0 is NaN, and mint overwrites it.
+//
+// Node names (kept in MindSpore's kernel names and data dumps): sgdfuse/SGD/<w>, sgdfuse/first_step_zero/<w>.
 CNodePtr EmitUpdate(const FuncGraphPtr &fg, const UpdateInputs &in, const AnfNodePtr &sgd_prim,
-                    const mindspore::abstract::AbstractBasePtr &tensor, TypeId dtype, const AnfNodePtr &monad) {
+                    const mindspore::abstract::AbstractBasePtr &tensor, TypeId dtype, const AnfNodePtr &monad,
+                    const std::string &name) {
   auto load = fg->NewCNode({PrimNode("Load"), in.buf, monad});
   load->set_abstract(tensor->Clone());
   auto zero = ScalarTensorNode(0.0, dtype);
@@ -1005,10 +1010,13 @@ CNodePtr EmitUpdate(const FuncGraphPtr &fg, const UpdateInputs &in, const AnfNod
   fill->set_abstract(tensor->Clone());
   auto assign = fg->NewCNode({PrimNode("Assign", true), in.buf, fill, monad});
   assign->set_abstract(in.buf->abstract());
+  fill->set_fullname_with_scope("sgdfuse/first_step_zero/" + name);
+  assign->set_fullname_with_scope("sgdfuse/first_step_zero/" + name);
   auto ua = fg->NewCNode({PrimNode("UpdateState"), monad, assign});
   ua->set_abstract(monad->abstract());
   auto sgd = fg->NewCNode({sgd_prim, in.weight, in.grad, in.lr, in.buf, in.momentum, in.stat, ua});
   sgd->set_abstract(tensor->Clone());
+  sgd->set_fullname_with_scope("sgdfuse/SGD/" + name);
   return sgd;
 }
 
@@ -1033,6 +1041,7 @@ class Rewriter {
     auto stat = fg->NewCNode({mindspore::NewValueNode(std::make_shared<mindspore::Primitive>("BroadcastTo")), stat_scalar,
                               ImmNode(std::make_shared<mindspore::ValueTuple>(dims))});
     stat->set_abstract(TensorAbstract(p.dtype, p.shape));
+    stat->set_fullname_with_scope("sgdfuse/stat/" + p.weight->cast<ParameterPtr>()->name());
 
     // Detach the call from every UpdateState that carried it (the buffer write now happens in SGD, which
     // takes the parameter update's place in the chain).
@@ -1058,8 +1067,8 @@ class Rewriter {
     }
     auto monad = p.update->input(4);  // the parameter update's monad, already detached from the call
     UpdateInputs in{p.weight, p.grad, ScalarTensorNode(p.lr, p.dtype), p.buf, ScalarTensorNode(p.momentum, p.dtype), stat, mask};
-    auto sgd = EmitUpdate(fg, in, mindspore::NewValueNode(prim), TensorAbstract(p.dtype, p.shape), p.dtype, monad);
-    sgd->set_fullname_with_scope("sgdfuse/SGD/" + p.weight->cast<ParameterPtr>()->name());
+    auto sgd = EmitUpdate(fg, in, mindspore::NewValueNode(prim), TensorAbstract(p.dtype, p.shape), p.dtype, monad,
+                          p.weight->cast<ParameterPtr>()->name());
     manager_->Replace(p.update, sgd);
     // The UpdateState that carried the parameter update now follows the zeroing too: UpdateState(Ua, S).
     auto users = manager_->node_users()[sgd];  // copy: edited below
@@ -1405,8 +1414,8 @@ size_t OutlineUpdateRuns(const FuncGraphManagerPtr &manager) {
       args.push_back(first.start);
       AnfNodePtr monad = u;
       for (auto &[x, in] : bodies) {
-        auto copy = EmitUpdate(sub, in, x.sgd->input(0), x.sgd->abstract(), TypeIdOf(x.sgd), monad);
-        copy->set_fullname_with_scope(x.sgd->fullname_with_scope());
+        auto copy = EmitUpdate(sub, in, x.sgd->input(0), x.sgd->abstract(), TypeIdOf(x.sgd), monad,
+                               in.weight->isa<Parameter>() ? in.weight->cast<ParameterPtr>()->name() : "?");
         auto us = sub->NewCNode({PrimNode("UpdateState"), copy->input(7), copy});
         us->set_abstract(u->abstract());
         monad = us;
