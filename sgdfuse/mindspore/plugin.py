@@ -36,9 +36,11 @@ import json
 import logging
 import os
 import shutil
+import atexit
 import subprocess
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -61,6 +63,7 @@ PASS_NAME = "sgdfuse_mint_sgd"
 REPORT_ENV = "SGDFUSE_MINDSPORE_REPORT"
 DISABLE_ENV = "SGDFUSE_MINDSPORE_DISABLE"
 CACHE_ENV = "SGDFUSE_CACHE_DIR"
+DEVICES_ENV = "SGDFUSE_MINDSPORE_DEVICES"
 _SOURCE = Path(__file__).with_name("sgdfuse_pass.cc")
 _DEVICES = ("cpu", "ascend", "all")
 
@@ -227,13 +230,16 @@ class Registration:
 
     Attributes:
         plugin: the build that was registered.
-        device: ``"cpu"``, ``"ascend"`` or ``"all"``.
-        report_path: the JSON-lines file the pass appends to (one record per candidate and per graph).
+        device: ``"cpu"``, ``"ascend"`` or ``"all"`` (lower case, as registered with MindSpore).
+        report_path: the JSON-lines file the pass appends to (one record per parameter and per graph).
+        compiled_for: the device MindSpore compiles graphs for in this process (``"CPU"``, ``"Ascend"``...),
+            read at registration.
     """
 
     plugin: PluginBuild
     device: str
     report_path: Path
+    compiled_for: str = "?"
 
     def records(self) -> list[dict]:
         """Every record the pass wrote so far (all graphs compiled since the file was created)."""
@@ -258,6 +264,36 @@ class Registration:
 # register_custom_pass returns True for a repeated registration and then runs the pass once per
 # registration; remember what this process registered so that register() is idempotent.
 _registered: dict[tuple[str, str], Registration] = {}
+# Report files register() created in the temporary directory; removed when the process exits.
+_temporary_reports: set[Path] = set()
+
+
+def _remove_temporary_reports() -> None:
+    for path in _temporary_reports:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+atexit.register(_remove_temporary_reports)
+
+
+def _compiled_for() -> str:
+    """The device MindSpore compiles graphs for here: the context's device target (``"CPU"`` on a CPU wheel)."""
+    try:
+        import mindspore as ms
+
+        return str(ms.get_context("device_target"))
+    except Exception:  # MindSpore raises its own RuntimeError/ValueError kinds here; the caller only reports it
+        return "?"
+
+
+def _graphs_compiled_so_far() -> int:
+    """How many graphs MindSpore compiled in this process before now (jit functions and GRAPH_MODE cells)."""
+    try:
+        from mindspore.graph import api
+    except ImportError:
+        return 0
+    return len(getattr(api, "ms_compile_cache", ())) + len(getattr(api, "cells_compile_cache", {}))
 
 
 def register(
@@ -268,24 +304,34 @@ def register(
 ) -> Registration:
     """Build (first use, cached) and register the pass that fuses ``mindspore.mint.optim.SGD`` updates.
 
-    Graphs compiled afterwards (``@mindspore.jit`` functions, GRAPH_MODE cells) on ``device`` have each
+    Graphs compiled afterwards (``@mindspore.jit`` functions, GRAPH_MODE cells) for ``device`` have each
     per-parameter ``mint.optim.SGD`` update -- both ``step_t == 0`` branches, the condition, the weight decay
-    and the parameter update -- replaced by one ``SGD`` op. Registration cannot be undone in a process; use
-    :func:`paused` around the first call of a function that must compile without the pass.
+    and the parameter update -- replaced by one ``SGD`` op. Graphs compiled before registration keep their
+    unfused updates (MindSpore does not compile a called jit function again): register before the first
+    training step. Registration cannot be undone in a process; use :func:`paused` around the first call of a
+    function that must compile without the pass.
 
     Args:
-        device: ``"cpu"``, ``"ascend"`` or ``"all"``.
-        report_path: the JSON-lines file the pass appends its records to (default: a new temporary file;
-            an earlier registration's file is kept).
+        device: ``"cpu"``, ``"ascend"`` or ``"all"``, in any case (MindSpore's ``"CPU"``, ``"Ascend"`` too).
+            The pass rewrites only graphs compiled for that device (``"all"``: any device). When MindSpore
+            here compiles for another device, a warning says so: the pass will leave those graphs alone.
+        report_path: the JSON-lines file the pass appends its records to. Default: a new file in the
+            temporary directory, removed when the process exits (read it with :meth:`Registration.report`
+            before then); an earlier registration's file is kept.
         cache_dir: where built plugins are cached (see :func:`build_plugin`).
+
+    Warns:
+        UserWarning: ``device`` is not the device graphs are compiled for here, or graphs were already
+            compiled in this process (their updates stay unfused).
 
     Raises:
         ValueError: unknown ``device``.
         MindSporeMissingError, PluginBuildError: see :func:`build_plugin`.
         PluginRegisterError: MindSpore refused the plugin.
     """
-    if device not in _DEVICES:
-        raise ValueError(f"device must be one of {', '.join(_DEVICES)}, not {device!r}")
+    if not isinstance(device, str) or device.lower() not in _DEVICES:
+        raise ValueError(f"device must be one of {', '.join(_DEVICES)} (any case), not {device!r}")
+    device = device.lower()
     build = build_plugin(cache_dir=cache_dir)
     if report_path is not None:
         path = Path(report_path)
@@ -295,6 +341,7 @@ def register(
         descriptor, name = tempfile.mkstemp(prefix="sgdfuse-mindspore-", suffix=".jsonl")
         os.close(descriptor)
         path = Path(name)
+        _temporary_reports.add(path)
     os.environ[REPORT_ENV] = str(path)
     key = (str(build.path), device)
     if key in _registered:
@@ -305,13 +352,33 @@ def register(
         import mindspore.graph as ms_graph
     except ImportError as error:
         raise MindSporeMissingError(f"MindSpore cannot be imported: {error}") from error
+    compiled_for = _compiled_for()
+    already = _graphs_compiled_so_far()
     ok = ms_graph.register_custom_pass(PASS_NAME, str(build.path), device, ms_graph.CustomPassType.FULL_GRAPH)
     if not ok:
         raise PluginRegisterError(
             f"{build.path}: mindspore.graph.register_custom_pass refused pass {PASS_NAME!r} for device {device!r} "
             "(MindSpore's log above says why)"
         )
-    registration = Registration(build, device, path)
+    # MindSpore 2.10 runs a FULL_GRAPH pass whatever device it was registered for; the pass itself checks
+    # the device it compiles for against every device registered in this process.
+    devices = {d for d in os.environ.get(DEVICES_ENV, "").split(",") if d}
+    os.environ[DEVICES_ENV] = ",".join(sorted(devices | {device}))
+    if device != "all" and compiled_for.lower() not in (device, "?"):
+        warnings.warn(
+            f"sgdfuse: registered for {device!r}, but MindSpore here compiles graphs for {compiled_for!r}: "
+            f"the pass leaves them unfused (register(device={compiled_for.lower()!r}) to fuse them)",
+            UserWarning,
+            stacklevel=2,
+        )
+    if already:
+        warnings.warn(
+            f"sgdfuse: {already} graph(s) were compiled in this process before register(); they keep their "
+            "unfused updates (a compiled jit function is not compiled again): register before the first step",
+            UserWarning,
+            stacklevel=2,
+        )
+    registration = Registration(build, device, path, compiled_for)
     _registered[key] = registration
     return registration
 
@@ -332,14 +399,26 @@ def paused() -> Iterator[None]:
 
 
 def report_from_records(records: list[dict], source: str) -> Report:
-    """Turn the pass's (or the MindIR rewriter's) records into a :class:`~sgdfuse.report.Report`."""
+    """Turn the pass's (or the MindIR rewriter's) records into a :class:`~sgdfuse.report.Report`.
+
+    Each parameter counts once per graph: fused if any record of that graph fused it, else refused with
+    the first reason recorded for it.
+    """
     report = Report(source=source)
+    fused_names = {(r.get("graph"), r["parameters"]) for r in records if r.get("event") == "fused"}
+    seen: set[tuple[str, str, str]] = set()
     for record in records:
         event = record.get("event")
         if event == "fused":
-            report.fused.append(_fused(record))
+            key = ("fused", record.get("graph"), record["parameters"])
+            if key not in seen:
+                seen.add(key)
+                report.fused.append(_fused(record))
         elif event == "refused":
-            report.refused.append(Refusal(record["candidate"], record["reason"], record["detail"]))
+            key = ("refused", record.get("graph"), record["candidate"])
+            if key not in seen and (record.get("graph"), record["candidate"]) not in fused_names:
+                seen.add(key)
+                report.refused.append(Refusal(record["candidate"], record["reason"], record["detail"]))
         elif event == "error":
             report.refused.append(
                 Refusal(record.get("graph", "?"), "pass-error", f"the pass stopped and left the graph as it was: {record['detail']}")

@@ -42,6 +42,7 @@
 // MindSpore: every match is planned before anything is edited, and an exception is reported as an error
 // record (an exception during analysis leaves the graph untouched).
 
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -710,6 +711,36 @@ class Matcher {
     return true;
   }
 
+  // A parameter update without a momentum buffer, w += alpha*x (mint with momentum 0): left alone, and listed.
+  bool PlainUpdate(const FuncGraphPtr &fg, const CNodePtr &node, Refusal *refusal) {
+    double alpha;
+    if (!IsPrim(node, "InplaceAddExt") || node->size() != 5 || !IsRefParam(node->input(1)) ||
+        !ScalarValue(node->input(3), &alpha) || !(alpha < 0.0)) {
+      return false;
+    }
+    TypeId dtype;
+    ShapeVector shape;
+    if (!TensorInfo(node->input(1), &dtype, &shape) ||
+        (dtype != mindspore::kNumberTypeFloat32 && dtype != mindspore::kNumberTypeFloat16 &&
+         dtype != mindspore::kNumberTypeBFloat16)) {
+      return false;
+    }
+    // A momentum update's value is the branch call (or grad + m*call): that is a candidate of its own.
+    auto value = AsCNode(node->input(2));
+    if (IsPrim(value, "AddExt")) value = AsCNode(value->input(2));
+    if (value != nullptr && value->size() >= 1 && IsPrim(value->input(0), "Switch")) return false;
+    std::vector<Path> paths;
+    if (!Paths(fg, &paths)) paths = {{}};
+    std::set<std::string> seen;
+    for (auto &path : paths) {
+      auto name = NodeName(Resolve(fg, node->input(1), path));
+      if (seen.insert(name).second) refusal->candidates.push_back(name);
+    }
+    refusal->reason = "momentum";
+    refusal->detail = "momentum 0: w <- w - " + Num(-alpha) + "*grad has no momentum buffer for the SGD op to keep";
+    return true;
+  }
+
  private:
   static std::string Form(const Lin &x) { return Num(x.b) + "*buf + " + Num(x.g) + "*grad"; }
 
@@ -1167,6 +1198,12 @@ class ReportWriter {
          << ", \"inlined_calls\": " << inlined << ", \"outlined_update_runs\": " << outlined << "}\n";
     out_.flush();
   }
+  void Skipped(const std::string &graph, const std::string &device, const std::string &registered) {
+    if (!out_.is_open()) return;
+    out_ << "{\"event\": \"skipped\", \"graph\": " << Json(graph) << ", \"device\": " << Json(device)
+         << ", \"registered\": " << Json(registered) << "}\n";
+    out_.flush();
+  }
   void Error(const std::string &graph, const std::string &what) {
     if (!out_.is_open()) return;
     out_ << "{\"event\": \"error\", \"graph\": " << Json(graph) << ", \"detail\": " << Json(what) << "}\n";
@@ -1457,6 +1494,20 @@ class FuseMintSgdPass : public mindspore::opt::Pass {
         manager = mindspore::Manage(root, true);
       }
       auto device = mindspore::MsContext::GetInstance()->get_param<std::string>(mindspore::MS_CTX_DEVICE_TARGET);
+      // Only graphs compiled for a device the pass was registered for (register() lists them; MindSpore 2.10
+      // runs a FULL_GRAPH pass whatever device it was registered for).
+      const char *devices = std::getenv("SGDFUSE_MINDSPORE_DEVICES");
+      if (devices != nullptr && *devices != '\0') {
+        std::string lower;
+        for (char c : device) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+        std::set<std::string> wanted;
+        std::stringstream list(devices);
+        for (std::string item; std::getline(list, item, ',');) wanted.insert(item);
+        if (wanted.count("all") == 0 && wanted.count(lower) == 0) {
+          report.Skipped(graph_name, device, devices);
+          return false;
+        }
+      }
       CallSites calls;
       Bindings bindings;
       for (auto &g : manager->func_graphs()) {
@@ -1493,6 +1544,8 @@ class FuseMintSgdPass : public mindspore::opt::Pass {
             plans.push_back(plan);
           } else if (!refusal.reason.empty()) {
             refusals.push_back(refusal);
+          } else if (Refusal plain; matcher.PlainUpdate(g, call, &plain)) {
+            refusals.push_back(plain);
           }
         }
       }
