@@ -438,9 +438,10 @@ def _fused(record: dict) -> FusedUpdate:
         accum=record["accum"],
         parameters_out=name,  # written in place
         accum_out=record["accum"],  # written in place
-        learning_rate=float(record["learning_rate"]),
+        # A number, or the name of the tensor the op reads it from at run time.
+        learning_rate=lr if isinstance(lr := record["learning_rate"], str) else float(lr),
         momentum=float(record["momentum"]),
-        learning_rate_input="constant",
+        learning_rate_input=record.get("learning_rate_input", "constant"),
         momentum_input="constant",
         dampening=float(record["dampening"]),
         weight_decay=float(record["weight_decay"]),

@@ -82,6 +82,7 @@ using mindspore::ValuePtr;
 constexpr char kPassName[] = "sgdfuse_mint_sgd";
 constexpr char kPluginName[] = "SgdfusePlugin";
 constexpr char kFusedMark[] = "sgdfuse_fused";
+constexpr char kDoneFlag[] = "sgdfuse_pass_done";
 
 // ---------------------------------------------------------------------------------------------------------
 // Small helpers over the IR.
@@ -472,6 +473,8 @@ struct Plan {
   CNodePtr outer_nesterov;        // AddExt(g, call, m) between call and update, or null
   AnfNodePtr weight, buf, grad, cond, step;
   double lr = 0, momentum = 0, dampening = 0, weight_decay = 0;
+  AnfNodePtr lr_tensor;            // a learning rate read at run time (a one-element tensor), else null
+  std::vector<std::string> lr_names;  // per use: what lr_tensor stands for
   bool nesterov = false, maximize = false;
   TypeId dtype = mindspore::kTypeUnknown;
   ShapeVector shape;
@@ -617,9 +620,15 @@ class Matcher {
       nesterov = true;
     }
     if (update == nullptr) return refuse("no-parameter-update", "no InplaceAddExt(w, buffer, -lr) consumes the buffer");
-    double alpha;
-    if (update->size() != 5 || !ScalarValue(update->input(3), &alpha)) {
-      return refuse("learning-rate", "the parameter update's alpha (-lr) is not a compile-time constant");
+    double alpha = 0.0;
+    AnfNodePtr lr_tensor;
+    if (update->size() != 5) return refuse("no-parameter-update", "the parameter update has an unexpected form");
+    if (!ScalarValue(update->input(3), &alpha)) {
+      // A learning rate held in a Parameter (the way to change it between compiled steps): the op takes the
+      // learning rate as a tensor input, so feed it that tensor.
+      std::string why;
+      lr_tensor = RuntimeLearningRate(update->input(3), update->input(1), &why);
+      if (lr_tensor == nullptr) return refuse("learning-rate", why);
     }
     auto weight = update->input(1);
     if (!IsRefParam(weight) || weight == buf) {
@@ -699,6 +708,15 @@ class Matcher {
     plan->cond = cond;
     plan->step = step;
     plan->lr = -alpha;
+    plan->lr_tensor = lr_tensor;
+    if (lr_tensor != nullptr) {
+      auto lr_ref = IsPrim(lr_tensor, "Load") ? lr_tensor->cast<CNodePtr>()->input(1) : lr_tensor;
+      std::set<std::string> seen;
+      for (auto &path : paths) {
+        auto name = NodeName(Resolve(fg, lr_ref, path));
+        if (seen.insert(name).second) plan->lr_names.push_back(name);
+      }
+    }
     plan->momentum = m;
     plan->dampening = d;
     plan->weight_decay = wd;
@@ -709,6 +727,44 @@ class Matcher {
     plan->matched_nodes = first.nodes + later.nodes + 5 + (outer_nesterov ? 1 : 0) + (wd > 0 ? 1 : 0);
     plan->uses = Uses(fg, {weight, gradient, buf}, paths, plan->caller_decay);
     return true;
+  }
+
+  // The learning rate behind an alpha read at run time: alpha = TensorToScalar([Cast to FLOAT64](Neg(t))),
+  // as mint builds -lr from a group's lr held in a one-element tensor t of the weight's dtype. Returns t,
+  // or null with `why` set.
+  static AnfNodePtr RuntimeLearningRate(const AnfNodePtr &alpha, const AnfNodePtr &weight, std::string *why) {
+    *why = "the parameter update's alpha (-lr) is neither a compile-time constant nor -t for a one-element tensor t";
+    auto scalar = AsCNode(alpha);
+    if (!IsPrim(scalar, "TensorToScalar") || scalar->size() != 2) return nullptr;
+    AnfNodePtr t = scalar->input(1);
+    // Widening casts only (FLOAT/FLOAT16 to FLOAT64): exact, so the op may read the tensor before them.
+    while (IsPrim(t, "Cast")) {
+      TypeId from, to;
+      ShapeVector s1, s2;
+      auto cast = t->cast<CNodePtr>();
+      if (!TensorInfo(cast->input(1), &from, &s1) || !TensorInfo(cast, &to, &s2) || to != mindspore::kNumberTypeFloat64 ||
+          (from != mindspore::kNumberTypeFloat32 && from != mindspore::kNumberTypeFloat16 && from != mindspore::kNumberTypeFloat64)) {
+        return nullptr;
+      }
+      t = cast->input(1);
+    }
+    if (!IsPrim(t, "Neg") || t->cast<CNodePtr>()->size() != 2) return nullptr;
+    auto lr = t->cast<CNodePtr>()->input(1);
+    TypeId lr_dtype, w_dtype;
+    ShapeVector lr_shape, w_shape;
+    if (!TensorInfo(lr, &lr_dtype, &lr_shape) || !TensorInfo(weight, &w_dtype, &w_shape)) return nullptr;
+    int64_t elements = 1;
+    for (auto d : lr_shape) elements *= d;
+    if (elements != 1) {
+      *why = "the learning rate tensor has " + std::to_string(elements) + " elements (the op takes exactly one)";
+      return nullptr;
+    }
+    if (lr_dtype != w_dtype) {
+      *why = "the learning rate tensor is " + DtypeName(lr_dtype) + ", the parameter " + DtypeName(w_dtype) +
+             " (the op takes both in one dtype)";
+      return nullptr;
+    }
+    return lr;
   }
 
   // A parameter update without a momentum buffer, w += alpha*x (mint with momentum 0): left alone, and listed.
@@ -1097,7 +1153,13 @@ class Rewriter {
       masks_[p.cond.get()] = cast;
     }
     auto monad = p.update->input(4);  // the parameter update's monad, already detached from the call
-    UpdateInputs in{p.weight, p.grad, ScalarTensorNode(p.lr, p.dtype), p.buf, ScalarTensorNode(p.momentum, p.dtype), stat, mask};
+    AnfNodePtr lr = p.lr_tensor != nullptr ? p.lr_tensor : ScalarTensorNode(p.lr, p.dtype);
+    if (IsPrim(lr, "Load")) {  // read the learning rate where the update starts (so the update can move as one)
+      auto load = fg->NewCNode({PrimNode("Load"), lr->cast<CNodePtr>()->input(1), monad});
+      load->set_abstract(lr->abstract());
+      lr = load;
+    }
+    UpdateInputs in{p.weight, p.grad, lr, p.buf, ScalarTensorNode(p.momentum, p.dtype), stat, mask};
     auto sgd = EmitUpdate(fg, in, mindspore::NewValueNode(prim), TensorAbstract(p.dtype, p.shape), p.dtype, monad,
                           p.weight->cast<ParameterPtr>()->name());
     manager_->Replace(p.update, sgd);
@@ -1108,6 +1170,12 @@ class Rewriter {
       if (IsPrim(us, "UpdateState") && us->size() == 3 && use.second == 2 && us->input(1) == monad) {
         manager_->SetEdge(us, 1, sgd->input(7));
       }
+    }
+    // The learning rate's own read (mint's Load for -lr) is now only ordered, not used: drop it from the chain.
+    if (IsPrim(p.lr_tensor, "Load")) {
+      bool only_ordered = true;
+      for (auto &use : manager_->node_users()[p.lr_tensor]) only_ordered = only_ordered && IsPrim(use.first, "UpdateState");
+      if (only_ordered) DetachFromUpdateStates(p.lr_tensor);
     }
     // Callers of a shared graph now pass the raw gradient: the SGD op applies the weight decay.
     for (auto &[call, index, add] : p.caller_decay) {
@@ -1155,7 +1223,15 @@ class ReportWriter {
     std::string shape = "[";
     for (size_t i = 0; i < p.shape.size(); ++i) shape += (i ? ", " : "") + std::to_string(p.shape[i]);
     shape += "]";
-    const std::string m = Num(p.momentum), d = Num(p.dampening), lr = Num(p.lr);
+    const std::string m = Num(p.momentum), d = Num(p.dampening);
+    std::string lr = Num(p.lr), lr_json = lr, lr_input = "\"constant\"";
+    if (p.lr_tensor != nullptr) {
+      std::string names;
+      for (size_t i = 0; i < p.lr_names.size(); ++i) names += (i ? " | " : "") + p.lr_names[i];
+      lr = names;
+      lr_json = Json(names);
+      lr_input = Json(names);
+    }
     std::string accum_eq = "accum <- " + m + "*accum + " + Num(1.0 - p.dampening) + "*grad (first step: accum <- grad)";
     std::string param_eq = p.nesterov ? "p <- p - " + lr + "*(grad + " + m + "*accum)" : "p <- p - " + lr + "*accum";
     if (p.weight_decay > 0) {
@@ -1167,7 +1243,7 @@ class ReportWriter {
       << ", \"shared_graph\": " << (AsWeight(p.weight) == nullptr ? Json(p.graph->ToString()) : std::string("null"))
       << ", \"parameters\": " << Json(use[0]) << ", \"gradient\": " << Json(use[1])
       << ", \"accum\": " << Json(use[2]) << ", \"step\": " << Json(NodeName(p.step))
-      << ", \"learning_rate\": " << lr << ", \"momentum\": " << m << ", \"dampening\": " << d
+      << ", \"learning_rate\": " << lr_json << ", \"learning_rate_input\": " << lr_input << ", \"momentum\": " << m << ", \"dampening\": " << d
       << ", \"weight_decay\": " << Num(p.weight_decay) << ", \"nesterov\": " << (p.nesterov ? "true" : "false")
       << ", \"maximize\": " << (p.maximize ? "true" : "false") << ", \"dtype\": " << Json(DtypeName(p.dtype))
       << ", \"shape\": " << shape << ", \"parameter_equation\": " << Json(param_eq)
@@ -1233,6 +1309,7 @@ std::pair<size_t, size_t> CountNodes(const FuncGraphManagerPtr &manager) {
 // with every intermediate node used by nothing but the next (so the unit can move as a whole).
 struct Unit {
   CNodePtr sgd, ua, assign, fill, load, carrier;
+  CNodePtr lr_load;  // Load(lr, start) of a learning rate read at run time, or null
   AnfNodePtr start;  // the monad the unit is ordered after
 };
 
@@ -1262,6 +1339,11 @@ bool FindUnit(const FuncGraphManagerPtr &manager, const CNodePtr &sgd, Unit *uni
   x.carrier = AsCNode(su.begin()->first);
   if (!IsPrim(x.carrier, "UpdateState") || su.begin()->second != 2 || x.carrier->input(1) != x.ua) return false;
   if (users[x.ua].size() != 2) return false;  // the SGD and the carrier
+  auto lr = AsCNode(sgd->input(3));
+  if (IsPrim(lr, "Load")) {
+    if (lr->input(2) != x.start || !only_user(lr, sgd)) return false;
+    x.lr_load = lr;
+  }
   *unit = x;
   return true;
 }
@@ -1397,12 +1479,12 @@ size_t OutlineUpdateRuns(const FuncGraphManagerPtr &manager) {
           !FindUnit(manager, first_sgd, &first)) {
         continue;
       }
-      // Extend the run: unit_k's carrier U_k is used by exactly the next unit's Load, Assign and Ua.
+      // Extend the run: unit_k's carrier U_k is used by exactly the next unit's Loads, Assign and Ua.
       std::vector<Unit> run{first};
       while (run.back().carrier->size() == 3) {
         auto end = run.back().carrier;
         auto &u = users[end];
-        if (u.size() != 3) break;
+        if (u.size() != 3 && u.size() != 4) break;
         Unit next;
         bool found = false;
         for (auto &use : u) {
@@ -1413,7 +1495,7 @@ size_t OutlineUpdateRuns(const FuncGraphManagerPtr &manager) {
             if (use2.second == 7 && FindUnit(manager, s, &next) && next.start == end) found = true;
           }
         }
-        if (!found) break;
+        if (!found || u.size() != (next.lr_load != nullptr ? 4u : 3u)) break;
         run.push_back(next);
       }
       if (run.size() < 2) continue;
@@ -1442,7 +1524,9 @@ size_t OutlineUpdateRuns(const FuncGraphManagerPtr &manager) {
       std::vector<std::pair<Unit, UpdateInputs>> bodies;
       for (auto &x : run) {
         auto &s = x.sgd;
-        bodies.emplace_back(x, UpdateInputs{param_for(s->input(1)), param_for(s->input(2)), param_for(s->input(3)),
+        // A learning rate read at run time is loaded again inside, at the same place of the chain.
+        auto lr = x.lr_load != nullptr ? param_for(x.lr_load->input(1)) : param_for(s->input(3));
+        bodies.emplace_back(x, UpdateInputs{param_for(s->input(1)), param_for(s->input(2)), lr,
                                             param_for(s->input(4)), param_for(s->input(5)), param_for(s->input(6)),
                                             param_for(x.fill->input(2))});
       }
@@ -1451,6 +1535,11 @@ size_t OutlineUpdateRuns(const FuncGraphManagerPtr &manager) {
       args.push_back(first.start);
       AnfNodePtr monad = u;
       for (auto &[x, in] : bodies) {
+        if (x.lr_load != nullptr) {
+          auto load = sub->NewCNode({PrimNode("Load"), in.lr, monad});
+          load->set_abstract(x.lr_load->abstract());
+          in.lr = load;
+        }
         auto copy = EmitUpdate(sub, in, x.sgd->input(0), x.sgd->abstract(), TypeIdOf(x.sgd), monad,
                                in.weight->isa<Parameter>() ? in.weight->cast<ParameterPtr>()->name() : "?");
         auto us = sub->NewCNode({PrimNode("UpdateState"), copy->input(7), copy});
@@ -1489,6 +1578,10 @@ class FuseMintSgdPass : public mindspore::opt::Pass {
     const std::string graph_name = root == nullptr ? "?" : root->ToString();
     try {
       if (root == nullptr || root->get_return() == nullptr) return false;
+      // MindSpore runs the pass once per registration (register() for "cpu" and then "ascend", say): the
+      // first run did the work.
+      if (root->has_flag(kDoneFlag)) return false;
+      root->set_flag(kDoneFlag, true);
       auto manager = root->manager();
       if (manager == nullptr) {
         manager = mindspore::Manage(root, true);
