@@ -604,3 +604,124 @@ def test_ifs_near_the_optimizer_report_each_parameter_once(registration, monkeyp
     _names_once(report, set(unfused["parameters"]))
     assert not report.refused, "the user's `if` is not an SGD update"
     assert all(u.gradient and u.accum == "momentum_buf." + u.parameters for u in report.fused)
+
+
+def _lr_parameter_step(net: nn.Cell, opt):
+    """A train step whose learning rate lives in a Parameter (group 0's ``lr_float``), changed between
+    compiled steps by a compiled assign (``set_data`` after compiling is not seen by the compiled graph)."""
+    lr = opt.param_groups[0]["lr_float"]
+
+    def forward(x, y):
+        return ((net(x) - y) ** 2).mean()
+
+    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
+
+    @ms.jit
+    def step(x, y):
+        loss, grads = grad_fn(x, y)
+        opt(grads)
+        return loss
+
+    @ms.jit
+    def set_lr(value):
+        ops.assign(lr, value)
+        return lr + 0
+
+    frozen: dict[str, np.ndarray] = {}
+
+    def run(x, y):
+        if int(opt.step_t.asnumpy()) == 3:
+            with sm.paused():  # nothing to fuse in it; and one fused graph per run, as _train_both counts
+                set_lr(ms.Tensor(0.0, ms.float32))
+            frozen.update({p.name: p.asnumpy().copy() for p in opt.parameters})
+        loss = step(x, y)
+        for p in opt.parameters:  # lr 0 from step 4 on: the compiled step saw the new value
+            if frozen:
+                np.testing.assert_array_equal(p.asnumpy(), frozen[p.name], err_msg=p.name)
+        return loss
+
+    return run
+
+
+def test_a_learning_rate_held_in_a_parameter_is_fed_to_the_op(registration, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "_step_factory", _lr_parameter_step)
+
+    def make(net):
+        opt = mint.optim.SGD(net.trainable_params(), lr=0.1, momentum=0.9, dampening=0.25)
+        # A second optimizer in one process needs Parameter names of its own.
+        opt.param_groups[0]["lr_float"] = ms.Parameter(ms.Tensor(0.1, ms.float32), name=f"lr_{id(opt)}")
+        return opt
+
+    unfused, fused, report = _train_both(registration, make)
+    _compare(unfused, fused)
+    assert len(report.fused) == 4 and not report.refused
+    assert all(u.learning_rate == u.learning_rate_input and u.learning_rate.startswith("lr_") for u in report.fused)
+
+
+def test_momentum_zero_parameters_are_listed_as_left_alone(registration):
+    unfused, fused, report = _train_both(registration, lambda net: mint.optim.SGD(net.trainable_params(), lr=0.1))
+    _compare(unfused, fused)
+    assert not report.fused
+    assert sorted(r.candidate for r in report.refused) == sorted(unfused["parameters"])
+    assert all(r.reason == "momentum" and "momentum 0" in r.detail for r in report.refused)
+
+
+_REGISTER_SCRIPT = """
+import json, sys, warnings, numpy as np, mindspore as ms
+from mindspore import mint, nn, ops
+import sgdfuse.mindspore as sm
+ms.set_context(mode=ms.GRAPH_MODE)
+
+def train_step():
+    net = nn.Dense(4, 2)
+    opt = mint.optim.SGD(net.trainable_params(), lr=0.1, momentum=0.9)
+    opt.step_t.name = f"step_t_{id(opt)}"  # a second optimizer needs Parameter names of its own
+    def forward(x):
+        return net(x).sum()
+    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
+    @ms.jit
+    def step(x):
+        loss, grads = grad_fn(x)
+        opt(grads)
+        return loss
+    return step
+
+x = ms.Tensor(np.ones((2, 4), np.float32))
+train_step()(x)  # compiled before any registration
+out = {}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    registration = sm.register(sys.argv[1])
+out["warnings"] = [str(w.message) for w in caught]
+out["report_path"] = str(registration.report_path)
+train_step()(x)
+out["records"] = registration.records()
+print(json.dumps(out))
+"""
+
+
+def _register_in_fresh_process(tmp_path: Path, device: str) -> dict:
+    import json
+    import subprocess
+
+    script = tmp_path / "register.py"
+    script.write_text(_REGISTER_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGDFUSE_MINDSPORE_")}
+    result = subprocess.run([sys.executable, str(script), device], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_registering_for_another_device_or_after_a_compile_warns_and_the_record_file_goes_away(tmp_path):
+    out = _register_in_fresh_process(tmp_path, "Ascend")
+    device_warnings = [w for w in out["warnings"] if "registered for 'ascend'" in w]
+    assert len(device_warnings) == 1 and "'CPU'" in device_warnings[0] and "unfused" in device_warnings[0]
+    assert any("compiled graphs in this process before register()" in w for w in out["warnings"])
+    # The CPU graph compiled afterwards is left alone, and the record says why.
+    assert [r["event"] for r in out["records"]] == ["skipped"] and out["records"][0]["device"] == "CPU"
+    assert not Path(out["report_path"]).exists(), "the temporary record file is removed when the process exits"
+
+    out = _register_in_fresh_process(tmp_path, "CPU")  # MindSpore's own spelling
+    assert not any("registered for" in w for w in out["warnings"])
+    assert [r["event"] for r in out["records"]].count("fused") == 2

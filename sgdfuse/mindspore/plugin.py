@@ -293,7 +293,8 @@ def _graphs_compiled_so_far() -> int:
         from mindspore.graph import api
     except ImportError:
         return 0
-    return len(getattr(api, "ms_compile_cache", ())) + len(getattr(api, "cells_compile_cache", {}))
+    cells = getattr(api, "cells_compile_cache", {})
+    return len(getattr(api, "ms_compile_cache", ())) + sum(len(v) for v in cells.values() if isinstance(v, (set, dict, list)))
 
 
 def register(
@@ -373,8 +374,8 @@ def register(
         )
     if already:
         warnings.warn(
-            f"sgdfuse: {already} graph(s) were compiled in this process before register(); they keep their "
-            "unfused updates (a compiled jit function is not compiled again): register before the first step",
+            "sgdfuse: MindSpore compiled graphs in this process before register(); those keep their unfused "
+            "updates (a compiled jit function is not compiled again): register before the first step",
             UserWarning,
             stacklevel=2,
         )
