@@ -14,7 +14,8 @@ What the pass does (details and measurements in ``sgdfuse_pass.cc``):
 
 1. rewrites each update -- in the top graph, or in the update graphs MindSpore shares between parameters of
    one shape once a model has many parameters -- into ``SGD(w, g, lr, buf, m, stat, U)`` with
-   ``stat = BroadcastTo(Cast(step_t == 0))`` and mint's weight decay folded into the op's attribute;
+   ``stat = BroadcastTo(Cast(step_t == 0))``, the buffer zeroed first where ``step_t == 0``, and mint's weight
+   decay folded into the op's attribute when nothing else writes the weight in the step;
 2. inlines the shared graphs at their call sites (they are straight-line code now);
 3. on CPU, moves each run of consecutive fused updates into one ``no_inline`` subgraph called once:
    MindSpore's CPU runtime runs backward kernels several times slower in a kernel graph that also writes
@@ -448,7 +449,7 @@ def _fused(record: dict) -> FusedUpdate:
         weight_decay=float(record["weight_decay"]),
         nesterov=bool(record["nesterov"]),
         maximize=bool(record["maximize"]),
-        stat=f"BroadcastTo(Cast({record['step']} == 0)): 1 on the first step, 0 after",
+        stat=f"BroadcastTo(Cast({record['step']} == 0)): 1 on the first step (the buffer is zeroed first), 0 after",
         dtype=record["dtype"],
         shape=list(record["shape"]),
         parameter_equation=record["parameter_equation"],

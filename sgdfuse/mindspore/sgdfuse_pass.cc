@@ -19,20 +19,29 @@
 //
 // The rewrite, per matched update:
 //   stat = BroadcastTo(Cast(cond, dtype(w)), shape(w))     1 on the first step (step_t == 0), else 0
-//   S    = SGD(w, g, lr, buf, m, stat, U1')  {dampening=d, weight_decay=wd, nesterov}
-// S takes P's place in the monad chain (U2 = UpdateState(U1', S)), so every read of w or buf that was
+//   A    = Assign(buf, MaskedFill(Load(buf), cond, 0))     the buffer zeroed on the first step
+//   S    = SGD(w, g, lr, buf, m, stat, UpdateState(U1', A))  {dampening=d, weight_decay=wd, nesterov}
+// S takes P's place in the monad chain (U2 = UpdateState(.., S)), so every read of w or buf that was
 // ordered after P is ordered after S. The Switch, both branch graphs, the Partials and the weight-decay
-// AddExt (folded into the weight_decay attribute) become dead.
+// AddExt (folded into the weight_decay attribute) become dead. lr is a constant, or the one-element tensor
+// mint reads -lr from at run time (a learning rate held in a Parameter).
 //
 // stat derivation, and why it is exact: with stat = 1 the Ascend contract computes accum*m + grad with no
-// dampening, which equals mint's first-step buf = grad because mint zero-initialises every momentum buffer
-// and step_t == 0 only before the first update; MindSpore's CPU kernel sets accum = grad outright where
-// stat > 0. With stat = 0 both compute m*accum + (1-d)*grad.
+// dampening; with the buffer zeroed first that is mint's first-step buf = grad, whatever the buffer held
+// (step_t reset by a schedule, buffers restored without step_t). MindSpore's CPU kernel sets accum = grad
+// outright where stat > 0. With stat = 0 both compute m*accum + (1-d)*grad.
+//
+// Weight decay grad + wd*w read before the update is folded into the attribute only when nothing but this
+// update can write w in the step (followed through every graph w is passed into): the op reads w when it
+// runs. Otherwise the term stays in the gradient as computed (a SAM-style step moves w between the two).
 //
 // With many parameters MindSpore does not inline mint's per-parameter body: it keeps one graph per
-// parameter signature, called as f(Load(step_t), w, buf, g', u), with the weight decay computed by the caller.
-// The same rewrite applies inside such a graph (the step counter is checked at every call site, the callers'
-// weight decay is folded in); the graph is then straight-line and is inlined at its call sites.
+// parameter signature, called as f(Load(step_t), w, buf, g', u), with the weight decay computed by the caller
+// -- with parameter groups through each group's hyper_map graph, which passes its own parameters down.
+// The same rewrite applies inside such a graph: what each graph parameter stands for is followed through
+// every chain of call sites up to the top graph (the step counter, the real Parameters for the report and
+// for the writes check, the callers' weight decay, folded in); the graph is then straight-line and is
+// inlined at its call sites, innermost first.
 // Finally each run of consecutive fused updates is moved into one no_inline subgraph (OutlineUpdateRuns says
 // why: in-place weight writes inside the backward's kernel graph slow MindSpore's CPU runtime down).
 //
