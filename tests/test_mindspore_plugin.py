@@ -725,3 +725,32 @@ def test_registering_for_another_device_or_after_a_compile_warns_and_the_record_
     out = _register_in_fresh_process(tmp_path, "CPU")  # MindSpore's own spelling
     assert not any("registered for" in w for w in out["warnings"])
     assert [r["event"] for r in out["records"]].count("fused") == 2
+
+
+def _buffers_halved_step(net: nn.Cell, opt):
+    def forward(x, y):
+        return ((net(x) - y) ** 2).mean()
+
+    grad_fn = ms.value_and_grad(forward, None, opt.parameters)
+    buffers = opt.momentum_buf
+
+    @ms.jit
+    def step(x, y):
+        loss, grads = grad_fn(x, y)
+        for b in buffers:
+            ops.assign(b, b * 0.5)
+        opt(grads)
+        return loss
+
+    return step
+
+
+def test_buffers_written_by_the_caller_are_refused_alike_in_shared_and_own_update_graphs(registration, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "_Mlp", _SameShapes)
+    monkeypatch.setattr(sys.modules[__name__], "_step_factory", _buffers_halved_step)
+    unfused, fused, report = _train_both(
+        registration, lambda net: mint.optim.SGD(net.trainable_params(), lr=0.05, momentum=0.9, dampening=0.1)
+    )
+    _compare(unfused, fused)
+    _names_once(report, set(unfused["parameters"]))
+    assert not report.fused and {r.reason for r in report.refused} == {"other-writes"}

@@ -648,8 +648,10 @@ class Matcher {
         return refuse("extra-consumer", "the updated parameter's value is read by " + NodeName(use.first));
       }
     }
-    if (LocallyWritten(buf, nullptr)) {
-      return refuse("other-writes", "the momentum buffer is written by another op of the graph");
+    // The buffer: read and written by the two branches only (followed to the real Parameter).
+    const std::set<std::pair<const mindspore::AnfNode *, int>> branch_uses{{pt.get(), buf_index + 2}, {pf.get(), buf_index + 2}};
+    if (!OnlyOurWrites(fg, buf, branch_uses, paths)) {
+      return refuse("other-writes", "the momentum buffer is written by another op of the step");
     }
 
     // Weight decay: a term grad + c*w read before the update is folded into the op's attribute only when
@@ -657,7 +659,7 @@ class Matcher {
     // the term read it earlier. Otherwise the term stays part of the gradient, as computed.
     AnfNodePtr gradient = grad;
     double wd = 0.0;
-    const bool only_ours = OnlyOurWrites(fg, weight, update, paths);
+    const bool only_ours = OnlyOurWrites(fg, weight, {{update.get(), 1}}, paths);
     if (IsPrim(grad, "AddExt")) {
       auto add = grad->cast<CNodePtr>();
       double c;
@@ -987,26 +989,14 @@ class Matcher {
     return eval.Run(fg, out);
   }
 
-  // Another side-effecting op of any graph takes `ref` itself as its written (first) operand.
-  bool LocallyWritten(const AnfNodePtr &ref, const CNodePtr &except) {
-    for (auto &use : manager_->node_users()[ref]) {
-      auto user = AsCNode(use.first);
-      if (user == nullptr || user == except || use.second != 1) continue;
-      auto prim = mindspore::GetCNodePrimitive(user);
-      if (prim == nullptr) continue;
-      auto name = prim->name();
-      if (name == "Partial" || name == "Load" || name == "UpdateState" || name == "Depend") continue;
-      if (prim->HasAttr("side_effect_mem") || name.rfind("Inplace", 0) == 0 || name == "Assign") return true;
-    }
-    return false;
-  }
-
-  // True when `update` is the only op that can write the tensor `node` (of `fg`) stands for: on every path,
+  // True when the ops in `ours` (node, input index) are the only ones that can write the tensor `node` (of
+  // `fg`) stands for: on every path,
   // each graph parameter and the real Parameter it stands for is only loaded, ordered (UpdateState, the
   // second input of Depend) or passed down to the next graph of the path. Anything else -- Assign,
   // AssignAdd, an in-place op, another optimizer, a call of a graph that might write it -- counts as a write.
-  bool OnlyOurWrites(const FuncGraphPtr &fg, const AnfNodePtr &node, const CNodePtr &update, const std::vector<Path> &paths) {
-    std::set<std::pair<const mindspore::AnfNode *, int>> allowed{{update.get(), 1}};
+  bool OnlyOurWrites(const FuncGraphPtr &fg, const AnfNodePtr &node,
+                     const std::set<std::pair<const mindspore::AnfNode *, int>> &ours, const std::vector<Path> &paths) {
+    std::set<std::pair<const mindspore::AnfNode *, int>> allowed = ours;
     std::vector<AnfNodePtr> nodes;
     for (auto &path : paths) {
       for (auto &link : Chain(fg, node, path, false)) {
