@@ -27,6 +27,7 @@ The pass reports every candidate it fused or refused as JSON lines in ``$SGDFUSE
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import fcntl
@@ -37,7 +38,6 @@ import json
 import logging
 import os
 import shutil
-import atexit
 import subprocess
 import tempfile
 import time
@@ -289,7 +289,8 @@ def _compiled_for() -> str:
 
 
 def _graphs_compiled_so_far() -> int:
-    """How many graphs MindSpore compiled in this process before now (jit functions and GRAPH_MODE cells)."""
+    """How many compile phases MindSpore went through in this process so far (jit functions and GRAPH_MODE
+    cells; one train step can take several). 0: nothing compiled yet."""
     try:
         from mindspore.graph import api
     except ImportError:

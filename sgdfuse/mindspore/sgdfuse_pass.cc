@@ -405,6 +405,20 @@ class BranchEvaluator {
   int chained_writes_ = 0;
 };
 
+// A graph without calls, closures or nested control flow.
+bool IsStraightLine(const FuncGraphPtr &fg) {
+  if (fg->get_return() == nullptr) return false;
+  for (auto &node : mindspore::TopoSort(fg->get_return())) {
+    auto c = AsCNode(node);
+    if (c == nullptr) continue;
+    for (size_t i = 0; i < c->size(); ++i) {
+      if (mindspore::GetValueNode<FuncGraphPtr>(c->input(i)) != nullptr) return false;  // calls or closures
+      if (i == 0 && c->input(0)->isa<CNode>()) return false;  // a call of a computed function
+    }
+  }
+  return true;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // Where graphs are entered, and what a graph parameter stands for in its callers.
 
@@ -519,7 +533,7 @@ class Matcher {
     // Optimizer-like candidates only: straight-line branches that write one argument in place. A user's
     // `if flag: opt(grads)` has branches that call graphs and write many arguments: the updates inside are
     // candidates of their own, the `if` is not.
-    if (!StraightLine(ft) || !StraightLine(ff)) return false;
+    if (!IsStraightLine(ft) || !IsStraightLine(ff)) return false;
     const int written = WrittenArgument(ft, ff);
     if (written < 0) return false;
 
@@ -949,20 +963,6 @@ class Matcher {
     return found;
   }
 
-  // A branch body without calls, closures or nested control flow.
-  static bool StraightLine(const FuncGraphPtr &fg) {
-    if (fg->get_return() == nullptr) return false;
-    for (auto &node : mindspore::TopoSort(fg->get_return())) {
-      auto c = AsCNode(node);
-      if (c == nullptr) continue;
-      if (c->input(0)->isa<CNode>() || IsPrim(c, "Switch") || IsPrim(c, "Partial")) return false;
-      for (size_t i = 0; i < c->size(); ++i) {
-        if (mindspore::GetValueNode<FuncGraphPtr>(c->input(i)) != nullptr) return false;
-      }
-    }
-    return true;
-  }
-
   // The step counter Parameter whose Load `value` is on every path (loaded in this graph, or in a caller
   // that passes it down through graph parameters). Null otherwise.
   AnfNodePtr StepCounter(const FuncGraphPtr &fg, const AnfNodePtr &value, const std::vector<Path> &paths) {
@@ -1353,18 +1353,6 @@ bool FindUnit(const FuncGraphManagerPtr &manager, const CNodePtr &sgd, Unit *uni
 // the same SGD ops inline run in 22 ms). Now that the rewrite removed the Switch, the shared graph is
 // straight-line code: inline it at every call site, then merge the step_t == 0 conditions and casts the
 // inlining duplicated (pure ops on the same inputs).
-bool IsStraightLine(const FuncGraphPtr &fg) {
-  if (fg->get_return() == nullptr) return false;
-  for (auto &node : mindspore::TopoSort(fg->get_return())) {
-    auto c = AsCNode(node);
-    if (c == nullptr) continue;
-    for (size_t i = 0; i < c->size(); ++i) {
-      if (mindspore::GetValueNode<FuncGraphPtr>(c->input(i)) != nullptr) return false;  // calls or closures
-      if (i == 0 && c->input(0)->isa<CNode>()) return false;  // a call of a computed function
-    }
-  }
-  return true;
-}
 
 std::string CseKey(const CNodePtr &c) {
   std::ostringstream key;
