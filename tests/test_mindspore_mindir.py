@@ -178,3 +178,39 @@ def test_the_check_compiles_both_files_without_the_registered_pass():
     model, _ = optimize_mindir(DATA / "train_step_nesterov.mindir", verify=False)
     assert check_mindir(DATA / "train_step_nesterov.mindir", model, steps=2).passed
     assert len(registration.records()) == before
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_each_sgd_reads_a_buffer_zeroed_on_the_first_step(name):
+    """mint's first step is buf = grad whatever buf holds (a restarted step_t, buffers restored without it);
+    the contract with stat = 1 computes accum*m + grad. So each SGD must follow
+    Assign(buf, MaskedFill(Load(buf, U), step_t == 0, 0), U), with the mask and stat from one condition."""
+    import numpy as np
+
+    model, _ = optimize_mindir(DATA / name, verify=False)
+    prims = {p.name: p.op_type for p in model.primitives}
+
+    def op(node) -> str:
+        return prims.get(node.op_type[5:], "call") if node.op_type.startswith("REF::") else node.op_type
+
+    seen = 0
+    for graph in [model.graph, *model.functions]:
+        producer = {(n.output[0] if n.output else n.name): n for n in graph.node}
+        for sgd in (n for n in graph.node if op(n) == "SGD"):
+            seen += 1
+            _, _, _, buf, _, stat, monad = sgd.input
+            ordered = producer[monad]
+            assert op(ordered) == "UpdateState"
+            u, assign_name = ordered.input
+            assign = producer[assign_name]
+            assert op(assign) == "Assign" and assign.input[0] == buf and assign.input[2] == u
+            fill = producer[assign.input[1]]
+            assert op(fill) == "MaskedFill"
+            load = producer[fill.input[0]]
+            assert op(load) == "Load" and list(load.input) == [buf, u]
+            zero = producer[fill.input[2]].attribute[0].tensors[0]
+            assert not np.frombuffer(zero.raw_data, np.float32).any()
+            mask, stat_cast = producer[fill.input[1]], producer[producer[stat].input[0]]
+            assert op(mask) == op(stat_cast) == "Cast" and mask.input[0] == stat_cast.input[0]
+            assert op(producer[mask.input[0]]) == "EqScalar"
+    assert seen > 0
