@@ -214,3 +214,25 @@ def test_each_sgd_reads_a_buffer_zeroed_on_the_first_step(name):
             assert op(mask) == op(stat_cast) == "Cast" and mask.input[0] == stat_cast.input[0]
             assert op(producer[mask.input[0]]) == "EqScalar"
     assert seen > 0
+
+
+def test_a_callers_weight_decay_stays_in_the_gradient_when_the_weight_is_also_written():
+    """In the shared-function file the callers compute grad + wd*w; the SGD op would read w when it runs.
+    Once something else in the step writes one of those weights, folding the term would read w after that
+    write: the term stays in the gradient (weight_decay 0) for every parameter of that shared function."""
+    source, _ = load_mindir(DATA / "train_step_shared.mindir")
+    index = mindir_module._Index(source.graph, source)
+    weight = next(p.name for p in source.graph.parameter if p.name.endswith("opt.body.0.weight"))
+    load = next(u for u, position in index.users[weight] if index.op(u) == "Load")
+    assign_prim = source.primitives.add(name="Assign:test", op_type="Assign", prim_type=2)
+    assign_prim.attribute.add(name="side_effect_mem", type=9, i=1)
+    write = source.graph.node.add(name="user_write", op_type="REF::Assign:test")
+    write.output.append("user_write")
+    write.input.extend([weight, load.output[0], load.input[1]])  # w <- w, ordered like the Load: a write all the same
+    _, baseline = optimize_mindir(DATA / "train_step_shared.mindir", verify=False)
+    _, report = optimize_mindir(source, verify=False)
+    before = {u.parameters.removeprefix("opt."): u for u in baseline.fused}
+    after = {u.parameters.removeprefix("opt."): u for u in report.fused}
+    assert before["body.0.weight"].weight_decay == pytest.approx(1e-4, rel=1e-6)
+    assert after.keys() == before.keys(), "still fused, with the term in the gradient"
+    assert after["body.0.weight"].weight_decay == 0.0

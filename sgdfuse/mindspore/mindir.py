@@ -588,6 +588,15 @@ def _caller_decay(index: _Index, model: Any, calls: dict, weight: str, grad: str
             return 0.0, []
         if any(u is not call and outer.op(u) != "UpdateState" for u, _ in outer.users.get(add.name, [])):
             return 0.0, []
+        # The op reads w when it runs, the term read it earlier: fold only when nothing in the caller can
+        # write w in between (it is only loaded, ordered, or passed to this call); else the term stays.
+        # Every graph, not only the caller: a function may use a main-graph Parameter by name.
+        for graph in [model.graph, *model.functions]:
+            where = outer if graph is caller else _Index(graph, model)
+            for user, position in where.users.get(call.input[wi], []):
+                if (user is call and position == wi) or where.op(user) == "UpdateState" or (where.op(user) == "Load" and position == 0):
+                    continue
+                return 0.0, []
         wd = c
         edits.append((caller.name, call.name, gi, add.name, add.input[0]))
     return wd or 0.0, edits
