@@ -10,7 +10,9 @@ FLOAT operations (grad + wd*p, m*buf + (1-d)*grad, p - lr*buf) so only rounding 
 bit-identical without Nesterov and within 1.2e-7 with it. A wrong first step or dampening would be off by
 25% (d = 0.25), a wrong lr or momentum by far more than the bound.
 The MindSpore CPU ``SGD`` kernel's known divergences from the contract (momentum == 0; stat > 0 with a
-non-zero accum) are outside these runs: momentum is 0.9 and every buffer is zero on the first step.
+non-zero accum) are outside the training comparisons: momentum is 0.9 and every buffer is zero on the first
+step. Where CPU cannot show what the contract computes (a first step with non-zero buffers), the test applies
+``sgdfuse.reference`` to the values the fused graph feeds the op, read from MindSpore's kernel data dump.
 """
 
 from __future__ import annotations
@@ -428,7 +430,9 @@ def test_first_step_after_a_step_t_reset_with_nonzero_buffers_meets_the_contract
                                  "support_device": [0, 1, 2, 3, 4, 5, 6, 7], "op_debug_mode": 0, "file_format": "npy"},
         "e2e_dump_settings": {"enable": True, "trans_flag": True},
     }))
-    env = dict(os.environ, MINDSPORE_DUMP_CONFIG=str(config))
+    # The graph the contract needs: on CPU the pass leaves the zeroing to MindSpore's kernel (which sets
+    # accum = grad where stat > 0) unless told otherwise.
+    env = dict(os.environ, MINDSPORE_DUMP_CONFIG=str(config), SGDFUSE_MINDSPORE_FIRST_STEP_ZERO="1")
     result = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     fused = json.loads(result.stdout.strip().splitlines()[-1])
@@ -456,6 +460,26 @@ def test_first_step_after_a_step_t_reset_with_nonzero_buffers_meets_the_contract
         step(x, y)
     mint_params = {p.name: p.asnumpy().copy() for p in opt.parameters}
     mint_buffers = {b.name: b.asnumpy().copy() for b in opt.momentum_buf}
+
+    # The CPU graph (no zeroing: the CPU kernel sets accum = grad where stat > 0) gives mint's numbers too.
+    net, opt = reset_model.build()
+    step = _train_step(net, opt)
+
+    @ms.jit
+    def reset_cpu():
+        ops.assign(opt.step_t, ms.Tensor(0, ms.int32))
+        return opt.step_t + 0
+
+    step(x, y)
+    step(x, y)
+    with sm.paused():
+        reset_cpu()
+    step(x, y)
+    for p in opt.parameters:
+        np.testing.assert_allclose(p.asnumpy(), mint_params[p.name], rtol=RTOL, atol=ATOL, err_msg=p.name)
+    for b in opt.momentum_buf:
+        np.testing.assert_allclose(b.asnumpy(), mint_buffers[b.name], rtol=RTOL, atol=ATOL, err_msg=b.name)
+    assert registration.report(registration.graphs()[-1]).fused, "the CPU step was fused"
 
     dumps = _latest_dumps(dump)
     # What the fused graph feeds each SGD on the reset step, by shape (the four shapes differ): the buffer as

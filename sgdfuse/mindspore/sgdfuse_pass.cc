@@ -539,7 +539,7 @@ class Matcher {
 
     std::vector<Path> paths;
     const bool paths_known = Paths(fg, &paths);
-    refusal->candidates = CandidateNames(fg, call, pt, written, paths_known ? paths : std::vector<Path>{{}});
+    refusal->candidates = CandidateNames(fg, call, pt, written, paths_known ? paths : std::vector<Path>(1));
     auto refuse = [&](const std::string &reason, const std::string &detail) {
       refusal->reason = reason;
       refusal->detail = detail;
@@ -811,7 +811,7 @@ class Matcher {
     if (IsPrim(value, "AddExt")) value = AsCNode(value->input(2));
     if (value != nullptr && value->size() >= 1 && IsPrim(value->input(0), "Switch")) return false;
     std::vector<Path> paths;
-    if (!Paths(fg, &paths)) paths = {{}};
+    if (!Paths(fg, &paths)) paths = std::vector<Path>(1);
     std::set<std::string> seen;
     for (auto &path : paths) {
       auto name = NodeName(Resolve(fg, node->input(1), path));
@@ -1068,6 +1068,16 @@ TypeId TypeIdOf(const AnfNodePtr &node) {
   return dtype;
 }
 
+// Whether the rewrite zeroes the buffer before the op on the first step (EmitUpdate says why): on every
+// device but CPU, whose kernel does it itself. SGDFUSE_MINDSPORE_FIRST_STEP_ZERO=1 zeroes on CPU too (the
+// graph the contract needs, e.g. to check it on a CPU install), =0 never.
+bool ZeroFirstStep(const std::string &device) {
+  const char *knob = std::getenv("SGDFUSE_MINDSPORE_FIRST_STEP_ZERO");
+  if (knob != nullptr && std::string(knob) == "1") return true;
+  if (knob != nullptr && std::string(knob) == "0") return false;
+  return device != "CPU";
+}
+
 // The inputs of one fused update (the rewrite emits it, the outlining re-emits it in a subgraph).
 struct UpdateInputs {
   AnfNodePtr weight, grad, lr, buf, momentum, stat, mask;
@@ -1085,10 +1095,20 @@ struct UpdateInputs {
 // that restores the buffers but not step_t, breaks. MaskedFill, not a multiplication by 1 - stat: a
 // non-finite buffer times 0 is NaN, and mint overwrites it.
 //
+// MindSpore's CPU SGD kernel already sets accum = grad where stat > 0, so on CPU (in.mask null, see
+// ZeroFirstStep) the update is S = SGD(w, g, lr, buf, m, stat, monad) alone: the three extra kernels per
+// parameter and step would cost ~30 ms of a 65 ms update (100 parameters, 3.3M elements) for nothing.
+//
 // Node names (kept in MindSpore's kernel names and data dumps): sgdfuse/SGD/<w>, sgdfuse/first_step_zero/<w>.
 CNodePtr EmitUpdate(const FuncGraphPtr &fg, const UpdateInputs &in, const AnfNodePtr &sgd_prim,
                     const mindspore::abstract::AbstractBasePtr &tensor, TypeId dtype, const AnfNodePtr &monad,
                     const std::string &name) {
+  if (in.mask == nullptr) {
+    auto sgd = fg->NewCNode({sgd_prim, in.weight, in.grad, in.lr, in.buf, in.momentum, in.stat, monad});
+    sgd->set_abstract(tensor->Clone());
+    sgd->set_fullname_with_scope("sgdfuse/SGD/" + name);
+    return sgd;
+  }
   auto load = fg->NewCNode({PrimNode("Load"), in.buf, monad});
   load->set_abstract(tensor->Clone());
   auto zero = ScalarTensorNode(0.0, dtype);
@@ -1108,7 +1128,7 @@ CNodePtr EmitUpdate(const FuncGraphPtr &fg, const UpdateInputs &in, const AnfNod
 
 class Rewriter {
  public:
-  explicit Rewriter(const FuncGraphManagerPtr &manager) : manager_(manager) {}
+  Rewriter(const FuncGraphManagerPtr &manager, bool zero_first_step) : manager_(manager), zero_(zero_first_step) {}
 
   void Apply(const Plan &p) {
     auto fg = p.graph;
@@ -1143,8 +1163,8 @@ class Rewriter {
                                      "parameters", "gradient", "learning_rate", "accum", "momentum", "stat"}));
     prim->AddAttr("output_names", mindspore::MakeValue(std::vector<std::string>{"output"}));
     // mask = Cast(step_t == 0, bool): which steps zero the buffer first (see EmitUpdate).
-    AnfNodePtr mask = masks_[p.cond.get()];
-    if (mask == nullptr) {
+    AnfNodePtr mask = zero_ ? masks_[p.cond.get()] : nullptr;
+    if (zero_ && mask == nullptr) {
       auto cast = fg->NewCNode({mindspore::NewValueNode(std::make_shared<mindspore::Primitive>("Cast")), p.cond,
                                 ImmNode(mindspore::MakeValue(static_cast<int64_t>(mindspore::kNumberTypeBool)))});
       cast->set_abstract(TensorAbstract(mindspore::kNumberTypeBool, ShapeVector{}));
@@ -1206,6 +1226,7 @@ class Rewriter {
   FuncGraphManagerPtr manager_;
   std::map<std::pair<const mindspore::AnfNode *, int>, AnfNodePtr> casts_;
   std::map<const mindspore::AnfNode *, AnfNodePtr> masks_;
+  bool zero_;
 };
 
 // ---------------------------------------------------------------------------------------------------------
@@ -1304,15 +1325,18 @@ std::pair<size_t, size_t> CountNodes(const FuncGraphManagerPtr &manager) {
   return {switches, cnodes};
 }
 
-// One fused update as EmitUpdate left it: Load, MaskedFill, Assign, Ua, SGD, and its carrier UpdateState(Ua, SGD),
-// with every intermediate node used by nothing but the next (so the unit can move as a whole).
+// One fused update as EmitUpdate left it: [Load, MaskedFill, Assign, Ua,] SGD and its carrier
+// UpdateState(Ua or start, SGD), with every intermediate node used by nothing but the next (so the unit can
+// move as a whole).
 struct Unit {
-  CNodePtr sgd, ua, assign, fill, load, carrier;
+  CNodePtr sgd, carrier;
+  CNodePtr ua, assign, fill, load;  // the first-step zeroing, or null
   CNodePtr lr_load;  // Load(lr, start) of a learning rate read at run time, or null
   AnfNodePtr start;  // the monad the unit is ordered after
 };
 
 bool FindUnit(const FuncGraphManagerPtr &manager, const CNodePtr &sgd, Unit *unit) {
+  if (sgd == nullptr) return false;
   auto &users = manager->node_users();
   auto prim = mindspore::GetCNodePrimitive(sgd);
   if (prim == nullptr || prim->name() != "SGD" || sgd->size() != 8 || !prim->HasAttr(kFusedMark)) return false;
@@ -1322,22 +1346,27 @@ bool FindUnit(const FuncGraphManagerPtr &manager, const CNodePtr &sgd, Unit *uni
   };
   Unit x;
   x.sgd = sgd;
-  x.ua = AsCNode(sgd->input(7));
-  if (!IsPrim(x.ua, "UpdateState") || x.ua->size() != 3) return false;
-  x.assign = AsCNode(x.ua->input(2));
-  auto aprim = mindspore::GetCNodePrimitive(x.assign);
-  if (aprim == nullptr || aprim->name() != "Assign" || !aprim->HasAttr(kFusedMark) || x.assign->size() != 4) return false;
-  x.start = x.ua->input(1);
-  x.fill = AsCNode(x.assign->input(2));
-  if (!IsPrim(x.fill, "MaskedFill") || x.assign->input(3) != x.start) return false;
-  x.load = AsCNode(x.fill->input(1));
-  if (!IsPrim(x.load, "Load") || x.load->input(2) != x.start) return false;
-  if (!only_user(x.load, x.fill) || !only_user(x.fill, x.assign) || !only_user(x.assign, x.ua)) return false;
+  x.start = sgd->input(7);
+  auto ua = AsCNode(sgd->input(7));
+  auto assign = IsPrim(ua, "UpdateState") && ua->size() == 3 ? AsCNode(ua->input(2)) : nullptr;
+  auto aprim = mindspore::GetCNodePrimitive(assign);
+  if (aprim != nullptr && aprim->name() == "Assign" && aprim->HasAttr(kFusedMark)) {  // the first-step zeroing
+    x.ua = ua;
+    x.assign = assign;
+    if (x.assign->size() != 4) return false;
+    x.start = x.ua->input(1);
+    x.fill = AsCNode(x.assign->input(2));
+    if (!IsPrim(x.fill, "MaskedFill") || x.assign->input(3) != x.start) return false;
+    x.load = AsCNode(x.fill->input(1));
+    if (!IsPrim(x.load, "Load") || x.load->input(2) != x.start) return false;
+    if (!only_user(x.load, x.fill) || !only_user(x.fill, x.assign) || !only_user(x.assign, x.ua)) return false;
+    if (users[x.ua].size() != 2) return false;  // the SGD and the carrier
+  }
+  const AnfNodePtr before_sgd = x.ua != nullptr ? AnfNodePtr(x.ua) : x.start;
   auto &su = users[sgd];
   if (su.size() != 1) return false;
   x.carrier = AsCNode(su.begin()->first);
-  if (!IsPrim(x.carrier, "UpdateState") || su.begin()->second != 2 || x.carrier->input(1) != x.ua) return false;
-  if (users[x.ua].size() != 2) return false;  // the SGD and the carrier
+  if (!IsPrim(x.carrier, "UpdateState") || su.begin()->second != 2 || x.carrier->input(1) != before_sgd) return false;
   auto lr = AsCNode(sgd->input(3));
   if (IsPrim(lr, "Load")) {
     if (lr->input(2) != x.start || !only_user(lr, sgd)) return false;
@@ -1346,6 +1375,10 @@ bool FindUnit(const FuncGraphManagerPtr &manager, const CNodePtr &sgd, Unit *uni
   *unit = x;
   return true;
 }
+
+// The uses of a unit's start monad inside the unit: the SGD (or the zeroing's Load, Assign and Ua) and the
+// SGD's carrier when there is no zeroing, plus the learning rate's Load.
+size_t StartUses(const Unit &x) { return (x.ua != nullptr ? 3 : 2) + (x.lr_load != nullptr ? 1 : 0); }
 
 // A graph that MindSpore shares between same-shaped parameters stays a called subgraph after the rewrite;
 // MindSpore's own inlining ran before this pass, and the backend runs every call of a subgraph through its
@@ -1466,23 +1499,23 @@ size_t OutlineUpdateRuns(const FuncGraphManagerPtr &manager) {
           !FindUnit(manager, first_sgd, &first)) {
         continue;
       }
-      // Extend the run: unit_k's carrier U_k is used by exactly the next unit's Loads, Assign and Ua.
+      // Extend the run: unit_k's carrier U_k is used by exactly the next unit (StartUses).
       std::vector<Unit> run{first};
       while (run.back().carrier->size() == 3) {
         auto end = run.back().carrier;
         auto &u = users[end];
-        if (u.size() != 3 && u.size() != 4) break;
         Unit next;
         bool found = false;
         for (auto &use : u) {
           auto c = AsCNode(use.first);
-          if (!IsPrim(c, "UpdateState") || use.second != 1) continue;
+          if (use.second == 7 && FindUnit(manager, c, &next) && next.start == end) found = true;
+          if (found || !IsPrim(c, "UpdateState") || use.second != 1) continue;
           for (auto &use2 : users[c]) {
             auto s = AsCNode(use2.first);
-            if (use2.second == 7 && FindUnit(manager, s, &next) && next.start == end) found = true;
+            if (!found && use2.second == 7 && FindUnit(manager, s, &next) && next.start == end) found = true;
           }
         }
-        if (!found || u.size() != (next.lr_load != nullptr ? 4u : 3u)) break;
+        if (!found || u.size() != StartUses(next)) break;
         run.push_back(next);
       }
       if (run.size() < 2) continue;
@@ -1515,7 +1548,7 @@ size_t OutlineUpdateRuns(const FuncGraphManagerPtr &manager) {
         auto lr = x.lr_load != nullptr ? param_for(x.lr_load->input(1)) : param_for(s->input(3));
         bodies.emplace_back(x, UpdateInputs{param_for(s->input(1)), param_for(s->input(2)), lr,
                                             param_for(s->input(4)), param_for(s->input(5)), param_for(s->input(6)),
-                                            param_for(x.fill->input(2))});
+                                            x.fill != nullptr ? param_for(x.fill->input(2)) : nullptr});
       }
       auto u = sub->add_parameter();  // last, as its argument
       u->set_abstract(first.start->abstract());
@@ -1630,7 +1663,7 @@ class FuseMintSgdPass : public mindspore::opt::Pass {
         }
       }
       const auto before = CountNodes(manager);
-      Rewriter rewriter(manager);
+      Rewriter rewriter(manager, ZeroFirstStep(device));
       for (auto &p : plans) rewriter.Apply(p);
       const size_t inlined = InlineSharedGraphs(manager, plans, calls);
       const char *outline = std::getenv("SGDFUSE_MINDSPORE_OUTLINE");
