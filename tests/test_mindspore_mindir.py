@@ -178,3 +178,61 @@ def test_the_check_compiles_both_files_without_the_registered_pass():
     model, _ = optimize_mindir(DATA / "train_step_nesterov.mindir", verify=False)
     assert check_mindir(DATA / "train_step_nesterov.mindir", model, steps=2).passed
     assert len(registration.records()) == before
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_each_sgd_reads_a_buffer_zeroed_on_the_first_step(name):
+    """mint's first step is buf = grad whatever buf holds (a restarted step_t, buffers restored without it);
+    the contract with stat = 1 computes accum*m + grad. So each SGD must follow
+    Assign(buf, MaskedFill(Load(buf, U), step_t == 0, 0), U), with the mask and stat from one condition."""
+    import numpy as np
+
+    model, _ = optimize_mindir(DATA / name, verify=False)
+    prims = {p.name: p.op_type for p in model.primitives}
+
+    def op(node) -> str:
+        return prims.get(node.op_type[5:], "call") if node.op_type.startswith("REF::") else node.op_type
+
+    seen = 0
+    for graph in [model.graph, *model.functions]:
+        producer = {(n.output[0] if n.output else n.name): n for n in graph.node}
+        for sgd in (n for n in graph.node if op(n) == "SGD"):
+            seen += 1
+            _, _, _, buf, _, stat, monad = sgd.input
+            ordered = producer[monad]
+            assert op(ordered) == "UpdateState"
+            u, assign_name = ordered.input
+            assign = producer[assign_name]
+            assert op(assign) == "Assign" and assign.input[0] == buf and assign.input[2] == u
+            fill = producer[assign.input[1]]
+            assert op(fill) == "MaskedFill"
+            load = producer[fill.input[0]]
+            assert op(load) == "Load" and list(load.input) == [buf, u]
+            zero = producer[fill.input[2]].attribute[0].tensors[0]
+            assert not np.frombuffer(zero.raw_data, np.float32).any()
+            mask, stat_cast = producer[fill.input[1]], producer[producer[stat].input[0]]
+            assert op(mask) == op(stat_cast) == "Cast" and mask.input[0] == stat_cast.input[0]
+            assert op(producer[mask.input[0]]) == "EqScalar"
+    assert seen > 0
+
+
+def test_a_callers_weight_decay_stays_in_the_gradient_when_the_weight_is_also_written():
+    """In the shared-function file the callers compute grad + wd*w; the SGD op would read w when it runs.
+    Once something else in the step writes one of those weights, folding the term would read w after that
+    write: the term stays in the gradient (weight_decay 0) for every parameter of that shared function."""
+    source, _ = load_mindir(DATA / "train_step_shared.mindir")
+    index = mindir_module._Index(source.graph, source)
+    weight = next(p.name for p in source.graph.parameter if p.name.endswith("opt.body.0.weight"))
+    load = next(u for u, position in index.users[weight] if index.op(u) == "Load")
+    assign_prim = source.primitives.add(name="Assign:test", op_type="Assign", prim_type=2)
+    assign_prim.attribute.add(name="side_effect_mem", type=9, i=1)
+    write = source.graph.node.add(name="user_write", op_type="REF::Assign:test")
+    write.output.append("user_write")
+    write.input.extend([weight, load.output[0], load.input[1]])  # w <- w, ordered like the Load: a write all the same
+    _, baseline = optimize_mindir(DATA / "train_step_shared.mindir", verify=False)
+    _, report = optimize_mindir(source, verify=False)
+    before = {u.parameters.removeprefix("opt."): u for u in baseline.fused}
+    after = {u.parameters.removeprefix("opt."): u for u in report.fused}
+    assert before["body.0.weight"].weight_decay == pytest.approx(1e-4, rel=1e-6)
+    assert after.keys() == before.keys(), "still fused, with the term in the gradient"
+    assert after["body.0.weight"].weight_decay == 0.0

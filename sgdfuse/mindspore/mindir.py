@@ -12,7 +12,8 @@ The rewrite is the plugin's, on protobuf: each branch function is evaluated symb
 (old buffer, gradient), solved for momentum, dampening and Nesterov, and the update becomes
 
     stat = BroadcastTo(Cast(step_t == 0, dtype), shape)
-    SGD(w, g, lr, buf, m, stat, U)  {dampening, weight_decay, nesterov}
+    A    = Assign(buf, MaskedFill(Load(buf, U), Cast(step_t == 0, bool), 0), U)    the buffer zeroed on the first step
+    SGD(w, g, lr, buf, m, stat, UpdateState(U, A))  {dampening, weight_decay, nesterov}
 
 under the parameter update's name, so every later ``UpdateState`` and the graph output keep their references.
 The Switch, Partials, branch functions and a folded weight-decay ``AddExt`` are dropped. The input model is
@@ -675,6 +676,15 @@ def _caller_decay(index: _Index, model: Any, calls: dict, weight: str, grad: str
             return 0.0, []
         if any(u is not call and outer.op(u) != "UpdateState" for u, _ in outer.users.get(add.name, [])):
             return 0.0, []
+        # The op reads w when it runs, the term read it earlier: fold only when nothing in the caller can
+        # write w in between (it is only loaded, ordered, or passed to this call); else the term stays.
+        # Every graph, not only the caller: a function may use a main-graph Parameter by name.
+        for graph in [model.graph, *model.functions]:
+            where = outer if graph is caller else _Index(graph, model)
+            for user, position in where.users.get(call.input[wi], []):
+                if (user is call and position == wi) or where.op(user) == "UpdateState" or (where.op(user) == "Load" and position == 0):
+                    continue
+                return 0.0, []
         wd = c
         edits.append((caller.name, call.name, gi, add.name, add.input[0]))
     return wd or 0.0, edits
@@ -759,6 +769,38 @@ class _Rewriter:
         node.domain = f"Default/sgdfuse/{what}"
         return node
 
+    def _zero_on_first_step(self, plan: _Plan, monad: str) -> tuple[list[Any], str]:
+        """``Assign(buf, MaskedFill(Load(buf, U), step_t == 0, 0), U)`` and ``UpdateState(U, Assign)``: the
+        nodes and the monad the SGD node is ordered after.
+
+        mint's first step sets ``buf = grad`` whatever the buffer holds (a restarted ``step_t``, buffers
+        restored without it); the contract with ``stat = 1`` computes ``accum*m + grad``. Zeroing the buffer
+        on that step makes them agree. MaskedFill, not a multiplication by ``1 - stat``: ``Inf * 0`` is NaN.
+        """
+        nodes = []
+        key = (plan.cond, "mask")
+        if key not in self.casts:
+
+            def fill_bool(a):
+                a.type = 7
+                a.i = 30  # MindSpore TypeId kNumberTypeBool
+
+            dtype = self._constant(fill_bool)
+            mask = self._op(self._primitive("Cast", (("input_names", 21, ("x", "dst_type")), ("output_names", 21, ("output",)))),
+                            [plan.cond, dtype.name], 9, [], "first_step")
+            nodes += [dtype, mask]
+            self.casts[key] = mask.name
+        load = self._op(self._primitive("Load", prim_type=1), [plan.buf, monad], plan.data_type, plan.dims, "accum_load")
+        zero = self._scalar_tensor(0.0, plan.data_type)
+        fill = self._op(self._primitive("MaskedFill"), [load.name, self.casts[key], zero.name], plan.data_type, plan.dims,
+                        f"first_step_zero-{_short(plan.weight)}")
+        assign = self._op(self._primitive("Assign", (("side_effect_mem", 9, True),)), [plan.buf, fill.name, monad],
+                          plan.data_type, plan.dims, f"first_step_zero-{_short(plan.weight)}")
+        ordered = self._op(self._primitive("UpdateState", prim_type=1), [monad, assign.name], plan.data_type, [], "first_step_done")
+        del ordered.attribute[:]
+        ordered.attribute.add(name="shape", type=23)  # UMONAD
+        return nodes + [load, zero, fill, assign, ordered], ordered.name
+
     def new_nodes(self, plan: _Plan, update: Any) -> list[Any]:
         """The nodes that replace ``update`` (which keeps its name as the SGD node)."""
         nodes = []
@@ -782,6 +824,8 @@ class _Rewriter:
 
         shape = self._constant(fill_shape)
         stat = self._op(self._primitive("BroadcastTo"), [self.casts[key], shape.name], plan.data_type, plan.dims, "stat")
+        zeroing, monad = self._zero_on_first_step(plan, update.input[3])
+        nodes += zeroing
         lr = self._scalar_tensor(plan.lr, plan.data_type)
         momentum = self._scalar_tensor(plan.momentum, plan.data_type)
         prim = self._primitive(
@@ -799,7 +843,7 @@ class _Rewriter:
         sgd = self.pb.NodeProto()
         sgd.CopyFrom(update)
         del sgd.input[:]
-        sgd.input.extend([plan.weight, plan.grad, lr.name, plan.buf, momentum.name, stat.name, update.input[3]])
+        sgd.input.extend([plan.weight, plan.grad, lr.name, plan.buf, momentum.name, stat.name, monad])
         sgd.op_type = "REF::" + prim
         del sgd.attribute[:]
         sgd.attribute.add(name="shape", type=19).tensors.add(data_type=plan.data_type, dims=plan.dims)

@@ -14,7 +14,8 @@ What the pass does (details and measurements in ``sgdfuse_pass.cc``):
 
 1. rewrites each update -- in the top graph, or in the update graphs MindSpore shares between parameters of
    one shape once a model has many parameters -- into ``SGD(w, g, lr, buf, m, stat, U)`` with
-   ``stat = BroadcastTo(Cast(step_t == 0))`` and mint's weight decay folded into the op's attribute;
+   ``stat = BroadcastTo(Cast(step_t == 0))``, the buffer zeroed first where ``step_t == 0``, and mint's weight
+   decay folded into the op's attribute when nothing else writes the weight in the step;
 2. inlines the shared graphs at their call sites (they are straight-line code now);
 3. on CPU, moves each run of consecutive fused updates into one ``no_inline`` subgraph called once:
    MindSpore's CPU runtime runs backward kernels several times slower in a kernel graph that also writes
@@ -26,6 +27,7 @@ The pass reports every candidate it fused or refused as JSON lines in ``$SGDFUSE
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import fcntl
@@ -39,6 +41,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -61,6 +64,7 @@ PASS_NAME = "sgdfuse_mint_sgd"
 REPORT_ENV = "SGDFUSE_MINDSPORE_REPORT"
 DISABLE_ENV = "SGDFUSE_MINDSPORE_DISABLE"
 CACHE_ENV = "SGDFUSE_CACHE_DIR"
+DEVICES_ENV = "SGDFUSE_MINDSPORE_DEVICES"
 _SOURCE = Path(__file__).with_name("sgdfuse_pass.cc")
 _DEVICES = ("cpu", "ascend", "all")
 
@@ -227,13 +231,16 @@ class Registration:
 
     Attributes:
         plugin: the build that was registered.
-        device: ``"cpu"``, ``"ascend"`` or ``"all"``.
-        report_path: the JSON-lines file the pass appends to (one record per candidate and per graph).
+        device: ``"cpu"``, ``"ascend"`` or ``"all"`` (lower case, as registered with MindSpore).
+        report_path: the JSON-lines file the pass appends to (one record per parameter and per graph).
+        compiled_for: the device MindSpore compiles graphs for in this process (``"CPU"``, ``"Ascend"``...),
+            read at registration.
     """
 
     plugin: PluginBuild
     device: str
     report_path: Path
+    compiled_for: str = "?"
 
     def records(self) -> list[dict]:
         """Every record the pass wrote so far (all graphs compiled since the file was created)."""
@@ -258,6 +265,38 @@ class Registration:
 # register_custom_pass returns True for a repeated registration and then runs the pass once per
 # registration; remember what this process registered so that register() is idempotent.
 _registered: dict[tuple[str, str], Registration] = {}
+# Report files register() created in the temporary directory; removed when the process exits.
+_temporary_reports: set[Path] = set()
+
+
+def _remove_temporary_reports() -> None:
+    for path in _temporary_reports:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+atexit.register(_remove_temporary_reports)
+
+
+def _compiled_for() -> str:
+    """The device MindSpore compiles graphs for here: the context's device target (``"CPU"`` on a CPU wheel)."""
+    try:
+        import mindspore as ms
+
+        return str(ms.get_context("device_target"))
+    except Exception:  # MindSpore raises its own RuntimeError/ValueError kinds here; the caller only reports it
+        return "?"
+
+
+def _graphs_compiled_so_far() -> int:
+    """How many compile phases MindSpore went through in this process so far (jit functions and GRAPH_MODE
+    cells; one train step can take several). 0: nothing compiled yet."""
+    try:
+        from mindspore.graph import api
+    except ImportError:
+        return 0
+    cells = getattr(api, "cells_compile_cache", {})
+    return len(getattr(api, "ms_compile_cache", ())) + sum(len(v) for v in cells.values() if isinstance(v, (set, dict, list)))
 
 
 def register(
@@ -268,24 +307,34 @@ def register(
 ) -> Registration:
     """Build (first use, cached) and register the pass that fuses ``mindspore.mint.optim.SGD`` updates.
 
-    Graphs compiled afterwards (``@mindspore.jit`` functions, GRAPH_MODE cells) on ``device`` have each
+    Graphs compiled afterwards (``@mindspore.jit`` functions, GRAPH_MODE cells) for ``device`` have each
     per-parameter ``mint.optim.SGD`` update -- both ``step_t == 0`` branches, the condition, the weight decay
-    and the parameter update -- replaced by one ``SGD`` op. Registration cannot be undone in a process; use
-    :func:`paused` around the first call of a function that must compile without the pass.
+    and the parameter update -- replaced by one ``SGD`` op. Graphs compiled before registration keep their
+    unfused updates (MindSpore does not compile a called jit function again): register before the first
+    training step. Registration cannot be undone in a process; use :func:`paused` around the first call of a
+    function that must compile without the pass.
 
     Args:
-        device: ``"cpu"``, ``"ascend"`` or ``"all"``.
-        report_path: the JSON-lines file the pass appends its records to (default: a new temporary file;
-            an earlier registration's file is kept).
+        device: ``"cpu"``, ``"ascend"`` or ``"all"``, in any case (MindSpore's ``"CPU"``, ``"Ascend"`` too).
+            The pass rewrites only graphs compiled for that device (``"all"``: any device). When MindSpore
+            here compiles for another device, a warning says so: the pass will leave those graphs alone.
+        report_path: the JSON-lines file the pass appends its records to. Default: a new file in the
+            temporary directory, removed when the process exits (read it with :meth:`Registration.report`
+            before then); an earlier registration's file is kept.
         cache_dir: where built plugins are cached (see :func:`build_plugin`).
+
+    Warns:
+        UserWarning: ``device`` is not the device graphs are compiled for here, or graphs were already
+            compiled in this process (their updates stay unfused).
 
     Raises:
         ValueError: unknown ``device``.
         MindSporeMissingError, PluginBuildError: see :func:`build_plugin`.
         PluginRegisterError: MindSpore refused the plugin.
     """
-    if device not in _DEVICES:
-        raise ValueError(f"device must be one of {', '.join(_DEVICES)}, not {device!r}")
+    if not isinstance(device, str) or device.lower() not in _DEVICES:
+        raise ValueError(f"device must be one of {', '.join(_DEVICES)} (any case), not {device!r}")
+    device = device.lower()
     build = build_plugin(cache_dir=cache_dir)
     if report_path is not None:
         path = Path(report_path)
@@ -295,6 +344,7 @@ def register(
         descriptor, name = tempfile.mkstemp(prefix="sgdfuse-mindspore-", suffix=".jsonl")
         os.close(descriptor)
         path = Path(name)
+        _temporary_reports.add(path)
     os.environ[REPORT_ENV] = str(path)
     key = (str(build.path), device)
     if key in _registered:
@@ -305,13 +355,33 @@ def register(
         import mindspore.graph as ms_graph
     except ImportError as error:
         raise MindSporeMissingError(f"MindSpore cannot be imported: {error}") from error
+    compiled_for = _compiled_for()
+    already = _graphs_compiled_so_far()
     ok = ms_graph.register_custom_pass(PASS_NAME, str(build.path), device, ms_graph.CustomPassType.FULL_GRAPH)
     if not ok:
         raise PluginRegisterError(
             f"{build.path}: mindspore.graph.register_custom_pass refused pass {PASS_NAME!r} for device {device!r} "
             "(MindSpore's log above says why)"
         )
-    registration = Registration(build, device, path)
+    # MindSpore 2.10 runs a FULL_GRAPH pass whatever device it was registered for; the pass itself checks
+    # the device it compiles for against every device registered in this process.
+    devices = {d for d in os.environ.get(DEVICES_ENV, "").split(",") if d}
+    os.environ[DEVICES_ENV] = ",".join(sorted(devices | {device}))
+    if device != "all" and compiled_for.lower() not in (device, "?"):
+        warnings.warn(
+            f"sgdfuse: registered for {device!r}, but MindSpore here compiles graphs for {compiled_for!r}: "
+            f"the pass leaves them unfused (register(device={compiled_for.lower()!r}) to fuse them)",
+            UserWarning,
+            stacklevel=2,
+        )
+    if already:
+        warnings.warn(
+            "sgdfuse: MindSpore compiled graphs in this process before register(); those keep their unfused "
+            "updates (a compiled jit function is not compiled again): register before the first step",
+            UserWarning,
+            stacklevel=2,
+        )
+    registration = Registration(build, device, path, compiled_for)
     _registered[key] = registration
     return registration
 
@@ -332,14 +402,26 @@ def paused() -> Iterator[None]:
 
 
 def report_from_records(records: list[dict], source: str) -> Report:
-    """Turn the pass's (or the MindIR rewriter's) records into a :class:`~sgdfuse.report.Report`."""
+    """Turn the pass's (or the MindIR rewriter's) records into a :class:`~sgdfuse.report.Report`.
+
+    Each parameter counts once per graph: fused if any record of that graph fused it, else refused with
+    the first reason recorded for it.
+    """
     report = Report(source=source)
+    fused_names = {(r.get("graph"), r["parameters"]) for r in records if r.get("event") == "fused"}
+    seen: set[tuple[str, str, str]] = set()
     for record in records:
         event = record.get("event")
         if event == "fused":
-            report.fused.append(_fused(record))
+            key = ("fused", record.get("graph"), record["parameters"])
+            if key not in seen:
+                seen.add(key)
+                report.fused.append(_fused(record))
         elif event == "refused":
-            report.refused.append(Refusal(record["candidate"], record["reason"], record["detail"]))
+            key = ("refused", record.get("graph"), record["candidate"])
+            if key not in seen and (record.get("graph"), record["candidate"]) not in fused_names:
+                seen.add(key)
+                report.refused.append(Refusal(record["candidate"], record["reason"], record["detail"]))
         elif event == "error":
             report.refused.append(
                 Refusal(record.get("graph", "?"), "pass-error", f"the pass stopped and left the graph as it was: {record['detail']}")
@@ -359,15 +441,16 @@ def _fused(record: dict) -> FusedUpdate:
         accum=record["accum"],
         parameters_out=name,  # written in place
         accum_out=record["accum"],  # written in place
-        learning_rate=float(record["learning_rate"]),
+        # A number, or the name of the tensor the op reads it from at run time.
+        learning_rate=lr if isinstance(lr := record["learning_rate"], str) else float(lr),
         momentum=float(record["momentum"]),
-        learning_rate_input="constant",
+        learning_rate_input=record.get("learning_rate_input", "constant"),
         momentum_input="constant",
         dampening=float(record["dampening"]),
         weight_decay=float(record["weight_decay"]),
         nesterov=bool(record["nesterov"]),
         maximize=bool(record["maximize"]),
-        stat=f"BroadcastTo(Cast({record['step']} == 0)): 1 on the first step, 0 after",
+        stat=f"BroadcastTo(Cast({record['step']} == 0)): 1 on the first step (the buffer is zeroed first), 0 after",
         dtype=record["dtype"],
         shape=list(record["shape"]),
         parameter_equation=record["parameter_equation"],
