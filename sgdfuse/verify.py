@@ -334,7 +334,11 @@ class _Tally:
         if want.size == 0:
             return
         error = difference(want, have)
-        bound = np.broadcast_to(np.asarray(bound, dtype=np.float64), error.shape)
+        try:
+            bound = np.broadcast_to(np.asarray(bound, dtype=np.float64), error.shape)
+        except ValueError:  # the state read by the step already differs in shape between the two sides
+            self.fail(f"{label}: the state read by this step has another shape on each side")
+            return
         self.max_abs = max(self.max_abs, float(np.max(error)))
         with np.errstate(invalid="ignore", divide="ignore"):
             ratio = np.where(error == 0, 0.0, error / np.where(bound > 0, bound, 0.0))
@@ -788,6 +792,15 @@ def _scalar(array) -> float:
     return float(values[0]) if values.size else 0.0
 
 
+def _state_difference(original, fused) -> np.ndarray | float:
+    """|fused - original| of a state both sides read (Inf where their shapes differ: already a failure)."""
+    if fused is None:
+        return 0.0
+    if np.shape(original) != np.shape(fused):
+        return float("inf")
+    return difference(original, fused)
+
+
 def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out) -> _Terms:
     """The bound's values for one update in one step (module docstring, "Values")."""
     if view.gradient_side == "fused":
@@ -796,8 +809,8 @@ def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fu
         gradient = original_out.get(view.gradient, original_feeds.get(view.gradient))
     p = original_feeds[view.parameters]
     a = original_feeds[view.accum]
-    dp = difference(p, fused_feeds[view.parameters]) if view.parameters in fused_feeds else 0.0
-    da = difference(a, fused_feeds[view.accum]) if view.accum in fused_feeds else 0.0
+    dp = _state_difference(p, fused_feeds.get(view.parameters))
+    da = _state_difference(a, fused_feeds.get(view.accum))
     return _Terms(
         p=p, g=gradient, a=a, lr=_scalar(fused_out[view.learning_rate]), m=_scalar(fused_out[view.momentum]),
         d=view.dampening, wd=view.weight_decay, nesterov=view.nesterov, dtype=view.dtype, dp=dp, da=da,
