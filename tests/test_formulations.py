@@ -168,7 +168,9 @@ def test_ema_momentum_is_contract_with_dampening_equal_momentum():
 
 
 def test_scaled_gradient_accumulation_is_momentum_one():
-    c = 0.1
+    # c = 0.5: the dampening attribute 1 - c is exact in FLOAT. With c = 0.1 the FLOAT attribute 0.9 gives
+    # 1 - d = 0.10000002, 3.7 ulps off the graph's 0.1, which verification refuses (sgdfuse.verify).
+    c = 0.5
     b = Builder()
     p, g, buf = _state(b)
     b.add(buf, b.mul(b.scalar(c), g), out="buf_new")
