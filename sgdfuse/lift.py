@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["FLOAT_TYPES", "lift_to_double", "missing_kernels"]
+__all__ = ["FLOAT_TYPES", "lift_to_double", "missing_kernels", "specialise"]
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16})
 """The ONNX float types that are lifted (DOUBLE stays as it is)."""
@@ -136,3 +136,78 @@ def _lift_constant_scalar_attributes(node: onnx.NodeProto) -> None:
         del node.attribute[k]
         node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(array, name="value")))
         return
+
+
+def specialise(model: onnx.ModelProto, outputs: list[str] | None = None) -> onnx.ModelProto:
+    """A copy of ``model`` with its model-local functions inlined (``onnx.inliner``), every ``If`` whose
+    condition is a compile-time constant replaced by the branch it selects, and nodes that no output needs
+    dropped; ``outputs`` (default: the graph's) are the values kept.
+
+    The arithmetic is untouched: an SGD node becomes its function body with its attributes as constants, and
+    the body's ``If`` s on ``weight_decay == 0``, ``dampening == 0`` and ``nesterov`` select what they would
+    select at run time. onnxruntime builds a session of it several times faster (every ``If`` branch is a
+    graph of its own to initialise), which is what makes checking in several precisions affordable.
+    """
+    from onnx import inliner
+
+    inlined = inliner.inline_local_functions(model)
+    graph = inlined.graph
+    known: dict[str, np.ndarray] = {}
+    nodes = _fold(graph.node, known)
+    wanted = set(outputs if outputs is not None else [o.name for o in graph.output])
+    kept: list[onnx.NodeProto] = []
+    for node in reversed(nodes):
+        if any(o in wanted for o in node.output if o):
+            kept.append(node)
+            wanted.update(_reads(node))
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+    del inlined.functions[:]
+    return inlined
+
+
+def _fold(nodes, known: dict[str, np.ndarray]) -> list[onnx.NodeProto]:
+    result: list[onnx.NodeProto] = []
+    for node in nodes:
+        if node.domain not in ("", "ai.onnx"):
+            result.append(node)
+            continue
+        if node.op_type == "Constant":
+            value = _constant_value(node)
+            if value is not None:
+                known[node.output[0]] = value
+        elif node.op_type == "Equal" and all(name in known for name in node.input):
+            known[node.output[0]] = np.equal(known[node.input[0]], known[node.input[1]])
+        elif node.op_type == "If" and node.input[0] in known and np.asarray(known[node.input[0]]).size == 1:
+            chosen = "then_branch" if bool(np.asarray(known[node.input[0]]).reshape(-1)[0]) else "else_branch"
+            branch = next(a.g for a in node.attribute if a.name == chosen)
+            result.extend(_fold(branch.node, known))
+            for source, target in zip(branch.output, node.output):
+                if target:
+                    result.append(helper.make_node("Identity", [source.name], [target]))
+            continue
+        result.append(node)
+    return result
+
+
+def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
+    for attribute in node.attribute:
+        if attribute.ref_attr_name:
+            return None
+        if attribute.name == "value":
+            return numpy_helper.to_array(attribute.t)
+        if attribute.name == "value_float":
+            return np.array(attribute.f, dtype=np.float32)
+        if attribute.name == "value_int":
+            return np.array(attribute.i, dtype=np.int64)
+    return None
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    names = {name for name in node.input if name}
+    for attribute in node.attribute:
+        subs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
+        for sub in subs:
+            for inner in sub.node:
+                names.update(_reads(inner))
+    return names
