@@ -372,11 +372,11 @@ class _Input:
     role: str
 
 
-def _concrete_shape(spec: _Input, size: int) -> tuple[int, ...]:
+def _concrete_shape(spec: _Input, size: int | None) -> tuple[int, ...]:
     return tuple(size if isinstance(d, str) else int(d) for d in spec.shape)
 
 
-def _feed(spec: _Input, kind: str, step: int, size: int, rng: np.random.Generator) -> np.ndarray:
+def _feed(spec: _Input, kind: str, step: int, size: int | None, rng: np.random.Generator) -> np.ndarray:
     """The value of a non-state input for one step of the schedule (module docstring, "Schedule")."""
     shape = _concrete_shape(spec, size)
     dtype = onnx_to_numpy_dtype(spec.dtype)
@@ -409,7 +409,7 @@ def _extreme(kind: str, shape: tuple[int, ...], dtype: np.dtype, rng: np.random.
     return (signs * big).astype(dtype)
 
 
-def _state_initial(spec: _Input, size: int, rng: np.random.Generator) -> np.ndarray:
+def _state_initial(spec: _Input, size: int | None, rng: np.random.Generator) -> np.ndarray:
     shape = _concrete_shape(spec, size)
     dtype = onnx_to_numpy_dtype(spec.dtype)
     if spec.dtype not in FLOAT_TYPES and spec.dtype != onnx.TensorProto.DOUBLE:
@@ -444,8 +444,9 @@ class _Pair:
         self.fused = make_session(lift_to_double(fused) if lifted else fused)
 
 
-def _make_pairs(original: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[list[_Pair], str]:
-    """The native pair, and the lifted pair when onnxruntime can run it; the note says why not.
+def _make_pairs(original: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[list[_Pair], str, list[str]]:
+    """The native pair, and the lifted pair when onnxruntime can run it; the note says why not, and the
+    op types without a DOUBLE kernel are listed when onnxruntime names them.
 
     The fused side runs :func:`sgdfuse.lift.specialise` d: the SGD function body inlined per node with its
     attributes, the ``If`` s on them resolved (same arithmetic, bit for bit; sessions build ~3x faster)."""
@@ -456,12 +457,17 @@ def _make_pairs(original: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[list
     except Exception as error:  # onnxruntime's own exception types: no DOUBLE kernel, type errors
         ops = missing_kernels(error)
         reason = f"onnxruntime has no DOUBLE kernel for {', '.join(ops)}" if ops else str(error).strip().splitlines()[0]
-        return pairs, f"the lifted (DOUBLE) comparison could not run ({reason}); checked in the native dtypes only"
-    return pairs, ""
+        return pairs, f"the lifted (DOUBLE) comparison could not run ({reason}); checked in the native dtypes only", ops
+    return pairs, "", []
 
 
-def _sizes(inputs: Iterable[_Input]) -> tuple[int, ...]:
-    return SIZES if any(isinstance(d, str) for spec in inputs for d in spec.shape) else (SIZES[-1],)
+def _sizes(inputs: Iterable[_Input]) -> tuple[int | None, ...]:
+    """:data:`SIZES` when some input has a symbolic dimension, else ``(None,)`` (one run)."""
+    return SIZES if any(isinstance(d, str) for spec in inputs for d in spec.shape) else (None,)
+
+
+def _run_label(precision: str, size: int | None) -> str:
+    return precision if size is None else f"{precision}, size {size}"
 
 
 # --------------------------------------------------------------------------------------- graph helpers
@@ -920,7 +926,14 @@ def verify_plans(
 
 def _verify_batch(model, index, plans, *, steps: int, seed: int, shared) -> list[UpdateCheck]:
     slices = _build_slices(model, index, plans, shared)
-    pairs, note = _make_pairs(slices.original, slices.fused)
+    pairs, note, ops = _make_pairs(slices.original, slices.fused)
+    if ops and len(plans) > 1:
+        # Only the updates whose slices use an op without a DOUBLE kernel lose the lifted run.
+        affected = [any(node.op_type in ops for node in _plan_nodes(index, plan)) for plan in plans]
+        if any(affected) and not all(affected):
+            groups = ([p for p, a in zip(plans, affected) if not a], [p for p, a in zip(plans, affected) if a])
+            checked = {id(p): c for group in groups for p, c in zip(group, verify_plans(model, index, group, steps=steps, seed=seed, shared=shared))}
+            return [checked[id(p)] for p in plans]
     tallies = [_Tally() for _ in plans]
     if note:
         for tally in tallies:
@@ -933,9 +946,9 @@ def _verify_batch(model, index, plans, *, steps: int, seed: int, shared) -> list
                 if len(plans) > 1:
                     raise
                 if error.side == "original":
-                    tallies[0].note(f"size {size}: {error} (the original cannot run at this size; skipped)")
+                    tallies[0].note(f"{_run_label(pair.label, size)}: {error} (the original cannot run here; skipped)")
                 else:
-                    tallies[0].fail(f"{pair.label} size {size}: {error}")
+                    tallies[0].fail(f"{_run_label(pair.label, size)}: {error}")
     results = []
     for plan, tally in zip(plans, tallies):
         if tally.passed and not tally.runs:
@@ -946,7 +959,11 @@ def _verify_batch(model, index, plans, *, steps: int, seed: int, shared) -> list
     return results
 
 
-def _run_schedule(pair: _Pair, slices: _Slices, tallies: Sequence[_Tally], *, steps: int, size: int, seed: int) -> None:
+def _plan_nodes(index: GraphIndex, plan) -> list[onnx.NodeProto]:
+    return [index.graph.node[i] for i in sorted(plan.match.nodes)] + list(plan.nodes)
+
+
+def _run_schedule(pair: _Pair, slices: _Slices, tallies: Sequence[_Tally], *, steps: int, size: int | None, seed: int) -> None:
     """One precision at one size: ``steps`` chained in-place steps, then the extreme-value steps."""
     rng = np.random.default_rng(seed)
     convert = _lifted_array if pair.lifted else (lambda array: array)
@@ -956,7 +973,7 @@ def _run_schedule(pair: _Pair, slices: _Slices, tallies: Sequence[_Tally], *, st
     others = [spec for spec in slices.inputs if spec.role not in ("parameters", "accum")]
     initial = {spec.name: convert(_state_initial(spec, size, rng)) for spec in state}
     original_feeds, fused_feeds = dict(initial), dict(initial)
-    label = f"{pair.label}, size {size}"
+    label = _run_label(pair.label, size)
     completed: list[tuple] = []
     kinds = _schedule(steps)
     for step, kind in enumerate(kinds + list(EXTREME_KINDS)):
@@ -1041,7 +1058,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
     inputs = _check_inputs(index, original_inputs, views, probe_fused)
     update_outputs = {name: (view, role) for view in views for name, role in view.outputs.items()}
 
-    pairs, note = _make_pairs(original, probe_fused)
+    pairs, note, _ = _make_pairs(original, probe_fused)
     output_tallies = {name: _Tally() for name in outputs}
     state_tallies = {(k, s): _Tally() for k, view in enumerate(views) for s in view.roles}
     runs: list[str] = []
@@ -1054,12 +1071,12 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
                                 state_tallies, steps=steps, size=size, seed=seed)
             except _RunError as error:
                 if error.side == "original model":
-                    notes.append(f"size {size}: {error} (skipped)")
+                    notes.append(f"{_run_label(pair.label, size)}: {error} (skipped)")
                     continue
                 for tally in output_tallies.values():
-                    tally.fail(f"{pair.label}, size {size}: {error}")
+                    tally.fail(f"{_run_label(pair.label, size)}: {error}")
                 continue
-            runs.append(f"{pair.label} size {size}")
+            runs.append(_run_label(pair.label, size))
     if not runs and not any(not t.passed for t in output_tallies.values()):
         raise ValueError("the original model cannot run at any size tried: " + "; ".join(notes))
 
@@ -1165,11 +1182,11 @@ def _check_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_Upda
 
 
 def _check_schedule(pair, index, inputs, views, outputs, fused_names, original_pairs, update_outputs, output_tallies, state_tallies,
-                    *, steps: int, size: int, seed: int) -> None:
+                    *, steps: int, size: int | None, seed: int) -> None:
     """One precision at one size of :func:`check_models`: the lockstep run (every output), the in-place run
     (state writes), then the extreme-value steps from the lockstep state."""
     convert = _lifted_array if pair.lifted else (lambda array: array)
-    label = f"{pair.label}, size {size}"
+    label = _run_label(pair.label, size)
     fused_pairs = dict(original_pairs)
     for view in views:
         fused_pairs.update(view.fused_state)

@@ -365,3 +365,122 @@ def test_check_passes_when_an_input_fed_inf_gives_the_same_nan_on_both_sides():
     assert [f.parameters_out for f in result.report.fused] == ["p_out"]
     check = check_models(model, result.model)
     assert check.passed, [e["message"] for e in check.outputs + check.in_place if not e["passed"]]
+
+
+# -- what the verifier runs --------------------------------------------------------------------------------
+
+
+def test_the_specialised_fused_function_computes_bit_for_bit_what_the_function_computes():
+    # The verifier runs SGD nodes as their function body inlined with the If's on constant attributes
+    # resolved; onnxruntime must give the same bits (-0, NaN, Inf included) as the function itself.
+    from sgdfuse.contract import SgdAttributes
+    from sgdfuse.fused_op import ensure_sgd_function, make_sgd_node
+    from sgdfuse.lift import specialise
+    from sgdfuse.runtime import make_session, run
+
+    combos = [(0.0, 0.0, False), (0.25, 0.01, False), (0.0, 0.01, True), (0.1, 0.0, False)]
+    nodes, outputs = [], []
+    for k, (d, wd, nesterov) in enumerate(combos):
+        names = [f"{k}_{n}" for n in ("p_out", "a_out", "s_out")]
+        nodes.append(make_sgd_node(("p", "g", "lr", "a", "m", "s"), tuple(names), SgdAttributes(d, wd, nesterov), name=f"sgd{k}"))
+        outputs.extend(names)
+    shape = [8]
+    graph = helper.make_graph(
+        nodes, "sgd", [graphs.value(n, shape=shape) for n in ("p", "g", "a", "s")] + [graphs.value(n, shape=[1]) for n in ("lr", "m")],
+        [graphs.value(n, shape=None) for n in outputs],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    ensure_sgd_function(model)
+    specialised = specialise(model)
+    assert not specialised.functions
+    feeds = {
+        "p": np.array([1, -0.0, np.inf, -2, 0, 3, np.nan, 1e30], np.float32),
+        "g": np.array([0.5, 0.0, 1, -np.inf, -0.0, 2, 1, -1e30], np.float32),
+        "a": np.array([0, -0.0, 1, 2, np.inf, -1, 0, 1e30], np.float32),
+        "s": np.array([1, 0, 0, 1, 0, 0, 1, 0], np.float32),
+    }
+    for m in (0.9, 0.0):
+        feeds.update(lr=np.array([0.1], np.float32), m=np.array([m], np.float32))
+        want = run(make_session(model), feeds, outputs)
+        have = run(make_session(specialised), feeds, outputs)
+        for name in outputs:
+            assert want[name].tobytes() == have[name].tobytes(), (m, name, want[name], have[name])
+
+
+def test_check_says_when_the_double_comparison_cannot_run_and_names_the_op(tmp_path):
+    # onnxruntime has no DOUBLE Erf kernel: check still runs natively, and says so rather than passing quietly.
+    nodes = [
+        helper.make_node("Mul", ["buf", "m"], ["buf_m"]),
+        helper.make_node("Add", ["buf_m", "g"], ["buf_out"]),
+        helper.make_node("Mul", ["buf_out", "lr"], ["step"]),
+        helper.make_node("Sub", ["p", "step"], ["p_out"]),
+        helper.make_node("Erf", ["x"], ["erf_x"]),
+    ]
+    model = graphs.make_model(
+        nodes, [graphs.value(n) for n in ("p", "g", "buf", "x")], [graphs.value(n) for n in ("p_out", "buf_out", "erf_x")],
+        [graphs.scalar("m", 0.9), graphs.scalar("lr", 0.1)],
+    )
+    fused = api.optimize(model).model
+    result = check_models(model, fused)
+    assert result.passed
+    assert "Erf" in result.note and "DOUBLE" in result.note
+    assert not any(run.startswith("double") for run in result.runs)
+    completed = _cli_check(model, fused, tmp_path)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "Erf" in completed.stdout
+
+
+@pytest.mark.parametrize("schedule", ["exp", "gather"])
+def test_check_reads_a_learning_rate_computed_in_the_graph_from_the_run(schedule):
+    # lr = Exp(t) or Gather(schedule, step): the learning rate is no graph input to look up by name.
+    n = helper.make_node
+    if schedule == "exp":
+        lr_nodes = [n("Exp", ["t"], ["lr"])]
+        extra_inputs = [graphs.value("t", shape=[])]
+        extra_initializers = []
+    else:
+        lr_nodes = [n("Gather", ["lr_schedule", "step"], ["lr"])]
+        extra_inputs = [helper.make_tensor_value_info("step", TensorProto.INT64, [])]
+        extra_initializers = [numpy_helper.from_array(np.array([0.1, 0.05, 0.01, 0.005], np.float32), name="lr_schedule")]
+    nodes = lr_nodes + [
+        n("Mul", ["buf", "m"], ["buf_m"]),
+        n("Add", ["buf_m", "g"], ["buf_out"]),
+        n("Mul", ["buf_out", "lr"], ["delta"]),
+        n("Sub", ["p", "delta"], ["p_out"]),
+    ]
+    model = graphs.make_model(
+        nodes, [graphs.value(x) for x in ("p", "g", "buf")] + extra_inputs, [graphs.value("p_out"), graphs.value("buf_out")],
+        [graphs.scalar("m", 0.9)] + extra_initializers,
+    )
+    result = api.optimize(model)
+    assert [f.parameters_out for f in result.report.fused] == ["p_out"], result.report.refused
+    check = check_models(model, result.model)
+    assert check.passed, [e["message"] for e in check.outputs + check.in_place if not e["passed"]]
+
+
+def test_only_the_update_whose_slice_lacks_a_double_kernel_loses_the_lifted_run():
+    # Two updates verified in one batch; the first one's slice holds an Erf (no DOUBLE kernel in
+    # onnxruntime): it is checked natively with a note naming Erf, the second still in DOUBLE.
+    n = helper.make_node
+    nodes = []
+    for k in ("1", "2"):
+        nodes += [
+            n("Mul", [f"buf{k}", "m"], [f"buf{k}_m"]),
+            n("Add", [f"buf{k}_m", f"g{k}"], [f"buf{k}_out"]),
+            n("Mul", [f"buf{k}_out", "lr"], [f"step{k}"]),
+            n("Sub", [f"p{k}", f"step{k}"], [f"p{k}_out"]),
+        ]
+    nodes.append(n("Erf", ["x"], ["erf_x"]))
+    names = [f"{r}{k}" for k in "12" for r in ("p", "g", "buf")] + ["x"]
+    model = graphs.make_model(
+        nodes, [graphs.value(x) for x in names], [graphs.value(x) for x in ("p1_out", "buf1_out", "p2_out", "buf2_out", "erf_x")],
+        [graphs.scalar("m", 0.9), graphs.scalar("lr", 0.1)],
+    )
+    index = build_index(model)
+    planner = Planner(index)
+    first = _match(model, parameters="p1", gradient="g1", accum="buf1", parameters_out="p1_out", accum_out="buf1_out", nodes={0, 1, 2, 3, 8})
+    second = _match(model, parameters="p2", gradient="g2", accum="buf2", parameters_out="p2_out", accum_out="buf2_out", nodes={4, 5, 6, 7})
+    checks = verify_plans(model, index, [planner.plan(first), planner.plan(second)])
+    assert [c.passed for c in checks] == [True, True]
+    assert "Erf" in checks[0].note and not any(run.startswith("double") for run in checks[0].runs)
+    assert checks[1].note == "" and any(run.startswith("double") for run in checks[1].runs)
