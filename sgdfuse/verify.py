@@ -137,6 +137,11 @@ SIZES = (1, 3)
 EXTREME_KINDS = ("large", "zero", "inf")
 """Extra steps in which inputs that should not matter are fed extreme magnitudes."""
 
+EXTRA_KINDS = EXTREME_KINDS + ("restart",)
+"""Steps run from the state the chain reached, each alone (not chained): the extreme-value steps, and a
+first step again ("restart": counters 0, first-step condition true) with the buffer the chain left, which is
+where a first step that ignores the old buffer must be seen to ignore it."""
+
 _UNIT_ROUNDOFF = {onnx.TensorProto.FLOAT: 2.0**-24, onnx.TensorProto.FLOAT16: 2.0**-11, onnx.TensorProto.BFLOAT16: 2.0**-8}
 _SMALLEST_SUBNORMAL = {onnx.TensorProto.FLOAT: 2.0**-149, onnx.TensorProto.FLOAT16: 2.0**-24, onnx.TensorProto.BFLOAT16: 2.0**-133}
 _DOUBLE_ROUNDOFF = 2.0**-53
@@ -417,6 +422,12 @@ def _state_initial(spec: _Input, size: int | None, rng: np.random.Generator) -> 
     if spec.role == "accum":
         return np.zeros(shape, dtype=dtype)  # a fresh optimizer's buffer
     return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def _counter(kind: str, step: int, chained: int) -> int:
+    """The step counter fed with a step: its index in the chain; 0 for a restart; after the chain for the
+    extreme-value steps."""
+    return 0 if kind == "restart" else min(step, chained)
 
 
 def _schedule(steps: int) -> list[str]:
@@ -976,19 +987,19 @@ def _run_schedule(pair: _Pair, slices: _Slices, tallies: Sequence[_Tally], *, st
     label = _run_label(pair.label, size)
     completed: list[tuple] = []
     kinds = _schedule(steps)
-    for step, kind in enumerate(kinds + list(EXTREME_KINDS)):
-        if kind in EXTREME_KINDS and step == len(kinds):
+    for step, kind in enumerate(kinds + list(EXTRA_KINDS)):
+        if kind in EXTRA_KINDS and step == len(kinds):
             base = (dict(original_feeds), dict(fused_feeds))
-        if kind in EXTREME_KINDS:
+        if kind in EXTRA_KINDS:
             original_feeds, fused_feeds = dict(base[0]), dict(base[1])
         for spec in others:
-            value = convert(_feed(spec, kind, step if kind not in EXTREME_KINDS else len(kinds), size, rng))
+            value = convert(_feed(spec, kind, _counter(kind, step, len(kinds)), size, rng))
             original_feeds[spec.name] = fused_feeds[spec.name] = value
         original_out = _run_side(pair.original, original_feeds, slices.original_outputs, "original slice")
         fused_out = _run_side(pair.fused, fused_feeds, slices.fused_outputs, "fused slice")
         step_label = f"{label}, step {step + 1} ({kind})"
         completed.append((original_feeds, fused_feeds, original_out, fused_out, step_label))
-        if kind not in EXTREME_KINDS:
+        if kind not in EXTRA_KINDS:
             original_feeds, fused_feeds = dict(original_feeds), dict(fused_feeds)
             _carry(original_feeds, original_out, original_pairs)
             _carry(fused_feeds, fused_out, fused_pairs)
@@ -1200,20 +1211,20 @@ def _check_schedule(pair, index, inputs, views, outputs, fused_names, original_p
             if spec.name in state_names:
                 original_feeds[spec.name] = convert(_state_initial(spec, size, rng))
         fused_feeds = dict(original_feeds)
-        sequence = kinds + (list(EXTREME_KINDS) if mode == "lockstep" else [])
+        sequence = kinds + (list(EXTRA_KINDS) if mode == "lockstep" else [])
         base = None
         for step, kind in enumerate(sequence):
-            if kind in EXTREME_KINDS:
+            if kind in EXTRA_KINDS:
                 base = base or (dict(original_feeds), dict(fused_feeds))
                 original_feeds, fused_feeds = dict(base[0]), dict(base[1])
             for spec in inputs:
                 if spec.name not in state_names:
-                    value = convert(_feed(spec, kind, min(step, len(kinds)), size, rng))
+                    value = convert(_feed(spec, kind, _counter(kind, step, len(kinds)), size, rng))
                     original_feeds[spec.name] = fused_feeds[spec.name] = value
             original_out = _run_side(pair.original, original_feeds, outputs, "original model")
             fused_out = _run_side(pair.fused, fused_feeds, fused_names, "fused model")
             results.append((mode, step, kind, original_feeds, fused_feeds, original_out, fused_out))
-            if kind not in EXTREME_KINDS:
+            if kind not in EXTRA_KINDS:
                 original_feeds, fused_feeds = dict(original_feeds), dict(fused_feeds)
                 _carry(original_feeds, original_out, original_pairs)
                 if mode == "lockstep":

@@ -484,3 +484,27 @@ def test_only_the_update_whose_slice_lacks_a_double_kernel_loses_the_lifted_run(
     assert [c.passed for c in checks] == [True, True]
     assert "Erf" in checks[0].note and not any(run.startswith("double") for run in checks[0].runs)
     assert checks[1].note == "" and any(run.startswith("double") for run in checks[1].runs)
+
+
+def _first_step_model() -> onnx.ModelProto:
+    """PyTorch's first step: ``buf_out = first ? g : 0.9*buf + g;  p_out = p - 0.1*buf_out``."""
+    nodes = [
+        helper.make_node("Mul", ["buf", "m"], ["buf_m"]),
+        helper.make_node("Add", ["buf_m", "g"], ["buf_later"]),
+        helper.make_node("Where", ["first", "g", "buf_later"], ["buf_out"]),
+        helper.make_node("Mul", ["buf_out", "lr"], ["step"]),
+        helper.make_node("Sub", ["p", "step"], ["p_out"]),
+    ]
+    inputs = [graphs.value(n) for n in ("p", "g", "buf")] + [helper.make_tensor_value_info("first", TensorProto.BOOL, [])]
+    return graphs.make_model(nodes, inputs, [graphs.value("p_out"), graphs.value("buf_out")], [graphs.scalar("m", 0.9), graphs.scalar("lr", 0.1)])
+
+
+@pytest.mark.parametrize("zero_accum", [True, False])
+def test_a_first_step_that_ignores_the_buffer_is_checked_with_a_buffer_that_is_not_zero(zero_accum):
+    # Fused without zeroing the buffer on the first step, the op computes 0.9*buf + g where the graph takes g:
+    # invisible from a fresh (zero) buffer, seen when the first step comes with a buffer.
+    from sgdfuse.passes.sgd_match import FirstStep
+
+    model = _first_step_model()
+    check, _ = _verify(model, _match(model, first_step=FirstStep("first", True, zero_accum)))
+    assert check.passed is zero_accum, check.message
