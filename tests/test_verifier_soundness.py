@@ -508,3 +508,28 @@ def test_a_first_step_that_ignores_the_buffer_is_checked_with_a_buffer_that_is_n
     model = _first_step_model()
     check, _ = _verify(model, _match(model, first_step=FirstStep("first", True, zero_accum)))
     assert check.passed is zero_accum, check.message
+
+
+def test_optimize_refuses_a_plan_that_rounds_the_gradient_to_float16_which_only_the_native_run_sees(monkeypatch):
+    # Lifted to DOUBLE the casts vanish and both sides agree; in FLOAT the gradient loses 13 bits (2^-11
+    # relative), far beyond the few FLOAT roundings the native bound allows: a loosened native bound lets it by.
+    class RoundingPlanner(Planner):
+        def plan(self, match):
+            plan = super().plan(match)
+            gradient = plan.sgd_node.input[1]
+            rounded, back = f"{gradient}/as_float16", f"{gradient}/back_to_float"
+            casts = [
+                helper.make_node("Cast", [gradient], [rounded], to=TensorProto.FLOAT16),
+                helper.make_node("Cast", [rounded], [back], to=F32),
+            ]
+            plan.sgd_node.input[1] = back
+            return dataclasses.replace(plan, nodes=plan.nodes[:-1] + casts + [plan.sgd_node])
+
+    monkeypatch.setattr(api, "Planner", RoundingPlanner)
+    model = _damped_wd_model()
+    result = api.optimize(model)
+    assert result.report.fused == []
+    (refusal,) = result.report.refused
+    assert refusal.reason == "verification-failed"
+    assert refusal.detail.startswith("native"), refusal.detail
+    assert result.model.SerializeToString() == model.SerializeToString()
