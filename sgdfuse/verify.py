@@ -47,7 +47,7 @@ arithmetic as the function itself.
 
 Tolerance rule (per element, per step, per compared value)
 ---------------------------------------------------------
-The bound is derived from the contract's error-free terms (shared/SGD-OPERATOR.md), never from a sum of
+The bound is derived from the error-free terms of the operator contract (:mod:`sgdfuse.reference`), never from a sum of
 terms that cancel: with ``k = 1 - d``, ``grad = g + wd·p`` and ``a`` the buffer the op reads,
 
     T_v = |m·a| + |k·g| + |k·wd·p|            (the buffer's terms, accum_t = m·a + k·grad)
@@ -58,7 +58,11 @@ terms that cancel: with ``k = 1 - d``, ``grad = g + wd·p`` and ``a`` the buffer
   ``ε_lr = ε_m = C·u_p`` (u_p the unit roundoff of the parameters' dtype: 2^-24 FLOAT, 2^-11 FLOAT16,
   2^-8 BFLOAT16) and ``ε_k = ε_wd = C·2^-24``. Note ε_k is relative to ``k = 1 - d``: a dampening near 1
   whose FLOAT attribute cannot express ``1 - d`` to that accuracy (the Keras step at lr 1e-6: ``1 - d`` off
-  by 1.3e-2) fails, whatever the size of ``|g|``. So::
+  by 1.3e-2) fails, whatever the size of ``|g|``. So does any dampening above 1/2 whose ``1 - d`` is not
+  exact in FLOAT: a graph constant 0.1 for ``1 - d`` gives the attribute 0.9 and ``1 - d = 0.10000002``,
+  3.7 ulps off (the same numbers as the Keras step at lr 0.1). ``lr`` and ``m`` may be rounded to the
+  parameters' dtype because the contract feeds them in it (a FLOAT-math update of BFLOAT16 state gets its
+  learning rate in BFLOAT16 on the device too). So::
 
       B_v = ε_m·|m·a| + ε_k·|k·g| + (ε_k + ε_wd)·|k·wd·p|
       B_w = |lr|·B_v + ε_lr·|lr|·T_v                                           (plain)

@@ -15,7 +15,7 @@ same graphs on its own; the verifier must catch them independently):
 - a [2, 1] constant used as the learning rate against parameters [N, 4];
 - terms that cancel algebraically but not in floating point (``(x + z) - z``, ``0*z``, ``(x*s)/s``).
 
-Expected behaviour is the contract (shared operator semantics, ``sgdfuse.reference``) and onnxruntime, not
+Expected behaviour is the operator contract (``sgdfuse.reference``) and onnxruntime, not
 the verifier's own output.
 """
 
