@@ -92,9 +92,11 @@ of updates. Session creation dominated the old two-session check, and the fused 
 ``If`` branches, five per update) most of all; the fused side now runs :func:`sgdfuse.lift.specialise` d (the
 SGD body inlined per node, its ``If`` s on attributes resolved, unused outputs dropped: the same arithmetic,
 bit for bit), which builds about three times faster, and bit-for-bit equal values skip the bound. Measured
-on the 2-core development machine (shared): verifying the 2000 updates of a ``bench/generate.py`` graph took
-57 s before and 25 s after; ``sgdfuse check`` on it 45 s before and after; tests/test_optimize_testdata.py
-(37 PyTorch exports, optimize and check each) 12.4 s before, 8.9 s after.
+on the 2-core development machine (shared, load 5-9): verifying the 2000 updates of a ``bench/generate.py`` graph
+(measured alternately, old and new code, same load) 49 s and 39 s before, 37 s and 33 s after; ``sgdfuse
+check`` on it 54 s before, 77 s after (four whole-model sessions instead of two, ten runs per pair instead of
+three); tests/test_optimize_testdata.py (37 PyTorch exports, optimize and check each) 12.4 s before, 8.9 s
+after.
 """
 
 from __future__ import annotations
@@ -567,15 +569,27 @@ def _topological(nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
     return order
 
 
-def _probe(nodes: list[onnx.NodeProto], value: str, tag: str, taken: set[str]) -> str:
-    """An ``Identity`` copy of ``value`` as a slice output (a graph input or initializer cannot always be
-    one); returns the copy's name."""
-    name = f"sgdfuse_probe/{tag}/{value}"
-    while name in taken:
-        name += "_"
-    taken.add(name)
-    nodes.append(helper.make_node("Identity", [value], [name]))
-    return name
+class _Probes:
+    """``Identity`` copies of values as slice outputs (a graph input or initializer cannot always be one),
+    one per value however many SGD nodes read it (a shared learning rate)."""
+
+    def __init__(self, taken: set[str]) -> None:
+        self.taken = taken
+        self.nodes: list[onnx.NodeProto] = []
+        self._made: dict[str, str] = {}
+
+    def __call__(self, value: str, tag: str) -> str:
+        if value in self._made:
+            return self._made[value]
+        base = name = f"sgdfuse_probe/{tag}/{value}"
+        counter = 1
+        while name in self.taken:
+            name = f"{base}_{counter}"
+            counter += 1
+        self.taken.add(name)
+        self.nodes.append(helper.make_node("Identity", [value], [name]))
+        self._made[value] = name
+        return name
 
 
 # ------------------------------------------------------------------------------------------- slices
@@ -665,10 +679,10 @@ def _build_slices(model: onnx.ModelProto, index: GraphIndex, plans: Sequence, sh
     kept = [graph_nodes[i] for i in original_indices if not replaced.intersection(graph_nodes[i].output)]
     fused_nodes = kept + [node for plan in plans for node in plan.nodes]
     taken = {o for node in fused_nodes for o in node.output} | set(index.graph_inputs) | set(index.initializers)
-    probes: list[onnx.NodeProto] = []
+    probe = _Probes(taken)
     for view in views:
-        view.learning_rate = _probe(probes, view.learning_rate, "learning_rate", taken)
-        view.momentum = _probe(probes, view.momentum, "momentum", taken)
+        view.learning_rate = probe(view.learning_rate, "learning_rate")
+        view.momentum = probe(view.momentum, "momentum")
     fused_outputs = list(dict.fromkeys(
         [o for view in views for o in list(view.outputs) + list(view.fused_state.values())]
         + [o for view in views for o in (view.learning_rate, view.momentum)]
@@ -679,7 +693,7 @@ def _build_slices(model: onnx.ModelProto, index: GraphIndex, plans: Sequence, sh
     read = {name for node in fused_nodes for name in _node_reads(node)}
     fused_initializers = [tensor for name, tensor in shared.items() if name in read]
     fused, fused_inputs = _slice_model(
-        index, _topological(fused_nodes + probes), fused_initializers, fused_outputs, opsets, [make_sgd_function(function_opset(model))]
+        index, _topological(fused_nodes + probe.nodes), fused_initializers, fused_outputs, opsets, [make_sgd_function(function_opset(model))]
     )
 
     names = list(dict.fromkeys(original_inputs + fused_inputs))
@@ -1131,7 +1145,8 @@ def _fused_views(fused: onnx.ModelProto, graph_inputs: set[str]) -> tuple[onnx.M
             readers.setdefault(name, []).append(node)
     taken = set(producers) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
     declared = {o.name for o in graph.output}
-    probes: list[onnx.NodeProto] = []
+    input_types = {i.name: i.type.tensor_type.elem_type for i in graph.input}
+    probe = _Probes(taken)
     views: list[_UpdateView] = []
     for node in list(graph.node):
         if not (node.domain == DOMAIN and node.op_type == OP_TYPE):
@@ -1150,9 +1165,8 @@ def _fused_views(fused: onnx.ModelProto, graph_inputs: set[str]) -> tuple[onnx.M
             if value not in declared:
                 graph.output.append(helper.make_empty_tensor_value_info(value))
                 declared.add(value)
-        names = {tag: _probe(probes, node.input[k], tag, taken) for k, tag in ((1, "gradient"), (2, "learning_rate"), (4, "momentum"))}
-        spec = next((i for i in list(graph.input) + list(graph.value_info) if i.name == parameters), None)
-        dtype = spec.type.tensor_type.elem_type if spec is not None else onnx.TensorProto.FLOAT
+        names = {tag: probe(node.input[k], tag) for k, tag in ((1, "gradient"), (2, "learning_rate"), (4, "momentum"))}
+        dtype = input_types.get(parameters, onnx.TensorProto.FLOAT)
         views.append(
             _UpdateView(
                 key=node.output[0], outputs={node.output[0]: "w", buffer_out: "v"}, original_state={},
@@ -1163,8 +1177,8 @@ def _fused_views(fused: onnx.ModelProto, graph_inputs: set[str]) -> tuple[onnx.M
                 dtype=dtype if dtype in _UNIT_ROUNDOFF else onnx.TensorProto.FLOAT,
             )
         )
-    graph.node.extend(probes)
-    for node in probes:
+    graph.node.extend(probe.nodes)
+    for node in probe.nodes:
         graph.output.append(helper.make_empty_tensor_value_info(node.output[0]))
     return model, views
 
