@@ -476,7 +476,10 @@ def _make_pairs(original: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[list
 
     The fused side runs :func:`sgdfuse.lift.specialise` d: the SGD function body inlined per node with its
     attributes, the ``If`` s on them resolved (same arithmetic, bit for bit; sessions build ~3x faster)."""
-    fused = specialise(fused)
+    try:
+        fused = specialise(fused)
+    except Exception as error:  # onnx's inliner refusing a model: run the functions as they are (slower)
+        logger.info("could not inline the fused model's functions (%s); running it as it is", error)
     pairs = [_Pair(original, fused, lifted=False)]
     try:
         pairs.append(_Pair(original, fused, lifted=True))
