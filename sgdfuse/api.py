@@ -437,7 +437,9 @@ def _fused_entry(plan, index) -> FusedUpdate:
 
 def _tolerance_text() -> str:
     return (
-        f"per element and step: |fused - original| <= 2*{verification.OPERATIONS}*u*S + 4 subnormal spacings, "
-        "u the unit roundoff of the parameters' dtype, S the sum of the magnitudes of the update's terms "
-        "(see sgdfuse.verify)"
+        f"per element and step, natively and lifted to DOUBLE, state carried in place: each coefficient within "
+        f"{verification.COEFFICIENT_ROUNDINGS} roundings of its storage type relative to itself, applied to the "
+        "error-free terms of the update; plus the propagation of state differences already checked; plus, natively, "
+        f"2*{verification.OPERATIONS}*u*S (u the unit roundoff of the parameters' dtype, S the magnitudes of the terms "
+        "either side forms) (see sgdfuse.verify)"
     )

@@ -118,7 +118,18 @@ def _print_report(report: Report) -> None:
                 + (f" ({traffic['unknown']} update(s) with dynamic shapes not counted)" if traffic["unknown"] else "")
             )
     if report.verification.enabled and report.verification.updates:
-        _out.print(_verification_line(report), markup=False, highlight=False)
+        checked = len(report.verification.updates)
+        failed = sum(1 for u in report.verification.updates if not u["passed"])
+        worst = max((u["max_bound_ratio"] for u in report.verification.updates), default=0.0)
+        _out.print(
+            f"Verification: {checked} update(s) run in {report.verification.runner} for {report.verification.steps} chained steps; "
+            f"{checked - failed} agree within the derived bound (worst {worst:.2g} of the bound)"
+            + (f", {failed} failed and were left unfused" if failed else "")
+        )
+        notes = [u["note"] for u in report.verification.updates if u.get("note")]
+        if notes:
+            # A precision or size that could not be run is said, never passed over in silence.
+            _out.print(f"Verification note ({len(notes)} update(s)): {notes[0]}", markup=False)
     elif not report.verification.enabled:
         _out.print("Verification: off" + ("" if report.written else " (inspect is a dry run; add --verify to run the check)"))
 
@@ -319,7 +330,7 @@ def check_command(
     steps: int = typer.Option(3, "--steps", min=1, help="Chained steps to run."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs."),
 ) -> None:
-    """Run ORIGINAL and FUSED in onnxruntime on the same seeded inputs for STEPS chained steps; exit 0 only if every output agrees."""
+    """Run ORIGINAL and FUSED in onnxruntime on the same seeded inputs for STEPS chained steps, natively and in DOUBLE, in lockstep and in place; exit 0 only if every output and every in-place state write agrees."""
     from sgdfuse.verify import check_models
 
     _require_input(original)
@@ -344,7 +355,16 @@ def check_command(
             _number(entry.get("max_bound_ratio"), ".2g") if entry["kind"] != "exact" else "-",
             "yes" if entry["passed"] else "NO: " + entry["message"],
         )
+    for entry in result.in_place:
+        # The value each side writes into a state the SGD op updates in place, steps chained per side.
+        table.add_row(
+            f"{entry['name']} (in place: {entry['original']} / {entry['fused']})", entry["kind"], f"{entry['max_abs_error']:.3g}",
+            f"{entry['max_bound_ratio']:.2g}", "yes" if entry["passed"] else "NO: " + entry["message"],
+        )
     _out.print(table)
+    _out.print(f"Ran: {', '.join(result.runs)}", markup=False)
+    if result.note:
+        _out.print(f"Note: {result.note}", markup=False)
     if not result.passed:
         _err.print("error: the models disagree", markup=False)
         raise typer.Exit(1)

@@ -154,7 +154,9 @@ class Verification:
         steps: chained steps per update.
         tolerance: how the per-element bound is derived (text).
         runner: what ran the original and the rewritten graph (``"onnxruntime"``, or MindSpore for MindIR).
-        updates: per update: ``{"parameters_out", "passed", "max_abs_error", "max_bound_ratio", "message"}``.
+        updates: per update: ``{"parameters_out", "passed", "max_abs_error", "max_bound_ratio", "message"}``,
+            plus ``"runs"`` (precisions and sizes run) and ``"note"`` (what could not be run) from
+            :class:`sgdfuse.verify.UpdateCheck`.
     """
 
     enabled: bool
