@@ -118,14 +118,7 @@ def _print_report(report: Report) -> None:
                 + (f" ({traffic['unknown']} update(s) with dynamic shapes not counted)" if traffic["unknown"] else "")
             )
     if report.verification.enabled and report.verification.updates:
-        checked = len(report.verification.updates)
-        failed = sum(1 for u in report.verification.updates if not u["passed"])
-        worst = max((u["max_bound_ratio"] for u in report.verification.updates), default=0.0)
-        _out.print(
-            f"Verification: {checked} update(s) run in {report.verification.runner} for {report.verification.steps} chained steps; "
-            f"{checked - failed} agree within the derived bound (worst {worst:.2g} of the bound)"
-            + (f", {failed} failed and were left unfused" if failed else "")
-        )
+        _out.print(_verification_line(report), markup=False, highlight=False)
         notes = [u["note"] for u in report.verification.updates if u.get("note")]
         if notes:
             # A precision or size that could not be run is said, never passed over in silence.

@@ -549,6 +549,16 @@ def _forward_buffer(value: str, readers: Sequence[onnx.NodeProto]) -> str:
     return value
 
 
+def _through_guard(value: str, state: str, readers: Sequence[onnx.NodeProto]) -> str:
+    """What is written into ``state``: ``value``, or the guard ``Where(condition, state, value)`` (either
+    branch order) that selects it, as a guarded update's graph keeps it after the fused node (the device
+    writes the selection back; sgdfuse.lowering.state)."""
+    for node in readers:
+        if node.op_type == "Where" and len(node.input) == 3 and value in node.input[1:] and state in node.input[1:] and value != state:
+            return node.output[0]
+    return value
+
+
 def _topological(nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
     """``nodes`` in an order where every producer comes before its readers, otherwise as given."""
     producer = {o: k for k, node in enumerate(nodes) for o in node.output if o}
@@ -645,6 +655,11 @@ def _build_slices(model: onnx.ModelProto, index: GraphIndex, plans: Sequence, sh
 
     views: list[_UpdateView] = []
     wanted_original: list[str] = []
+    # Readers in the original graph of the values the fused nodes replace (a guard's Where stays and reads them).
+    replaced_values = {o for plan in plans for o in (plan.match.parameters_out, plan.match.accum_out)}
+    graph_readers: dict[str, list[onnx.NodeProto]] = {}
+    for name in replaced_values:
+        graph_readers[name] = [graph_nodes[k] for k in index.consumers.get(name, ())]
     for plan in plans:
         match = plan.match
         sgd = plan.sgd_node
@@ -652,8 +667,11 @@ def _build_slices(model: onnx.ModelProto, index: GraphIndex, plans: Sequence, sh
         targets = {_trace_to_state(sgd.input[0], helpers): "w", _trace_to_state(sgd.input[3], helpers): "v"}
         fused_state = {}
         for target, role in targets.items():
-            fused_state[target] = sgd.output[0] if role == "w" else _forward_buffer(sgd.output[1], plan.nodes)
+            written = sgd.output[0] if role == "w" else _forward_buffer(sgd.output[1], plan.nodes)
+            fused_state[target] = _through_guard(written, target, graph_readers.get(written, ()))
         matched = {match.parameters: match.parameters_out, match.accum: match.accum_out}
+        # A guarded update's next state is its guard's selection on both sides.
+        matched.update({state: output for state, output in fused_state.items() if output in index.producer and output not in replaced_values})
         original_state = {s: evidence.get(s) or matched.get(s) for s in targets}
         original_state = {s: o for s, o in original_state.items() if o}
         outputs = {match.parameters_out: "w", match.accum_out: "v"}
@@ -1168,8 +1186,10 @@ def _fused_views(fused: onnx.ModelProto, graph_inputs: set[str]) -> tuple[onnx.M
                     "input: the fused model cannot be run with its state fed back"
                 )
         buffer_out = _forward_buffer(node.output[1], readers.get(node.output[1], []))
+        parameters_out = _through_guard(node.output[0], parameters, readers.get(node.output[0], []))
+        buffer_out = _through_guard(buffer_out, accum, readers.get(buffer_out, []))
         attributes = read_sgd_attributes(node)
-        for value in (node.output[0], buffer_out):
+        for value in (parameters_out, buffer_out):
             if value not in declared:
                 graph.output.append(helper.make_empty_tensor_value_info(value))
                 declared.add(value)
@@ -1177,8 +1197,8 @@ def _fused_views(fused: onnx.ModelProto, graph_inputs: set[str]) -> tuple[onnx.M
         dtype = input_types.get(parameters, onnx.TensorProto.FLOAT)
         views.append(
             _UpdateView(
-                key=node.output[0], outputs={node.output[0]: "w", buffer_out: "v"}, original_state={},
-                fused_state={parameters: node.output[0], accum: buffer_out}, roles={parameters: "w", accum: "v"},
+                key=node.output[0], outputs={parameters_out: "w", buffer_out: "v"}, original_state={},
+                fused_state={parameters: parameters_out, accum: buffer_out}, roles={parameters: "w", accum: "v"},
                 parameters=parameters, accum=accum, gradient=names["gradient"], gradient_side="fused",
                 learning_rate=names["learning_rate"], momentum=names["momentum"], dampening=attributes.dampening,
                 weight_decay=attributes.weight_decay, nesterov=attributes.nesterov,
