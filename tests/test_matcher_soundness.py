@@ -505,3 +505,54 @@ def test_a_momentum_node_and_a_hand_written_update_of_the_same_weight_keep_one_w
     writers = [f for f in result.report.fused if f.parameters == "x"]
     assert len(writers) == 1, result.report
     assert any(r.reason == "shared-state" and r.candidate == "x_out" for r in result.report.refused), result.report.refused
+
+
+def test_a_guarded_update_written_as_an_if_is_refused_naming_the_condition():
+    update = [node("Mul", ["buf", "mom"], ["bm"]), node("Add", ["bm", "g"], ["bnew"]), node("Mul", ["bnew", "lr"], ["st"]),
+              node("Sub", ["p", "st"], ["pnew"])]
+    skip = helper.make_graph([node("Identity", ["p"], ["p_keep"]), node("Identity", ["buf"], ["buf_keep"])], "skip", [],
+                             [value("p_keep"), value("buf_keep")])
+    step = helper.make_graph([*update, node("Identity", ["pnew"], ["p_step"]), node("Identity", ["bnew"], ["buf_step"])], "step", [],
+                             [value("p_step"), value("buf_step")])
+    nodes = [node("If", ["found_inf"], ["p_out", "buf_out"], then_branch=skip, else_branch=step)]
+    original = model(nodes, [value("p"), value("g"), value("buf"), value("found_inf", T.BOOL, ())], [value("p_out"), value("buf_out")],
+                     [const("mom", 0.9), const("lr", 0.1)])
+    r = refusal(original)
+    assert r.reason == "guarded-update" and "found_inf" in r.detail, r
+
+
+# -- gradients that are values of the graph ----------------------------------------------------------
+
+
+def test_a_gradient_scaled_at_run_time_fuses_with_the_scaled_value():
+    # clip-by-global-norm style: g_c = g * s with s a runtime scalar; the op takes g_c as its gradient.
+    nodes = [node("Mul", ["g", "s"], ["g_c"]), node("Mul", ["buf", "mom"], ["bm"]), node("Add", ["bm", "g_c"], ["buf_out"]),
+             node("Mul", ["buf_out", "lr"], ["st"]), node("Sub", ["p", "st"], ["p_out"])]
+    original = model(nodes, [value("p"), value("g"), value("buf"), value("s", F32, ())], [value("p_out"), value("buf_out")],
+                     [const("mom", 0.9), const("lr", 0.1)])
+    result = fused_one(original)
+    assert (result.report.fused[0].gradient, result.report.fused[0].dampening) == ("g_c", 0.0)
+    assert_in_place_equal(original, result.model, {"p_out": "p", "buf_out": "buf"})
+
+
+def test_lars_style_trust_ratio_keeps_weight_decay_in_the_gradient():
+    # g2 = (g + wd*p) * trust: weight decay inside the scaled term belongs to the gradient (weight_decay 0).
+    nodes = [node("Mul", ["p", "wd"], ["pwd"]), node("Add", ["g", "pwd"], ["gw"]), node("Mul", ["gw", "trust"], ["g2"]),
+             node("Mul", ["buf", "mom"], ["bm"]), node("Add", ["bm", "g2"], ["buf_out"]), node("Mul", ["buf_out", "lr"], ["st"]),
+             node("Sub", ["p", "st"], ["p_out"])]
+    original = model(nodes, [value("p"), value("g"), value("buf"), value("trust", F32, ())], [value("p_out"), value("buf_out")],
+                     [const("mom", 0.9), const("lr", 0.1), const("wd", 1e-4)])
+    result = fused_one(original)
+    f = result.report.fused[0]
+    assert (f.gradient, f.weight_decay, f.dampening) == ("g2", 0.0, 0.0)
+    assert_in_place_equal(original, result.model, {"p_out": "p", "buf_out": "buf"})
+
+
+def test_a_float16_gradient_cast_up_to_float_parameters_is_the_gradient():
+    nodes = [node("Cast", ["g16"], ["g"], to=F32), node("Mul", ["buf", "mom"], ["bm"]), node("Add", ["bm", "g"], ["buf_out"]),
+             node("Mul", ["buf_out", "lr"], ["st"]), node("Sub", ["p", "st"], ["p_out"])]
+    original = model(nodes, [value("p"), value("g16", F16), value("buf")], [value("p_out"), value("buf_out")],
+                     [const("mom", 0.9), const("lr", 0.1)])
+    result = fused_one(original)
+    assert result.report.fused[0].gradient == "g"
+    assert_in_place_equal(original, result.model, {"p_out": "p", "buf_out": "buf"})

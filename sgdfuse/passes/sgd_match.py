@@ -440,6 +440,17 @@ def _hidden_update(index: GraphIndex, normaliser: Normaliser, output: str) -> Mi
     node = index.node(_skip_copies(index, output))
     if node is None or node.domain not in ("", "ai.onnx"):
         return None
+    if node.op_type == "If" and len(node.output) > 1 and node.input and index.spec(node.input[0]).dtype == onnx.TensorProto.BOOL:
+        # Parameters and buffer selected together by one If (a skipped step written as control flow).
+        condition = node.input[0]
+        return Miss(
+            output,
+            "guarded-update",
+            f"{output} comes out of If node {node.name or '(unnamed)'} on {condition} together with other outputs: a "
+            "guarded update written as control flow is not fused. Written as Where(condition, old, new) on the "
+            "parameters and the buffer (one boolean condition), it is.",
+            score=2,
+        )
     for operand in node.input:
         if not operand or operand == output or index.spec(operand).dtype not in _EPS or index.producer.get(operand) is None:
             continue
@@ -963,7 +974,7 @@ def _solve_roles(
     chosen: Match | None = None
     solved = _Solved(w, v, p, a, m, lr, nesterov, alpha, beta, form_w, form_v, equation, selection)
     for g, k, absorbs_decay in readings:
-        result = _try_reading(index, normaliser, solved, g, k, Poly.const(0) if absorbs_decay else vp, rel)
+        result = _try_reading(index, normaliser, solved, g, k, Poly.const(0) if absorbs_decay else vp, rel, absorbs_decay)
         if isinstance(result, Match):
             # Readings that need a dampening near 1 (the graph's lr*g read as g with 1 - d = lr) lose to
             # the exact ones: the op forms 1 - d in float32, which cancels.
@@ -1003,11 +1014,13 @@ class _Solved:
     selection: tuple | None
 
 
-def _try_reading(index: GraphIndex, normaliser: Normaliser, solved: _Solved, g: str, k: Poly, vp: Poly, rel: "_Reading") -> Match | Miss:
+def _try_reading(
+    index: GraphIndex, normaliser: Normaliser, solved: _Solved, g: str, k: Poly, vp: Poly, rel: "_Reading", absorbs_decay: bool = False
+) -> Match | Miss:
     """The update read with gradient ``g`` entering the buffer as ``k·g`` (and ``vp·p``): its attributes,
     its exactness in the op's own arithmetic, its first step and its typing; a :class:`Match` or why not."""
     w, v, p, a, m, lr, equation = solved.w, solved.v, solved.p, solved.a, solved.m, solved.lr, solved.equation
-    mixed = _mixed_gradient(normaliser, g, rel)
+    mixed = _mixed_gradient(normaliser, g, rel, solved.p if absorbs_decay else None)
     if mixed is not None:
         form_g = normaliser.form(g)
         main = max(form_g, key=lambda leaf: abs(next(iter(form_g[leaf].terms.values()), 0.0)))
@@ -1292,11 +1305,12 @@ def _signed(poly: Poly) -> str:
     return f"- {text[1:]}" if text.startswith("-") and " " not in text else f"+ {text}"
 
 
-def _mixed_gradient(normaliser: Normaliser, g: str, rel: float) -> str | None:
+def _mixed_gradient(normaliser: Normaliser, g: str, rel: "_Reading", decay_on: str | None = None) -> str | None:
     """A gradient computed as a weighted mix of tensors (``g + 0.01*q``: weight decay on a tensor other than
     the parameter) is not taken as the gradient; a sum of contributions with one common weight
-    (accumulated micro-batch gradients, averaged or not) is."""
-    form = normaliser.form(g)
+    (accumulated micro-batch gradients, averaged or not) is, and so is weight decay on the parameters
+    ``decay_on`` inside a scaled gradient (LARS's ``(g + wd*p)*trust``)."""
+    form = {leaf: c for leaf, c in normaliser.form(g).items() if leaf != decay_on}
     if len(form) < 2:
         return None
     weights = list(form.values())
