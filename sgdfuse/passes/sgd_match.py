@@ -586,26 +586,25 @@ def _no_buffer_miss(index: GraphIndex, w: str, form_w: Form, outputs_by_canonica
                 other = [i for i in node.input if i and i != operand]
                 shapes = ", ".join(f"{name} (shape {format_shape(index.spec(name).shape)})" for name in other) or "another operand"
                 if node.op_type not in ("Mul", "Div") or not any(index.spec(name).num_elements() != 1 for name in other):
-                    return Miss(
-                        w,
-                        "nonlinear-update",
+                    reason = "nonlinear-update"
+                    detail = (
                         f"{w} passes the buffer {others[0]} through {node.op_type} node {node.name or leaf} (with {shapes}); "
                         "momentum SGD only scales the new buffer by the learning rate, so this is not an update sgdfuse "
-                        "can fuse.",
-                        equation=f"{w} = {format_form(form_w, [n for n in (_previous_by_name(index, w),) if n])}",
-                        differing=f"{node.op_type}({', '.join(i for i in node.input if i)})",
-                        score=1,
-                        buffer=others[0],
-                        buffer_in_cone=True,
+                        "can fuse."
+                    )
+                else:
+                    reason = "tensor-factor"
+                    detail = (
+                        f"{w} multiplies the buffer {others[0]} ({node.op_type} node {node.name or leaf}) by {shapes}, a "
+                        "tensor of more than one element rather than one scalar: the SGD operator's learning rate is a "
+                        "single number, so a per-element learning rate (or any per-element factor on the buffer) cannot "
+                        "be fused. A learning rate of one element, of any shape, would be; a uniform constant is taken as "
+                        "one only when its shape cannot broadcast the buffer's up (symbolic dimensions may be 1)."
                     )
                 return Miss(
                     w,
-                    "tensor-factor",
-                    f"{w} multiplies the buffer {others[0]} ({node.op_type} node {node.name or leaf}) by {shapes}, a "
-                    "tensor of more than one element rather than one scalar: the SGD operator's learning rate is a "
-                    "single number, so a per-element learning rate (or any per-element factor on the buffer) cannot "
-                    "be fused. A learning rate of one element, of any shape, would be; a uniform constant is taken as "
-                    "one only when its shape cannot broadcast the buffer's up (symbolic dimensions may be 1).",
+                    reason,
+                    detail,
                     equation=f"{w} = {format_form(form_w, [n for n in (_previous_by_name(index, w),) if n])}",
                     differing=f"{node.op_type}({', '.join(i for i in node.input if i)})",
                     score=1,
