@@ -210,8 +210,9 @@ def test_dampening_fed_as_a_graph_input_is_refused_as_runtime_hyperparameter():
     assert _names(refusal.detail, "d"), refusal.detail
 
 
-def test_weight_decay_fed_as_a_graph_input_is_refused_as_runtime_hyperparameter():
-    # g' = g + wd*p with wd a graph input.
+def test_weight_decay_fed_as_a_graph_input_fuses_with_the_decayed_gradient_as_the_gradient():
+    # g' = g + wd*p with wd a graph input: the op's weight_decay attribute must be a constant, but the graph
+    # computes g' itself, and SGD(gradient = g', weight_decay = 0) is exact.
     model = _momentum_step(
         buffer=[
             node("Mul", ["p", "wd"], ["decay"]),
@@ -223,9 +224,13 @@ def test_weight_decay_fed_as_a_graph_input_is_refused_as_runtime_hyperparameter(
         inputs=[*STATE, value("wd", shape=[])],
         initializers=[scalar("m", 0.9), scalar("lr", 0.1)],
     )
-    refusal = _refusal(model)
-    assert refusal.reason == "runtime-hyperparameter", refusal
-    assert _names(refusal.detail, "wd"), refusal.detail
+    result = api.optimize(model)
+    [fused] = result.report.fused
+    assert (fused.gradient, fused.weight_decay) == ("g_decayed", 0.0)
+    feeds = random_feeds(model, seed=3)
+    names = ["p_out", "buf_out"]
+    for want, have in zip(_session(model).run(names, feeds), _session(result.model).run(names, feeds)):
+        np.testing.assert_allclose(have, want, rtol=1e-6, atol=1e-7)
 
 
 def test_momentum_fed_as_a_graph_input_fuses_with_the_momentum_zero_case_kept():
