@@ -16,7 +16,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-__all__ = ["make_session", "run", "onnx_to_numpy_dtype", "numpy_to_onnx_dtype", "ONNXRUNTIME_ERRORS"]
+__all__ = ["make_session", "run", "onnx_to_numpy_dtype", "numpy_to_onnx_dtype", "ONNXRUNTIME_ERRORS", "ReferenceSession", "REFERENCE_DOMAINS"]
+
+REFERENCE_DOMAINS = frozenset({"ai.onnx.preview.training"})
+"""Op domains onnxruntime does not run (ONNX's preview training ``Momentum``): a model using them runs in
+``onnx.reference.ReferenceEvaluator`` instead (slow, exact to the ONNX reference)."""
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -47,9 +51,39 @@ def numpy_to_onnx_dtype(dtype: np.dtype) -> int:
     return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
 
 
-def make_session(model: onnx.ModelProto | bytes) -> ort.InferenceSession:
+class _Named:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class ReferenceSession:
+    """``onnx.reference.ReferenceEvaluator`` behind :func:`run`, for models onnxruntime cannot run (ops of
+    :data:`REFERENCE_DOMAINS`). Arrays go in and come out as numpy, BFLOAT16 included."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        from onnx.reference import ReferenceEvaluator
+
+        self.evaluator = ReferenceEvaluator(model)
+        self.output_names = [o.name for o in model.graph.output]
+        initialised = {t.name for t in model.graph.initializer}
+        self._inputs = [_Named(i.name) for i in model.graph.input if i.name not in initialised]
+
+    def get_inputs(self) -> list["_Named"]:
+        """The fed graph inputs, as onnxruntime's ``get_inputs`` lists them (objects with a ``name``)."""
+        return list(self._inputs)
+
+    def run(self, names: Sequence[str], feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``{name: array}`` for ``names`` (graph outputs) given ``feeds``."""
+        values = self.evaluator.run(list(names), {k: np.asarray(v) for k, v in feeds.items()})
+        return dict(zip(names, values))
+
+
+def make_session(model: onnx.ModelProto | bytes) -> "ort.InferenceSession | ReferenceSession":
     """A CPU ``InferenceSession`` for ``model``, with graph optimisations off so that what runs is the
-    graph as written (no constant folding or fusion that could change rounding)."""
+    graph as written (no constant folding or fusion that could change rounding); a :class:`ReferenceSession`
+    for a model with ops onnxruntime does not run (:data:`REFERENCE_DOMAINS`)."""
+    if isinstance(model, onnx.ModelProto) and any(node.domain in REFERENCE_DOMAINS for node in model.graph.node):
+        return ReferenceSession(model)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
@@ -67,6 +101,8 @@ def run(
     Arrays of any dtype onnxruntime supports are accepted, plus ``ml_dtypes.bfloat16``; BFLOAT16 outputs
     come back as ``ml_dtypes.bfloat16`` arrays.
     """
+    if isinstance(session, ReferenceSession):
+        return session.run(list(output_names) if output_names is not None else session.output_names, feeds)
     names = list(output_names) if output_names is not None else [o.name for o in session.get_outputs()]
     binding = session.io_binding()
     for name, value in feeds.items():

@@ -389,3 +389,28 @@ def test_the_onnx_check_of_a_guarded_model_chains_the_guarded_outputs():
     check = check_models(original, sgdfuse.optimize(original).model)
     assert check.passed and check.state_pairs == CHAIN
     assert {o["name"]: o["kind"] for o in check.outputs} == {"p_out": "fused update", "buf_out": "fused update"}
+
+
+def test_a_guard_computed_with_isinf_and_isnan_lowers():
+    # A GradScaler-style overflow check: found_inf = ReduceMax(Or(IsInf(g), IsNaN(g))); GE IsInf/IsNan.
+    nodes = [
+        helper.make_node("IsInf", ["g"], ["inf"]), helper.make_node("IsNaN", ["g"], ["nan"]), helper.make_node("Or", ["inf", "nan"], ["bad"]),
+        helper.make_node("Cast", ["bad"], ["bad_f"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceMax", ["bad_f"], ["any_bad"], keepdims=0),
+        helper.make_node("Greater", ["any_bad", "zero"], ["found_inf"]),
+        helper.make_node("Mul", ["buf", "mom"], ["bm"]), helper.make_node("Add", ["bm", "g"], ["bnew"]),
+        helper.make_node("Mul", ["bnew", "lr"], ["st"]), helper.make_node("Sub", ["p", "st"], ["pnew"]),
+        helper.make_node("Where", ["found_inf", "p", "pnew"], ["p_out"]), helper.make_node("Where", ["found_inf", "buf", "bnew"], ["buf_out"]),
+    ]
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 3])  # noqa: E731
+    scalar = lambda name, x: onnx.numpy_helper.from_array(np.array(x, np.float32), name)  # noqa: E731
+    graph = helper.make_graph(nodes, "step", [value("p"), value("g"), value("buf")], [value("p_out"), value("buf_out")],
+                              initializer=[scalar("mom", 0.9), scalar("lr", 0.1), scalar("zero", 0.0)])
+    original = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    result = sgdfuse.optimize(original)
+    assert len(result.report.fused) == 1 and result.report.fused[0].guard, result.report
+    lowered = sgdfuse.lower(result.model, soc="Ascend910B2")
+    assert "IsInf" in {op.type for op in lowered.model.graph[0].op} and "IsNan" in {op.type for op in lowered.model.graph[0].op}
+    from sgdfuse.lowering.verify import verify_lowering
+
+    assert verify_lowering(result.model, lowered, steps=3).passed

@@ -556,3 +556,32 @@ def test_a_float16_gradient_cast_up_to_float_parameters_is_the_gradient():
     result = fused_one(original)
     assert result.report.fused[0].gradient == "g"
     assert_in_place_equal(original, result.model, {"p_out": "p", "buf_out": "buf"})
+
+
+@pytest.mark.parametrize("guarded", ["parameters", "buffer"])
+def test_a_guard_on_one_side_only_is_refused_as_a_guarded_update(guarded):
+    # The loss scaler skips the weights but the buffer still moves (or the other way round): not exact.
+    nodes = [node("Mul", ["buf", "mom"], ["bm"]), node("Add", ["bm", "g"], ["bnew"]), node("Mul", ["bnew", "lr"], ["st"]),
+             node("Sub", ["p", "st"], ["pnew"])]
+    if guarded == "parameters":
+        nodes += [node("Where", ["skip", "p", "pnew"], ["p_out"]), node("Identity", ["bnew"], ["buf_out"])]
+    else:
+        nodes += [node("Identity", ["pnew"], ["p_out"]), node("Where", ["skip", "buf", "bnew"], ["buf_out"])]
+    original = model(nodes, [value("p"), value("g"), value("buf"), value("skip", T.BOOL, ())], [value("p_out"), value("buf_out")],
+                     [const("mom", 0.9), const("lr", 0.1)])
+    result = sgdfuse.optimize(original)
+    assert not result.report.fused
+    assert {r.reason for r in result.report.refused} == {"guarded-update"}, result.report.refused
+    assert "skip" in result.report.refused[0].detail
+
+
+def test_an_ema_buffer_with_a_runtime_momentum_fuses_with_its_own_scaled_gradient():
+    # buf' = m*buf + (1 - m)*g with m fed at run time: (1 - m) is no constant dampening, but the graph's own
+    # (1 - m)*g is the exact gradient with dampening 0.
+    nodes = [node("Sub", ["one", "m"], ["omm"]), node("Mul", ["g", "omm"], ["dg"]), node("Mul", ["buf", "m"], ["bm"]),
+             node("Add", ["bm", "dg"], ["buf_out"]), node("Mul", ["buf_out", "lr"], ["st"]), node("Sub", ["p", "st"], ["p_out"])]
+    original = model(nodes, [value("p"), value("g"), value("buf"), value("m", F32, ())], [value("p_out"), value("buf_out")],
+                     [const("one", 1.0), const("lr", 0.1)])
+    result = fused_one(original)
+    assert (result.report.fused[0].gradient, result.report.fused[0].momentum) == ("dg", "m")
+    assert_in_place_equal(original, result.model, {"p_out": "p", "buf_out": "buf"})

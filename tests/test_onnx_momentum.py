@@ -4,6 +4,7 @@ tensors, T == 0 and T > 0 run with onnx.reference.ReferenceEvaluator against onn
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -13,6 +14,7 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 import sgdfuse
+import sgdfuse.verify
 from sgdfuse.runtime import make_session, run
 
 with warnings.catch_warnings():
@@ -83,3 +85,29 @@ def test_nesterov_with_beta_other_than_one_is_refused_by_the_contract():
 def test_alpha_zero_is_refused_since_the_contract_keeps_the_buffer():
     result = sgdfuse.optimize(_momentum_model("standard", 1, alpha=0.0))
     assert not result.report.fused and "alpha" in result.report.refused[0].detail
+
+
+def test_check_runs_an_original_with_onnx_momentum_in_the_reference_evaluator(tmp_path):
+    # onnxruntime does not run ai.onnx.preview.training; `check` runs that side in onnx's ReferenceEvaluator.
+    import subprocess
+    import sys
+
+    from onnx import TensorProto, helper
+
+    def value(name, dtype=TensorProto.FLOAT, shape=(3,)):
+        return helper.make_tensor_value_info(name, dtype, list(shape))
+
+    momentum = helper.make_node("Momentum", ["R", "T", "x", "g", "v"], ["x_out", "v_out"], domain="ai.onnx.preview.training",
+                                alpha=0.9, beta=0.8, mode="standard", norm_coefficient=0.01)
+    graph = helper.make_graph([momentum], "m", [value("R", shape=()), value("T", TensorProto.INT64, ()), value("x"), value("g"), value("v")],
+                              [value("x_out"), value("v_out")])
+    original = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.onnx.preview.training", 1)], ir_version=8)
+    onnx.save(original, tmp_path / "m.onnx")
+    result = sgdfuse.optimize(original)
+    assert len(result.report.fused) == 1
+    result.save(tmp_path / "f.onnx")
+    check = sgdfuse.verify.check_models(original, result.model)
+    assert check.passed, check.outputs
+    script = os.path.join(os.path.dirname(sys.executable), "sgdfuse")
+    done = subprocess.run([script, "check", str(tmp_path / "m.onnx"), str(tmp_path / "f.onnx")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -363,6 +363,8 @@ for _types, _function in (
     (("Greater",), np.greater),
     (("GreaterEqual",), np.greater_equal),
     (("LogicalNot",), np.logical_not),
+    (("IsNan",), np.isnan),
+    (("IsInf",), np.isinf),
     (("LogicalAnd",), np.logical_and),
     (("LogicalOr",), np.logical_or),
     (("SelectV2",), np.where),

@@ -75,6 +75,18 @@ for _onnx, _ge in {
 }.items():
     register(_onnx)(_unary(_ge))
 
+register("IsNaN")(_unary("IsNan"))
+
+
+@register("IsInf")
+def lower_is_inf(ctx: NodeLowering) -> None:
+    """ONNX ``IsInf`` with both signs (``detect_negative = detect_positive = 1``, the default, what loss-scaling
+    overflow checks use) is GE ``IsInf``, which has no sign attributes."""
+    if int(ctx.attr("detect_negative", 1)) != 1 or int(ctx.attr("detect_positive", 1)) != 1:
+        raise ctx.error("IsInf detecting one sign only has no GE op (GE IsInf detects both); it is not lowered")
+    _unary("IsInf")(ctx)
+
+
 # GE's Exp/Log compute base^(scale*x + shift) / log_base(scale*x + shift); base -1 means e.
 register("Exp")(_unary("Exp", base=-1.0, scale=1.0, shift=0.0))
 register("Log")(_unary("Log", base=-1.0, scale=1.0, shift=0.0))

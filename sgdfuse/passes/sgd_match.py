@@ -271,9 +271,16 @@ def find_updates(
     if not guards:
         return matches, misses
     guarded_pins = dataclasses.replace(pins, state={**{g.new: g.old for g in guards.values()}, **pins.state}, guarded=frozenset(guards))
-    guarded_matches, guarded_misses = _find(index, normaliser, list(guards), guarded_pins, allow_rounding, guards)
+    # The unguarded outputs take part too: a guard on the parameters alone must meet its bare buffer (and
+    # be refused as guarded-update, not as an update without a buffer).
+    unguarded = [o for o in outputs if _skip_copies(index, o) not in claimed and o not in {g.output for g in guards.values()}]
+    guarded_matches, guarded_misses = _find(index, normaliser, list(guards) + unguarded, guarded_pins, allow_rounding, guards)
+    guarded_matches = [m for m in guarded_matches if m.guard is not None]
+    guarded_misses = [miss for miss in guarded_misses if miss.candidate in guards or miss.reason == "guarded-update" or miss.candidate in {g.output for g in guards.values()}]
     guard_outputs = {g.output for g in guards.values()} | set(guards)
-    misses = [miss for miss in misses if miss.candidate not in guard_outputs] + guarded_misses
+    # An unguarded output met by a one-sided guard is reported there, not again as an update without a buffer.
+    involved = {name for miss in guarded_misses if miss.reason == "guarded-update" for name in (miss.candidate, miss.buffer) if name}
+    misses = [miss for miss in misses if miss.candidate not in guard_outputs and miss.candidate not in involved] + guarded_misses
     combined, shared = _one_writer(matches + guarded_matches)
     return combined, misses + shared
 
@@ -512,7 +519,7 @@ def _check_guards(matches: list[Match], guards: dict[str, Guard]) -> tuple[list[
         if gw is None and gv is None:
             kept.append(match)
             continue
-        problem = ""
+        problem, bare = "", ""
         if gw is None or gv is None:
             guarded, bare = (match.parameters_out, match.accum_out) if gw is not None else (match.accum_out, match.parameters_out)
             problem = f"{guarded} is selected by a guard but {bare} is not: a skipped step would still move one of them"
@@ -524,7 +531,7 @@ def _check_guards(matches: list[Match], guards: dict[str, Guard]) -> tuple[list[
             condition = (gw or gv).condition
             misses.append(
                 Miss((gw or gv).output if gw is None else gw.output, "guarded-update",
-                     f"the update of {match.parameters} is guarded by {condition}, but {problem}.", score=9)
+                     f"the update of {match.parameters} is guarded by {condition}, but {problem}.", score=9, buffer=bare)
             )
             continue
         kept.append(dataclasses.replace(match, guard=gw))
@@ -893,7 +900,11 @@ def _solve_roles(
     delta = add_forms(form_w, {p: Poly.const(1)}, Poly.const(-1))
     pivot = sorted(rest_v)[0]
     inverse = form_v[pivot].inverse()
+    alpha = None
     if inverse is None:
+        # A sum of terms ((1 - m) with m fed at run time): W's coefficient must be a multiple of it.
+        alpha = _poly_ratio(delta.get(pivot, Poly.const(0)), form_v[pivot])
+    if inverse is None and alpha is None:
         # Only runtime values make a coefficient a sum of terms (constants fold to one number).
         return Miss(
             w,
@@ -903,7 +914,8 @@ def _solve_roles(
             equation=equation,
             score=6,
         )
-    alpha = delta.get(pivot, Poly.const(0)) * inverse
+    if alpha is None:
+        alpha = delta.get(pivot, Poly.const(0)) * inverse
     if alpha.is_zero:
         return Miss(
             w,
@@ -1378,10 +1390,30 @@ def _gradient_readings(
     return readings + more
 
 
+def _poly_ratio(a: Poly, b: Poly) -> Poly | None:
+    """``q`` with ``a = q·b`` exactly for a monomial ``q`` (``-0.1 + 0.1·m`` over ``1 - m`` is ``-0.1``), or
+    None: the ratio of two sums of terms, where :meth:`Poly.inverse` has none."""
+    if b.is_zero:
+        return None
+    if a.is_zero:
+        return Poly.const(0)
+    (mb, vb) = sorted(b.terms.items())[0]
+    for ma, va in sorted(a.terms.items()):
+        q = Poly({tuple(sorted((s, p) for s, p in (dict(ma) | {s2: dict(ma).get(s2, 0) - p2 for s2, p2 in mb}).items() if p != 0)): va / vb})
+        product = q * b
+        if set(product.terms) == set(a.terms) and all(math.isclose(product.terms[k], a.terms[k], rel_tol=1e-12) for k in a.terms):
+            return q
+    return None
+
+
 def _proportional(target: Form, form: Form, precision: Precision) -> Poly | None:
     """``k`` with ``target = k·form`` for one scalar ``k`` (per-leaf ratios equal at ``precision``), or None."""
     if set(form) != set(target) or not form:
         return None
+    if all(target[leaf] == form[leaf] for leaf in form):
+        return Poly.const(1.0)  # the same term, whatever its coefficients (1 - m with m fed at run time)
+    if all(target[leaf] == -form[leaf] for leaf in form):
+        return Poly.const(-1.0)
     pivot = sorted(form)[0]
     inverse = form[pivot].inverse()
     if inverse is None:
