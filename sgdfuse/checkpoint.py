@@ -38,6 +38,7 @@ import io
 import json
 import logging
 import os
+import zipfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -126,7 +127,7 @@ def _read_npz(path: str) -> Checkpoint:
     try:
         with np.load(path, allow_pickle=False) as data:  # no pickle: an untrusted file runs no code
             flat = {name: data[name] for name in data.files}
-    except (OSError, ValueError, EOFError) as error:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:  # a truncated archive is a BadZipFile
         raise CheckpointError(path, "", f"not a readable .npz archive of plain arrays ({error})") from error
     return Checkpoint.from_flat(flat, source=path, format="npz")
 
@@ -569,6 +570,13 @@ def checkpoint_feeds(
         mapped.append(MappedUpdate(update.node, name, update.parameters, update.accum, stat == 0, stat, ""))
     warnings = _stat_feeds(ckpt, updates, mapped, feeds)
     warnings = _extra_tensors(ckpt, set(names.values())) + warnings
+    for name, array in feeds.items():
+        values = np.asarray(array)
+        if values.dtype.kind == "f" or values.dtype.name == "bfloat16":
+            bad = int(np.count_nonzero(~np.isfinite(values.astype(np.float64))))
+            if bad:
+                # Training from NaN or Inf state is rarely meant; the feeds are still written as given.
+                warnings.append(f"{name}: {bad} of {values.size} element(s) are NaN or infinite in the checkpoint")
     for line in warnings:
         logger.warning("%s", line)
     result = StateFeeds(ckpt.source, model_name, feeds, mapped, warnings)

@@ -17,7 +17,7 @@ from rich.table import Table
 import sgdfuse
 from sgdfuse import contract
 from sgdfuse import api
-from sgdfuse.errors import SgdfuseError
+from sgdfuse.errors import OutputWriteError, SgdfuseError
 from sgdfuse.passes.rewrite import ROLES_BY_PLAUSIBILITY
 from sgdfuse.passes.sgd_match import RolePins
 from sgdfuse.output import OutputBatch, resolve_destination, write_bytes
@@ -235,6 +235,18 @@ def _progress(model: Path, quiet: bool):
     return _Bar()
 
 
+def _check_destinations(destinations, inputs) -> None:
+    """Each output can be written (before the work, not after it) and none of them is an input: the input is
+    never modified, so ``optimize m.onnx -o m.onnx`` is refused rather than overwriting the model."""
+    sources = {os.path.realpath(os.fspath(path)) for path in inputs if path is not None}
+    for path in destinations:
+        if path is None:
+            continue
+        target = resolve_destination(path)
+        if target in sources:
+            raise OutputWriteError(os.fspath(path), "is an input of this command; sgdfuse never overwrites its input: give another output path")
+
+
 def _pins(state: Optional[list[str]], buffers: Optional[list[str]]) -> RolePins:
     """``--state NEW=OLD`` and ``--buffers GLOB`` as :class:`RolePins`; a malformed pair is one error line."""
     pairs: dict[str, str] = {}
@@ -270,9 +282,7 @@ def optimize_command(
 
         output = output or Path(MindIRResult.default_output(model))
     destination = output or _default_output(model)
-    for path in (destination, report_path):
-        if path is not None:
-            resolve_destination(path)  # fail before the work, not after it
+    _check_destinations((destination, report_path), (model,))
     with _progress(model, quiet) as tell:
         if mindir:
             result = optimize_mindir_file(model, verify=verify, steps=steps)
@@ -421,9 +431,7 @@ def lower_command(
             (destination.name[: -len(".air")] if destination.name.endswith(".air") else destination.name) + ".init.air"
         )
         destinations = [destination, init_destination, json_path]
-    for path in destinations:
-        if path is not None:
-            resolve_destination(path)
+    _check_destinations(destinations, (model,))
 
     fused, report = prepare(model)
     if report is not None:
@@ -527,9 +535,7 @@ def state_command(
         if init_output is None:
             stem = output.name[: -len(".npz")] if output.name.endswith(".npz") else output.name
             init_output = output.with_name(stem + ".init.npz")
-    for path in (output, init_output, json_path):
-        if path is not None:
-            resolve_destination(path)
+    _check_destinations((output, init_output, json_path), (model, checkpoint))
     _require_input(model)
     result = checkpoint_feeds(checkpoint, model, name_map=parse_name_map(name_map), soc=soc)
     for line in result.warnings:
@@ -571,8 +577,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     line on stderr and exit 1. Any other exception is a bug in sgdfuse: it too is one ``error:`` line (exit
     1) naming the exception and where it was raised, unless ``SGDFUSE_TRACEBACK=1`` asks for the traceback.
     Outputs are staged and committed together, so an error leaves nothing half-written."""
+    # typer's usage errors derive from its BadParameter's base (click's UsageError, vendored by typer >= 0.16).
+    usage_error = typer.BadParameter.__mro__[1]
     try:
-        app(args=argv, prog_name="sgdfuse")
+        code = app(args=argv, prog_name="sgdfuse", standalone_mode=False)
+    except usage_error as error:
+        # One line, like every other error (the README's promise), naming the command's --help.
+        command = error.ctx.command_path if error.ctx is not None else "sgdfuse"
+        _err.print(f"error: {error.format_message()} (see `{command} --help`)", markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except typer.Abort:
+        _err.print("error: aborted", markup=False)
+        sys.exit(1)
     except SgdfuseError as error:
         _err.print(f"error: {error}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(1)
@@ -587,6 +603,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             markup=False, highlight=False, soft_wrap=True,
         )
         sys.exit(1)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

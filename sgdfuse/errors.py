@@ -19,6 +19,7 @@ __all__ = [
     "ProductLineError",
     "UnknownSocError",
     "CheckpointError",
+    "RolePinError",
 ]
 
 
@@ -139,3 +140,16 @@ class CheckpointError(SgdfuseError):
         super().__init__(f"{path}: {'tensor ' + repr(tensor) + ': ' if tensor else ''}{message}")
         self.path = path
         self.tensor = tensor
+
+
+class RolePinError(SgdfuseError):
+    """A role pin (``--state NEW=OLD``, ``--buffers GLOB``, ``RolePins``) names nothing in the model: a graph
+    output or input that does not exist, or a glob that matches no graph input.
+
+    Attributes:
+        pin: the pin as given.
+    """
+
+    def __init__(self, pin: str, message: str) -> None:
+        super().__init__(f"{pin}: {message}")
+        self.pin = pin

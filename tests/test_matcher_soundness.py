@@ -585,3 +585,12 @@ def test_an_ema_buffer_with_a_runtime_momentum_fuses_with_its_own_scaled_gradien
     result = fused_one(original)
     assert (result.report.fused[0].gradient, result.report.fused[0].momentum) == ("dg", "m")
     assert_in_place_equal(original, result.model, {"p_out": "p", "buf_out": "buf"})
+
+
+def test_a_term_scaled_far_up_and_back_down_is_refused():
+    # (buf*1e30)*0.9/1e30: the graph's intermediate overflows for |buf| > 3.4e8, the folded 0.9*buf does not.
+    nodes = [node("Mul", ["buf", "s"], ["bs"]), node("Mul", ["bs", "mu"], ["bsm"]), node("Div", ["bsm", "s"], ["bm"]),
+             node("Add", ["bm", "g"], ["buf_out"]), node("Mul", ["buf_out", "lr"], ["u"]), node("Sub", ["p", "u"], ["p_out"])]
+    original = model(nodes, [value("p"), value("g"), value("buf")], [value("p_out"), value("buf_out")],
+                     [const("lr", 0.1), const("mu", 0.9), const("s", 1e30)])
+    assert refusal(original).reason == "cancelling-terms"

@@ -192,8 +192,9 @@ def test_nesterov_with_the_buffer_momentum_fuses():
 # -- runtime-hyperparameter / runtime momentum ----------------------------------------------------------
 
 
-def test_dampening_fed_as_a_graph_input_is_refused_as_runtime_hyperparameter():
-    # buf_out = m*buf + (1 - d)*g with d a graph input: the contract needs dampening as an attribute.
+def test_dampening_fed_as_a_graph_input_fuses_with_the_damped_gradient_as_the_gradient():
+    # buf_out = m*buf + (1 - d)*g with d a graph input: the contract needs dampening as an attribute, but the
+    # graph computes (1 - d)*g itself, and SGD(gradient = g_damped, dampening = 0) is exact.
     model = _momentum_step(
         buffer=[
             node("Mul", ["buf", "m"], ["buf_scaled"]),
@@ -204,6 +205,28 @@ def test_dampening_fed_as_a_graph_input_is_refused_as_runtime_hyperparameter():
         weights=PLAIN_WEIGHTS,
         inputs=[*STATE, value("d", shape=[])],
         initializers=[scalar("m", 0.9), scalar("lr", 0.1), scalar("one", 1.0)],
+    )
+    result = api.optimize(model)
+    [fused] = result.report.fused
+    assert (fused.gradient, fused.dampening) == ("g_damped", 0.0)
+    feeds = random_feeds(model, seed=4)
+    names = ["p_out", "buf_out"]
+    for want, have in zip(_session(model).run(names, feeds), _session(result.model).run(names, feeds)):
+        np.testing.assert_allclose(have, want, rtol=1e-6, atol=1e-7)
+
+
+def test_dampening_computed_at_run_time_without_a_value_for_the_term_is_refused_as_runtime_hyperparameter():
+    # buf_out = m*buf + g - d*g: no value of the graph holds the whole gradient term.
+    model = _momentum_step(
+        buffer=[
+            node("Mul", ["buf", "m"], ["buf_scaled"]),
+            node("Mul", ["g", "d"], ["g_d"]),
+            node("Add", ["buf_scaled", "g"], ["t"]),
+            node("Sub", ["t", "g_d"], ["buf_out"]),
+        ],
+        weights=PLAIN_WEIGHTS,
+        inputs=[*STATE, value("d", shape=[])],
+        initializers=[scalar("m", 0.9), scalar("lr", 0.1)],
     )
     refusal = _refusal(model)
     assert refusal.reason == "runtime-hyperparameter", refusal

@@ -28,6 +28,12 @@ __all__ = ["Monomial", "Poly", "Form", "ONE", "Normaliser", "format_form", "form
 ONE = ""
 """The leaf of the constant term: ``Add(v, 1.0)`` normalises to ``1·v + 1.0·ONE``."""
 
+SCALE_UP_LIMIT = 1000.0
+"""A term the graph scales up by more than this factor beyond its final coefficient and back down is a
+cancellation (refused): the graph's intermediate overflows for values 1000 times below FLOAT's maximum where
+the fused op's does not. Smaller re-associations (``(g*4)*0.25``) fuse: they change the overflow threshold
+by less than that, and only their rounding, which verification bounds."""
+
 MAX_LEAVES = 64
 """A form with more leaves is not an update; it is treated as one opaque leaf to bound the work."""
 
@@ -176,6 +182,10 @@ class Normaliser:
         self._plans: dict[str, tuple[str, list[tuple[str, Poly]]] | None] = {}
         self._cones: dict[str, tuple[set[int], set[str]]] = {}
         self.cancelled: dict[str, str] = {}
+        self._gains: dict[str, tuple[float, float]] = {}
+        """value → (gain, peak): the largest constant factor any term of it was scaled by on the way from its leaves (the
+        product of the |constant factors| along the path, its maximum over the path): a term scaled up by S
+        and back down overflows in the graph where the folded coefficient does not."""
         """Values whose form or scalar lost a leaf or a symbol that its operands had (``(x + z) - z``,
         ``0*z``, ``(x*s)/s``): value → what cancelled. Exact in real arithmetic, not in floating point (a
         large, infinite or zero ``z`` or ``s`` changes the number), so an update read through one is refused."""
@@ -421,7 +431,13 @@ class Normaliser:
         result: Form = {}
         leaves: set[str] = set()
         symbols: set[str] = set()
+        gain = 0.0
+        peak = 0.0
         for operand, factor in plan[1]:
+            scale = abs(factor.constant_value) if factor.is_constant else 1.0
+            operand_gain, operand_peak = self._gains.get(operand, (1.0, 1.0))
+            gain = max(gain, operand_gain * scale)
+            peak = max(peak, operand_peak, operand_gain * scale)
             operand_scalar = self.scalar(operand) if self.index.spec(operand).num_elements() == 1 else None
             if operand_scalar is not None and self.index.spec(value).num_elements() != 1:
                 # A scalar added to a tensor: a constant (or runtime-scalar) term on the ONE leaf.
@@ -435,6 +451,7 @@ class Normaliser:
             symbols.update(_symbols_of(term.values()))
             symbols.update(_symbols_of([factor]))
             result = add_forms(result, term, factor)
+        self._gains[value] = (gain, peak)
         lost_leaves = sorted(leaf for leaf in leaves - set(result))
         lost_symbols = sorted(symbols - _symbols_of(result.values()))
         if lost_leaves or lost_symbols:
@@ -445,9 +462,16 @@ class Normaliser:
         return result
 
     def cancellations(self, value: str) -> dict[str, str]:
-        """The values in ``value``'s cone (tensor and scalar nodes) whose terms cancel (:attr:`cancelled`)."""
+        """The values in ``value``'s cone (tensor and scalar nodes) whose terms cancel (:attr:`cancelled`), and
+        ``value`` itself when a term was scaled up by more than :data:`SCALE_UP_LIMIT` times its final
+        coefficient on the way (``(buf*1e30)*0.9/1e30``: the graph overflows at ``|buf| > max/1e30``, the
+        folded ``0.9*buf`` does not)."""
         nodes, values = self.cone(value)
         found = {name: self.cancelled[name] for name in values if name in self.cancelled}
+        _, peak = self._gains.get(value, (1.0, 1.0))
+        final = max((abs(c.constant_value) for c in self.form(value).values() if c.is_constant), default=1.0)
+        if peak > SCALE_UP_LIMIT * max(1.0, final):
+            found[value] = f"a term is scaled up by {peak:g} and back down to at most {max(1.0, final):g}"
         for k in nodes:
             for name in self.index.graph.node[k].output:
                 if name in self.cancelled:

@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 
 from sgdfuse.contract import TensorSpec, check_attributes, dtype_name, format_shape
-from sgdfuse.errors import ContractError
+from sgdfuse.errors import ContractError, RolePinError
 from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.linear import ONE, Form, Normaliser, Poly, add_forms, format_form, format_poly, scale_form
 from sgdfuse.passes.precision import FLOAT_DTYPES, SPACINGS, Precision, round_to_dtype, working_precision
@@ -261,6 +261,7 @@ def find_updates(
     ``pins`` is the user's word on roles, consulted first (:data:`ROLE_EVIDENCE`).
     """
     pins = pins or RolePins()
+    _check_pins(index, pins)
     normaliser = normaliser or Normaliser(index)
     outputs = list(dict.fromkeys(index.graph_outputs))
     matches, misses = _find(index, normaliser, outputs, pins, allow_rounding, {})
@@ -283,6 +284,24 @@ def find_updates(
     misses = [miss for miss in misses if miss.candidate not in guard_outputs and miss.candidate not in involved] + guarded_misses
     combined, shared = _one_writer(matches + guarded_matches)
     return combined, misses + shared
+
+
+def _check_pins(index: GraphIndex, pins: RolePins) -> None:
+    """A pin must name the model's own values: silently ignoring a typo would fuse as if it were not given.
+
+    Raises:
+        RolePinError: a ``state`` pair names an output or input the graph does not have, or a ``buffers``
+            glob matches no graph input.
+    """
+    outputs, inputs = set(index.graph_outputs), set(index.state_names) | set(index.graph_inputs)
+    for new, old in pins.state.items():
+        if new not in outputs and new not in index.producer:
+            raise RolePinError(f"--state {new}={old}", f"{new} is not a value of the model (graph outputs: {', '.join(sorted(outputs)[:8])}{', ...' if len(outputs) > 8 else ''})")
+        if old not in inputs:
+            raise RolePinError(f"--state {new}={old}", f"{old} is not an input of the model; OLD names the input that NEW replaces")
+    for pattern in pins.buffers:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in inputs):
+            raise RolePinError(f"--buffers {pattern}", "matches no input of the model; give a glob of the momentum-buffer inputs")
 
 
 def _one_writer(matches: list[Match]) -> tuple[list[Match], list[Miss]]:
@@ -825,11 +844,17 @@ def _solve_pair(
         # One step's algebra cannot tell the buffer from the gradient when both are inputs: buf' = 0.9*buf + g
         # is also "accum = g, momentum 1, dampening 0.1". The in-place write must hit the real buffer: the
         # ecosystem's names, then plausibility decide; failing both, the update is left alone.
+        plausible = [_plausibility_score(solution) for solution in solutions]
         for evidence, score in (("conventions", _convention_score), ("plausibility", _plausibility_score)):
             scores = [score(solution) for solution in solutions]
             best_score = max(scores)
             if scores.count(best_score) == 1 and best_score > 0:
-                return dataclasses.replace(solutions[scores.index(best_score)], roles_from=evidence)
+                chosen = scores.index(best_score)
+                if plausible[chosen] < max(plausible):
+                    # Names say one thing, the hyper-parameters another (buffer b0 would need momentum 1 and
+                    # dampening 0.1): neither decides.
+                    break
+                return dataclasses.replace(solutions[chosen], roles_from=evidence)
         readings = "; ".join(
             f"buffer {s.accum}, gradient {s.gradient}, momentum {format_poly(s.momentum)}, dampening {s.dampening:g}" for s in solutions
         )
