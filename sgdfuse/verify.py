@@ -231,7 +231,7 @@ def verify_plans(
 def _verify_batch(
     model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan], *, steps: int, seed: int, shared: dict[str, onnx.TensorProto]
 ) -> list[UpdateCheck]:
-    from sgdfuse.fused_op import make_sgd_function, function_opset, DOMAIN, OP_VERSION
+    from sgdfuse.fused_op import OVERLOAD_IR_VERSION, sgd_functions_for, function_opset, DOMAIN, OP_VERSION
 
     from sgdfuse.passes.rewrite import _stable_topological_sort
 
@@ -256,8 +256,10 @@ def _verify_batch(
     read = {name for node in fused_nodes for name in node.input}
     fused_initializers = [tensor for name, tensor in shared.items() if name in read]
     fused, fused_inputs = _slice_model(
-        index, fused_nodes, fused_initializers, outputs, opsets, [make_sgd_function(function_opset(model))]
+        index, fused_nodes, fused_initializers, outputs, opsets, sgd_functions_for(fused_nodes, function_opset(model))
     )
+    # The fused side runs the bodies the output model will call (specialised overloads need IR 10).
+    fused.ir_version = max(fused.ir_version, OVERLOAD_IR_VERSION)
     original_session, fused_session = make_session(original), make_session(fused)
 
     rng = np.random.default_rng(seed)
