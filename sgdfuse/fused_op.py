@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -140,10 +141,16 @@ class Specialisation:
         flags = [part == options[1] for part, options in zip(parts[1:], choices[1:])]
         return cls(tags[parts[0]], *flags)
 
+    @classmethod
+    def of(cls, dtype: int, attributes: SgdAttributes, *, momentum_nonzero: bool, stat_zero: bool) -> "Specialisation":
+        """The specialisation for a node of ``dtype`` with ``attributes``; a FLOAT attribute is non-zero when it
+        is as stored (1e-46 is stored as 0 and means "off")."""
+        return cls(dtype, bool(attributes.nesterov), _nonzero(attributes.dampening), _nonzero(attributes.weight_decay), momentum_nonzero, stat_zero)
+
     def check(self, attributes: SgdAttributes, *, subject: str) -> None:
         """Raise ValueError naming ``subject`` when ``attributes`` are not the ones this body assumes."""
         wanted = (self.nesterov, self.dampening, self.weight_decay)
-        actual = (bool(attributes.nesterov), attributes.dampening != 0, attributes.weight_decay != 0)
+        actual = (bool(attributes.nesterov), _nonzero(attributes.dampening), _nonzero(attributes.weight_decay))
         if wanted != actual:
             raise ValueError(
                 f"{subject}: the SGD overload {self.overload} assumes nesterov={wanted[0]}, dampening != 0 is {wanted[1]}, "
@@ -164,6 +171,11 @@ class Specialisation:
         if self.stat_zero:
             items.append("stat is +0 in every element")
         return items
+
+
+def _nonzero(value: float) -> bool:
+    """Whether a FLOAT attribute holding ``value`` is non-zero (it is stored as fp32)."""
+    return bool(np.float32(value) != 0)
 
 
 def make_sgd_node(
@@ -332,15 +344,17 @@ class _Body:
     def __init__(self, dtype: int) -> None:
         self.dtype = dtype
         self.nodes: list[onnx.NodeProto] = []
+        self._cast: set[str] = set()
 
     def op(self, op_type: str, inputs: list[str], output: str, **attributes) -> str:
         self.nodes.append(helper.make_node(op_type, inputs, [output], **attributes))
         return output
 
     def read(self, name: str) -> str:
-        """Input ``name`` as FLOAT (itself for a FLOAT body)."""
-        if self.dtype == TensorProto.FLOAT:
-            return name
+        """Input ``name`` as FLOAT (itself for a FLOAT body), cast once however often it is read."""
+        if self.dtype == TensorProto.FLOAT or f"{name}_f" in self._cast:
+            return f"{name}_f" if f"{name}_f" in self._cast else name
+        self._cast.add(f"{name}_f")
         return self.op("Cast", [name], f"{name}_f", to=TensorProto.FLOAT)
 
     def result(self, output: str) -> str:

@@ -189,14 +189,8 @@ class Planner:
         if match.momentum.is_constant:
             value = np.array(match.momentum.constant_value if not match.momentum.is_zero else 0.0, dtype=np.float64)
             momentum_nonzero = bool(value.astype(np.float32).astype(onnx_to_numpy_dtype(match.dtype)) != 0)
-        return Specialisation(
-            dtype=match.dtype,
-            nesterov=bool(match.nesterov),
-            dampening=match.dampening != 0,
-            weight_decay=match.weight_decay != 0,
-            momentum_nonzero=momentum_nonzero,
-            stat_zero=match.first_step is None,
-        )
+        attributes = SgdAttributes(match.dampening, match.weight_decay, match.nesterov)
+        return Specialisation.of(match.dtype, attributes, momentum_nonzero=momentum_nonzero, stat_zero=match.first_step is None)
 
     @staticmethod
     def _static_dims(match: Match) -> list[int] | None:
