@@ -92,7 +92,9 @@ FORMS = {
 @functools.lru_cache(maxsize=None)
 def fused_form(name: str) -> onnx.ModelProto:
     build, _, _, count = FORMS[name]
-    result = sgdfuse.optimize(build())
+    # The FLOAT16/BFLOAT16 forms compute in FLOAT with FLOAT lr 0.01 and momentum 0.9, which the op takes in
+    # the parameters' dtype: these tests are about lowering what fused, so the rounding is accepted here.
+    result = sgdfuse.optimize(build(), allow_rounding=True)
     assert len(result.report.fused) == count and not result.report.refused, result.report
     return result.model
 

@@ -76,6 +76,11 @@ def to_onnx_atc(model: str | os.PathLike | onnx.ModelProto, *, soc: str, optimis
     if any(is_sgd_node(n) for n in result.graph.node) and not any(e.domain == DOMAIN for e in result.opset_import):
         result.opset_import.add(domain=DOMAIN, version=OP_VERSION)
     del result.functions[:]
+    # ATC maps the node by its key alone; with the functions gone, a specialised body's overload name means
+    # nothing there.
+    for node in result.graph.node:
+        if is_sgd_node(node):
+            node.ClearField("overload")
     return result
 
 
