@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         general = f"{ms['general']:10.2f} {ratio['general']:6.2f}" if "general" in ms else f"{'-':>10} {'-':>6}"
         print(
             f"{row['case']:22} {ms['original']:11.2f} {general} {ms['specialised']:9.2f} "
-            f"{ratio['specialised']:6.2f}  {gbps['original']:9.1f} {gbps['specialised']:10.1f}",
+            f"{ratio['specialised']:6.2f}  {gbps['original']:9.3g} {gbps['specialised']:10.3g}",
             flush=True,
         )
     copy_after = copy_bandwidth()
