@@ -352,10 +352,13 @@ class _Body:
 
     def read(self, name: str) -> str:
         """Input ``name`` as FLOAT (itself for a FLOAT body), cast once however often it is read."""
-        if self.dtype == TensorProto.FLOAT or f"{name}_f" in self._cast:
-            return f"{name}_f" if f"{name}_f" in self._cast else name
-        self._cast.add(f"{name}_f")
-        return self.op("Cast", [name], f"{name}_f", to=TensorProto.FLOAT)
+        if self.dtype == TensorProto.FLOAT:
+            return name
+        cast = f"{name}_f"
+        if cast not in self._cast:
+            self._cast.add(cast)
+            self.op("Cast", [name], cast, to=TensorProto.FLOAT)
+        return cast
 
     def result(self, output: str) -> str:
         """The name a FLOAT result bound for ``output`` gets: ``output`` itself in a FLOAT body."""
