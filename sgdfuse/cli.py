@@ -603,8 +603,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             markup=False, highlight=False, soft_wrap=True,
         )
         sys.exit(1)
-    if isinstance(code, int) and code:
-        sys.exit(code)
+    sys.exit(code if isinstance(code, int) else 0)  # as typer's standalone mode does, success included
 
 
 if __name__ == "__main__":  # pragma: no cover

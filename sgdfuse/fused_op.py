@@ -14,10 +14,23 @@ formula become ``If`` on a scalar condition, which selects without letting the u
 through (so ``wd == 0`` really means ``grad = gradient``, even where ``parameters`` is Inf) and passes the
 selected tensor through bit for bit (``Where`` would do too by the ONNX spec, but onnxruntime's CPU ``Where``
 returns +0 for a selected -0, microsoft/onnxruntime#32191).
+
+Specialised bodies (:class:`Specialisation`): the rewrite knows the dtype, the attributes, whether the momentum
+is a non-zero constant and whether ``stat`` is zero, so it can give a node a body with what is provably
+constant folded away (no ``Cast`` for FLOAT, no ``If`` for a constant momentum, no dampening term when
+``dampening == 0``...). Each specialisation is a function *overload* of ``ai.sgdfuse::SGD`` (ONNX IR 10: a node
+calls the FunctionProto of its ``(domain, op_type, overload)``), so every fused node stays ``op_type`` SGD
+with the same inputs, outputs and attributes, and readers that look at the node (lowering, the report) do not
+change. The general body is the overload ``""``. A specialised body computes the contract's results bit for
+bit on every input that meets its preconditions (:meth:`Specialisation.preconditions`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
+
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -33,6 +46,9 @@ __all__ = [
     "make_sgd_node",
     "make_sgd_function",
     "ensure_sgd_function",
+    "Specialisation",
+    "OVERLOAD_IR_VERSION",
+    "sgd_functions_for",
     "is_sgd_node",
     "read_sgd_attributes",
     "default_opset",
@@ -49,12 +65,126 @@ MIN_OPSET = 15
 opset, which must be at least this."""
 
 
+OVERLOAD_IR_VERSION = 10
+"""The first ONNX IR version with function overloads (``NodeProto.overload``, ``FunctionProto.overload``): a
+model whose SGD nodes call a specialised body is raised to it."""
+
+_DTYPE_TAGS = {TensorProto.FLOAT: "f32", TensorProto.FLOAT16: "f16", TensorProto.BFLOAT16: "bf16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Specialisation:
+    """What a specialised SGD body may assume about the node that calls it; the rewrite proves each of these
+    before it gives a node the specialisation.
+
+    Attributes:
+        dtype: ONNX element type of every input and output (FLOAT, FLOAT16 or BFLOAT16). FLOAT needs no
+            ``Cast``; the others are cast to FLOAT and back (round-to-nearest-even), as the contract says.
+        nesterov: the node's ``nesterov`` attribute.
+        dampening: whether the node's ``dampening`` attribute is non-zero (False: no dampening term; the
+            contract's ``if d != 0`` clause is decided here, not at run time).
+        weight_decay: whether ``weight_decay`` is non-zero (False: ``grad = gradient``).
+        momentum_nonzero: ``momentum`` is a constant other than ±0, so the contract always writes
+            ``accum <- accum_t`` and ``stat <- 0`` (no ``If``).
+        stat_zero: every element of ``stat`` is +0 (the graph applies dampening on every step): ``1 - stat``
+            is exactly 1, ``grad * 1`` is ``grad`` bit for bit, and ``stat_out`` (kept, or written 0) is +0,
+            i.e. ``stat`` itself.
+
+    Every specialised body also assumes that ``learning_rate`` and ``momentum`` (one element each) have no
+    higher rank than ``parameters``: they are broadcast as they are, without the general body's ``Reshape``.
+
+    Raises:
+        ValueError: a dtype outside the three, or ``nesterov`` with ``dampening`` (the contract forbids it).
+    """
+
+    dtype: int
+    nesterov: bool
+    dampening: bool
+    weight_decay: bool
+    momentum_nonzero: bool
+    stat_zero: bool
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPE_TAGS:
+            raise ValueError(f"SGD specialisation: dtype {helper.tensor_dtype_to_string(self.dtype)} is not FLOAT, FLOAT16 or BFLOAT16")
+        if self.nesterov and self.dampening:
+            raise ValueError("SGD specialisation: nesterov requires dampening == 0 (docs/contract.md)")
+
+    @property
+    def overload(self) -> str:
+        """The function overload name, which spells every assumption, e.g.
+        ``f32_plain_nodamp_nowd_mconst_stat0``: dtype; ``nesterov``/``plain``; ``damp``/``nodamp``;
+        ``wd``/``nowd``; ``mconst`` (non-zero constant momentum) / ``mruntime``; ``stat0``/``statany``."""
+        return "_".join(
+            [
+                _DTYPE_TAGS[self.dtype],
+                "nesterov" if self.nesterov else "plain",
+                "damp" if self.dampening else "nodamp",
+                "wd" if self.weight_decay else "nowd",
+                "mconst" if self.momentum_nonzero else "mruntime",
+                "stat0" if self.stat_zero else "statany",
+            ]
+        )
+
+    @classmethod
+    def from_overload(cls, overload: str) -> "Specialisation":
+        """The specialisation named ``overload`` (the inverse of :attr:`overload`).
+
+        Raises:
+            ValueError: not a name :attr:`overload` produces.
+        """
+        parts = overload.split("_")
+        tags = {tag: dtype for dtype, tag in _DTYPE_TAGS.items()}
+        choices = (tuple(tags), ("plain", "nesterov"), ("nodamp", "damp"), ("nowd", "wd"), ("mruntime", "mconst"), ("statany", "stat0"))
+        if len(parts) != len(choices) or any(part not in options for part, options in zip(parts, choices)):
+            raise ValueError(f"{overload!r} is not an ai.sgdfuse::SGD overload name (e.g. f32_plain_nodamp_nowd_mconst_stat0)")
+        flags = [part == options[1] for part, options in zip(parts[1:], choices[1:])]
+        return cls(tags[parts[0]], *flags)
+
+    @classmethod
+    def of(cls, dtype: int, attributes: SgdAttributes, *, momentum_nonzero: bool, stat_zero: bool) -> "Specialisation":
+        """The specialisation for a node of ``dtype`` with ``attributes``; a FLOAT attribute is non-zero when it
+        is as stored (1e-46 is stored as 0 and means "off")."""
+        return cls(dtype, bool(attributes.nesterov), _nonzero(attributes.dampening), _nonzero(attributes.weight_decay), momentum_nonzero, stat_zero)
+
+    def check(self, attributes: SgdAttributes, *, subject: str) -> None:
+        """Raise ValueError naming ``subject`` when ``attributes`` are not the ones this body assumes."""
+        wanted = (self.nesterov, self.dampening, self.weight_decay)
+        actual = (bool(attributes.nesterov), _nonzero(attributes.dampening), _nonzero(attributes.weight_decay))
+        if wanted != actual:
+            raise ValueError(
+                f"{subject}: the SGD overload {self.overload} assumes nesterov={wanted[0]}, dampening != 0 is {wanted[1]}, "
+                f"weight_decay != 0 is {wanted[2]}; the node has {attributes}"
+            )
+
+    def preconditions(self) -> list[str]:
+        """What a caller must guarantee, in words (also the function's doc string)."""
+        items = [
+            f"inputs and outputs are {helper.tensor_dtype_to_string(self.dtype).split('.')[-1]}",
+            f"nesterov == {int(self.nesterov)}",
+            "dampening != 0" if self.dampening else "dampening == 0",
+            "weight_decay != 0" if self.weight_decay else "weight_decay == 0",
+            "learning_rate and momentum have no higher rank than parameters",
+        ]
+        if self.momentum_nonzero:
+            items.append("momentum is a constant != 0")
+        if self.stat_zero:
+            items.append("stat is +0 in every element")
+        return items
+
+
+def _nonzero(value: float) -> bool:
+    """Whether a FLOAT attribute holding ``value`` is non-zero (it is stored as fp32)."""
+    return bool(np.float32(value) != 0)
+
+
 def make_sgd_node(
     inputs: tuple[str, str, str, str, str, str],
     outputs: tuple[str, str, str],
     attributes: SgdAttributes,
     *,
     name: str,
+    specialisation: Specialisation | None = None,
 ) -> onnx.NodeProto:
     """An ``ai.sgdfuse::SGD`` node.
 
@@ -63,12 +193,17 @@ def make_sgd_node(
         outputs: value names for (parameters_out, accum_out, stat_out).
         attributes: checked against the contract first.
         name: the node name.
+        specialisation: when given, the node calls that specialised body (its overload); the caller
+            guarantees the preconditions that are not attributes (momentum, stat, dtype, scalar ranks).
 
     Raises:
         AttributeContractError: the attributes break the contract.
+        ValueError: ``specialisation`` assumes other attributes than ``attributes``.
     """
     attributes.check(subject=name)
-    return helper.make_node(
+    if specialisation is not None:
+        specialisation.check(attributes, subject=name)
+    node = helper.make_node(
         OP_TYPE,
         list(inputs),
         list(outputs),
@@ -78,6 +213,9 @@ def make_sgd_node(
         weight_decay=float(attributes.weight_decay),
         nesterov=int(bool(attributes.nesterov)),
     )
+    if specialisation is not None:
+        node.overload = specialisation.overload
+    return node
 
 
 def is_sgd_node(node: onnx.NodeProto) -> bool:
@@ -95,19 +233,55 @@ def read_sgd_attributes(node: onnx.NodeProto) -> SgdAttributes:
     )
 
 
-def make_sgd_function(opset: int) -> onnx.FunctionProto:
+def make_sgd_function(opset: int, specialisation: Specialisation | None = None) -> onnx.FunctionProto:
     """The model-local FunctionProto for ``ai.sgdfuse::SGD`` whose body is the contract.
 
     Args:
         opset: the default-domain opset the body is declared against (the model's own), >= 15.
+        specialisation: None for the general body (overload ``""``); else the body specialised to it, as the
+            overload :attr:`Specialisation.overload`.
 
     Raises:
         ValueError: ``opset`` is below 15.
     """
     if opset < MIN_OPSET:
         raise ValueError(f"the SGD function body needs default-domain opset >= {MIN_OPSET}, got {opset}")
+    if specialisation is None:
+        body = _general_body()
+        doc = "Ascend SGD operator contract (sgdfuse, docs/contract.md): FLOAT intermediates, results cast back with round-to-nearest-even."
+    else:
+        body = _specialised_body(specialisation)
+        doc = (
+            "Ascend SGD operator contract (sgdfuse, docs/contract.md), specialised: valid only where "
+            + "; ".join(specialisation.preconditions())
+            + ". FLOAT intermediates, results cast back with round-to-nearest-even."
+        )
+    function = helper.make_function(
+        DOMAIN,
+        OP_TYPE,
+        list(INPUT_NAMES),
+        list(OUTPUT_NAMES),
+        body,
+        opset_imports=[helper.make_opsetid("", opset)],
+        attributes=[],
+        doc_string=doc,
+    )
+    if specialisation is not None:
+        function.overload = specialisation.overload
+    function.attribute_proto.extend(
+        [
+            helper.make_attribute("dampening", 0.0),
+            helper.make_attribute("weight_decay", 0.0),
+            helper.make_attribute("nesterov", 0),
+        ]
+    )
+    return function
+
+
+def _general_body() -> list[onnx.NodeProto]:
+    """The contract for any dtype, attributes, momentum and stat (``If`` for every clause)."""
     n = helper.make_node
-    body = [
+    return [
         # Attributes as FLOAT scalars; attribute references resolve per call site.
         _attr_constant("d", "dampening", TensorProto.FLOAT),
         _attr_constant("wd", "weight_decay", TensorProto.FLOAT),
@@ -162,25 +336,109 @@ def make_sgd_function(opset: int) -> onnx.FunctionProto:
         _select("m_is_zero", "s", "stat_zeros", "stat_sel"),
         n("CastLike", ["stat_sel", "stat"], ["stat_out"]),
     ]
-    function = helper.make_function(
-        DOMAIN,
-        OP_TYPE,
-        list(INPUT_NAMES),
-        list(OUTPUT_NAMES),
-        body,
-        opset_imports=[helper.make_opsetid("", opset)],
-        attributes=[],
-        doc_string="Ascend SGD operator contract (sgdfuse, docs/contract.md): FLOAT intermediates, "
-        "results cast back with round-to-nearest-even.",
-    )
-    function.attribute_proto.extend(
-        [
-            helper.make_attribute("dampening", 0.0),
-            helper.make_attribute("weight_decay", 0.0),
-            helper.make_attribute("nesterov", 0),
-        ]
-    )
-    return function
+
+
+class _Body:
+    """A node list under construction; FLOAT values named so that a FLOAT body writes its outputs directly."""
+
+    def __init__(self, dtype: int) -> None:
+        self.dtype = dtype
+        self.nodes: list[onnx.NodeProto] = []
+        self._cast: set[str] = set()
+
+    def op(self, op_type: str, inputs: list[str], output: str, **attributes) -> str:
+        self.nodes.append(helper.make_node(op_type, inputs, [output], **attributes))
+        return output
+
+    def read(self, name: str) -> str:
+        """Input ``name`` as FLOAT (itself for a FLOAT body), cast once however often it is read."""
+        if self.dtype == TensorProto.FLOAT:
+            return name
+        cast = f"{name}_f"
+        if cast not in self._cast:
+            self._cast.add(cast)
+            self.op("Cast", [name], cast, to=TensorProto.FLOAT)
+        return cast
+
+    def result(self, output: str) -> str:
+        """The name a FLOAT result bound for ``output`` gets: ``output`` itself in a FLOAT body."""
+        return output if self.dtype == TensorProto.FLOAT else f"{output}_f"
+
+    def write(self, value: str, output: str) -> None:
+        """Cast FLOAT ``value`` back to the dtype as ``output`` (nothing when ``value`` already is it)."""
+        if value != output:
+            self.op("Cast", [value], output, to=self.dtype)
+
+
+def _specialised_body(spec: Specialisation) -> list[onnx.NodeProto]:
+    """The contract with what ``spec`` makes constant folded away, the operations that remain in the
+    contract's order (each one fp32 rounding, as in the reference), so results are the same bits."""
+    b = _Body(spec.dtype)
+    p, g, a = b.read("parameters"), b.read("gradient"), b.read("accum")
+    lr, m = b.read("learning_rate"), b.read("momentum")
+    grad = g
+    if spec.weight_decay:  # grad = gradient + parameters * wd
+        b.nodes.append(_attr_constant("wd", "weight_decay", TensorProto.FLOAT))
+        grad = b.op("Add", [g, b.op("Mul", [p, "wd"], "p_wd")], "grad")
+    # The buffer's final value is written directly as accum_out when nothing has to select it.
+    accum_name = b.result("accum_out") if spec.momentum_nonzero else "accum_t"
+    a_m = b.op("Mul", [a, m], "a_m")
+    if spec.dampening:  # accum_t = accum * m + grad - grad * (1 - stat) * d
+        b.nodes.append(_attr_constant("d", "dampening", TensorProto.FLOAT))
+        accum_t0 = b.op("Add", [a_m, grad], "accum_t0")
+        if spec.stat_zero:
+            # (1 - (+0)) is exactly 1 and grad * 1 is grad bit for bit (-0, Inf and NaN included).
+            damp_term = b.op("Mul", [grad, "d"], "damp_term")
+        else:
+            b.nodes.append(_float_constant("one", 1.0))
+            one_minus_s = b.op("Sub", ["one", b.read("stat")], "one_minus_s")
+            damp_term = b.op("Mul", [b.op("Mul", [grad, one_minus_s], "grad_1ms"), "d"], "damp_term")
+        accum_t = b.op("Sub", [accum_t0, damp_term], accum_name)
+    else:  # accum_t = accum * m + grad
+        accum_t = b.op("Add", [a_m, grad], accum_name)
+    p_name = b.result("parameters_out")
+    if spec.nesterov:  # parameters - (grad + accum_t * m) * lr
+        step = b.op("Add", [grad, b.op("Mul", [accum_t, m], "accum_t_m")], "nesterov_step")
+        p_out = b.op("Sub", [p, b.op("Mul", [step, lr], "delta")], p_name)
+    else:  # parameters - accum_t * lr
+        p_out = b.op("Sub", [p, b.op("Mul", [accum_t, lr], "delta")], p_name)
+    b.write(p_out, "parameters_out")
+    _specialised_state_outputs(b, spec, a, accum_t, m)
+    return b.nodes
+
+
+def _specialised_state_outputs(b: _Body, spec: Specialisation, a: str, accum_t: str, m: str) -> None:
+    """``accum_out`` and ``stat_out``: if m != 0 accum_t and 0, else the inputs as they are."""
+    if spec.momentum_nonzero:
+        b.write(accum_t, "accum_out")
+    else:
+        b.nodes.append(_float_constant("zero", 0.0))
+        m_is_zero = b.op("Equal", [m, "zero"], "m_is_zero")
+        # In FLOAT, as in the general body (If has no BFLOAT16 before opset 16); exact round trip.
+        b.nodes.append(_select(m_is_zero, a, accum_t, b.result("accum_out")))
+        b.write(b.result("accum_out"), "accum_out")
+    if spec.stat_zero:
+        # stat is +0 everywhere, and the contract's stat_out is +0 both ways (written 0, or kept).
+        b.op("Identity", ["stat"], "stat_out")
+        return
+    low = spec.dtype == TensorProto.BFLOAT16  # onnxruntime's CPU ConstantOfShape has no BFLOAT16
+    zero_dtype = TensorProto.FLOAT if low else spec.dtype
+    zero = helper.make_tensor("value", zero_dtype, [1], [0.0])
+    shape = b.op("Shape", ["stat"], "stat_shape")
+    if spec.momentum_nonzero:
+        zeros = b.op("ConstantOfShape", [shape], "stat_zeros" if low else "stat_out", value=zero)
+        if low:
+            b.op("Cast", [zeros], "stat_out", to=spec.dtype)
+        return
+    # Selected in FLOAT and cast back, as the general body does (exact round trip).
+    s = b.read("stat")
+    zeros = b.op("ConstantOfShape", [shape], "stat_zeros", value=helper.make_tensor("value", TensorProto.FLOAT, [1], [0.0]))
+    b.nodes.append(_select("m_is_zero", s, zeros, b.result("stat_out")))
+    b.write(b.result("stat_out"), "stat_out")
+
+
+def _float_constant(output: str, value: float) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [output], value=helper.make_tensor(output, TensorProto.FLOAT, [], [value]))
 
 
 def _select(condition: str, if_true: str, if_false: str, output: str) -> onnx.NodeProto:
@@ -232,14 +490,28 @@ def function_opset(model: onnx.ModelProto) -> int:
     return default_opset(model) or DEFAULT_OPSET_WHEN_ABSENT
 
 
-def ensure_sgd_function(model: onnx.ModelProto) -> None:
-    """Declare the ``ai.sgdfuse`` domain and add the SGD FunctionProto to ``model`` (in place) if absent.
-
-    A model with no default-domain import gets one (:data:`DEFAULT_OPSET_WHEN_ABSENT`); the IR version is
-    raised to 8 if lower, the first with model-local functions.
+def sgd_functions_for(nodes: Iterable[onnx.NodeProto], opset: int) -> list[onnx.FunctionProto]:
+    """One FunctionProto per distinct overload the SGD nodes among ``nodes`` call, general body first;
+    the general body alone when there is no SGD node.
 
     Raises:
-        ValueError: the model's default-domain opset is below 15 (the body needs ``CastLike``).
+        ValueError: ``opset`` below 15, or a node calls an overload name no :class:`Specialisation` has.
+    """
+    overloads = sorted({node.overload for node in nodes if is_sgd_node(node)}) or [""]
+    return [make_sgd_function(opset, Specialisation.from_overload(o) if o else None) for o in overloads]
+
+
+def ensure_sgd_function(model: onnx.ModelProto) -> None:
+    """Declare the ``ai.sgdfuse`` domain and add the SGD FunctionProtos the model's SGD nodes call (the
+    general one when there is none) to ``model`` (in place), each once.
+
+    A model with no default-domain import gets one (:data:`DEFAULT_OPSET_WHEN_ABSENT`); the IR version is
+    raised to 8 if lower, the first with model-local functions, and to :data:`OVERLOAD_IR_VERSION` when a
+    node calls a specialised body.
+
+    Raises:
+        ValueError: the model's default-domain opset is below 15 (the body needs ``CastLike``), or a node
+            calls an unknown overload.
     """
     if default_opset(model) == 0:
         model.opset_import.append(helper.make_opsetid("", DEFAULT_OPSET_WHEN_ABSENT))
@@ -247,5 +519,10 @@ def ensure_sgd_function(model: onnx.ModelProto) -> None:
         model.ir_version = 8
     if not any(entry.domain == DOMAIN for entry in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, OP_VERSION))
-    if not any(f.domain == DOMAIN and f.name == OP_TYPE for f in model.functions):
-        model.functions.append(make_sgd_function(default_opset(model)))
+    present = {f.overload for f in model.functions if f.domain == DOMAIN and f.name == OP_TYPE}
+    for function in sgd_functions_for(model.graph.node, default_opset(model)):
+        if function.overload not in present:
+            model.functions.append(function)
+            present.add(function.overload)
+    if any(present - {""}) and model.ir_version < OVERLOAD_IR_VERSION:
+        model.ir_version = OVERLOAD_IR_VERSION

@@ -110,7 +110,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, function_opset, make_sgd_function, read_sgd_attributes
+from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, function_opset, read_sgd_attributes, sgd_functions_for
 from sgdfuse.lift import FLOAT_TYPES, lift_to_double, missing_kernels, specialise
 from sgdfuse.passes.index import GraphIndex
 from sgdfuse.runtime import make_session, onnx_to_numpy_dtype, run
@@ -717,8 +717,11 @@ def _build_slices(model: onnx.ModelProto, index: GraphIndex, plans: Sequence, sh
     read = {name for node in fused_nodes for name in _node_reads(node)}
     fused_initializers = [tensor for name, tensor in shared.items() if name in read]
     fused, fused_inputs = _slice_model(
-        index, _topological(fused_nodes + probe.nodes), fused_initializers, fused_outputs, opsets, [make_sgd_function(function_opset(model))]
+        index, _topological(fused_nodes + probe.nodes), fused_initializers, fused_outputs, opsets,
+        sgd_functions_for(fused_nodes, function_opset(model)),
     )
+    # The fused side runs the bodies the output model will call (specialised overloads need IR 10).
+    fused.ir_version = max(fused.ir_version, OVERLOAD_IR_VERSION)
 
     names = list(dict.fromkeys(original_inputs + fused_inputs))
     inputs = _classify_inputs(index, names, views, plans, original_nodes)

@@ -32,6 +32,7 @@ from sgdfuse.fused_op import (
     OP_TYPE,
     OUTPUT_NAMES,
     OP_VERSION,
+    Specialisation,
     ensure_sgd_function,
     is_sgd_node,
     make_sgd_function,
@@ -484,3 +485,199 @@ def test_onnxruntime_function_matches_reference_bit_for_bit(dtype, capsys, recor
     assert counts["momentum_negative_zero"] > 0 and counts["subnormal_inputs"] > 0, summary
     if dtype != F32:
         assert counts["half_way_round_backs"] >= 100, f"the strategy no longer produces half-way cases: {summary}"
+
+
+# --- specialised bodies (function overloads) --------------------------------------------------------------
+#
+# Each Specialisation is a body with what the rewrite proved folded away. It must compute the contract bit for
+# bit on every input that meets its preconditions: the same property as above, run for every specialisation,
+# with the cases restricted to those preconditions (attributes zero or not as the overload says, a non-zero
+# momentum for "mconst", stat = +0 for "stat0", learning rate and momentum of shape [1]).
+
+SPECIALISATIONS = [
+    Specialisation(ONNX_DTYPES[dtype], nesterov, dampening, weight_decay, momentum_nonzero, stat_zero)
+    for dtype in (F32, F16, BF16)
+    for nesterov in (False, True)
+    for dampening in ((False,) if nesterov else (False, True))
+    for weight_decay in (False, True)
+    for momentum_nonzero in (False, True)
+    for stat_zero in (False, True)
+]
+SPECIALISATION_EXAMPLES = 60  # per specialisation in every run; the per-dtype run below adds 2,000 (slow)
+# Attribute sets kept small (one session per attribute combination): the "off" values include -0 and 1e-46
+# (stored as fp32 0), the "on" values one not exact in fp32 and the smallest fp32 subnormal.
+SPECIALISED_OFF = (0.0, -0.0, 1e-46)
+SPECIALISED_DAMPENINGS = (0.1, 1 / 3, 1e-45)
+SPECIALISED_WEIGHT_DECAYS = (0.5, 1 / 3, 1e-45)
+NONZERO_MOMENTA = (0.9, 0.5, 1.0, -0.5, INF, NAN)  # and the dtype's smallest subnormal
+
+
+def _specialised_model(spec: Specialisation, attributes: SgdAttributes) -> onnx.ModelProto:
+    dtype = spec.dtype
+    inputs = [helper.make_tensor_value_info(n, dtype, [1] if n in SCALARS else None) for n in INPUT_NAMES]
+    outputs = [helper.make_tensor_value_info(n, dtype, None) for n in OUTPUT_NAMES]
+    node = make_sgd_node(tuple(INPUT_NAMES), tuple(OUTPUT_NAMES), attributes, name="sgd", specialisation=spec)
+    graph = helper.make_graph([node], "sgd_graph", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", PROPERTY_OPSET)], ir_version=10)
+    ensure_sgd_function(model)
+    return model
+
+
+@st.composite
+def _specialised_cases(draw, kind: _Kind, spec: Specialisation) -> tuple[SgdAttributes, dict[str, np.ndarray], str]:
+    """A case of :func:`_sgd_cases` brought within ``spec``'s preconditions."""
+    _, feeds, mode = draw(_sgd_cases(kind))
+    off = NESTEROV_DAMPENINGS if spec.nesterov else SPECIALISED_OFF  # the contract refuses nesterov with 1e-46
+    dampening = draw(st.sampled_from(SPECIALISED_DAMPENINGS if spec.dampening else off))
+    weight_decay = draw(st.sampled_from(SPECIALISED_WEIGHT_DECAYS if spec.weight_decay else SPECIALISED_OFF))
+    attributes = SgdAttributes(dampening, weight_decay, spec.nesterov)
+    if spec.momentum_nonzero and feeds["momentum"].astype(np.float32)[0] == 0:
+        value = draw(st.sampled_from(NONZERO_MOMENTA + (float(kind.finfo().smallest_subnormal),)))
+        feeds["momentum"] = _array(kind, [kind.to_bits(value)], (1,))
+    if spec.stat_zero:
+        feeds["stat"] = np.zeros_like(feeds["stat"])
+    return attributes, feeds, mode
+
+
+def _check_case(sessions: dict, spec: Specialisation, attributes: SgdAttributes, feeds: dict[str, np.ndarray]) -> dict:
+    key = (spec, attributes)
+    if key not in sessions:
+        sessions[key] = make_session(_specialised_model(spec, attributes))
+    actual = run(sessions[key], feeds)
+    expected = dict(zip(OUTPUT_NAMES, sgd(*(feeds[n] for n in INPUT_NAMES), **dataclasses.asdict(attributes))))
+    for name in OUTPUT_NAMES:
+        _assert_bitwise_equal(f"{spec.overload}: {name}", actual[name], expected[name], feeds, attributes)
+    return expected
+
+
+def test_specialisations_cover_every_assumption_once_with_distinct_names():
+    names = [spec.overload for spec in SPECIALISATIONS]
+    assert len(names) == len(set(names)) == 72
+    assert all(Specialisation.from_overload(spec.overload) == spec for spec in SPECIALISATIONS)
+    assert Specialisation(TensorProto.FLOAT, False, False, False, True, True).overload == "f32_plain_nodamp_nowd_mconst_stat0"
+    with pytest.raises(ValueError, match="overload name"):
+        Specialisation.from_overload("f32_plain")
+    with pytest.raises(ValueError, match="nesterov"):
+        Specialisation(TensorProto.FLOAT, True, True, False, True, True)
+
+
+@pytest.mark.parametrize("spec", SPECIALISATIONS, ids=lambda s: s.overload)
+def test_specialised_body_folds_what_it_assumes(spec):
+    function = make_sgd_function(PROPERTY_OPSET, spec)
+    assert (function.domain, function.name, function.overload) == (DOMAIN, OP_TYPE, spec.overload)
+    op_types = [node.op_type for node in function.node]
+    references = {a.ref_attr_name for node in function.node for a in node.attribute if a.ref_attr_name}
+    assert ("Cast" in op_types) == (spec.dtype != TensorProto.FLOAT)
+    assert ("If" in op_types) == (not spec.momentum_nonzero)
+    assert "Reshape" not in op_types and "CastLike" not in op_types
+    assert references == {name for name, on in (("dampening", spec.dampening), ("weight_decay", spec.weight_decay)) if on}
+    if spec.stat_zero:  # stat is only passed through: no (1 - stat), no zeros built every run
+        assert [n.op_type for n in function.node if "stat" in n.input] == ["Identity"]
+    general = make_sgd_function(PROPERTY_OPSET)
+    assert len(function.node) < len(general.node)
+
+
+def test_make_sgd_node_refuses_a_specialisation_the_attributes_contradict():
+    spec = Specialisation(TensorProto.FLOAT, False, False, False, True, True)
+    with pytest.raises(ValueError, match="update_w1.*f32_plain_nodamp_nowd_mconst_stat0"):
+        make_sgd_node(tuple(INPUT_NAMES), tuple(OUTPUT_NAMES), SgdAttributes(dampening=0.1), name="update_w1", specialisation=spec)
+    # 1e-46 is stored as fp32 0: "off", so the nodamp body is the right one.
+    node = make_sgd_node(tuple(INPUT_NAMES), tuple(OUTPUT_NAMES), SgdAttributes(dampening=1e-46), name="n", specialisation=spec)
+    assert is_sgd_node(node) and node.overload == spec.overload
+
+
+@pytest.mark.parametrize("opset", [MIN_OPSET, NEWEST_OPSET])
+def test_model_calling_every_specialisation_passes_full_check(opset):
+    nodes, outputs = [], []
+    for k, spec in enumerate(SPECIALISATIONS):
+        attributes = SgdAttributes(0.25 if spec.dampening else 0.0, 0.5 if spec.weight_decay else 0.0, spec.nesterov)
+        names = tuple(f"{k}_{n}" for n in OUTPUT_NAMES)
+        inputs = tuple(f"{TAGS[spec.dtype]}_{n}" for n in INPUT_NAMES)
+        nodes.append(make_sgd_node(inputs, names, attributes, name=f"sgd_{k}", specialisation=spec))
+        outputs += [helper.make_tensor_value_info(n, spec.dtype, (3,)) for n in names]
+    inputs = [
+        helper.make_tensor_value_info(f"{tag}_{n}", dtype, [1] if n in SCALARS else [3])
+        for dtype, tag in TAGS.items()
+        for n in INPUT_NAMES
+    ]
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs), opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    ensure_sgd_function(model)
+    ensure_sgd_function(model)
+    assert model.ir_version == 10  # node overloads are IR 10
+    assert sorted(f.overload for f in model.functions) == sorted(s.overload for s in SPECIALISATIONS)
+    onnx.checker.check_model(model, full_check=True)
+
+
+TAGS = {TensorProto.FLOAT: "f32", TensorProto.FLOAT16: "f16", TensorProto.BFLOAT16: "bf16"}
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECIALISATIONS if not s.momentum_nonzero], ids=lambda s: s.overload)
+def test_specialised_body_keeps_negative_zero_where_the_contract_selects_it(spec):
+    # momentum 0 keeps accum (and stat) as given, -0 included: the If-instead-of-Where reason, per overload.
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(spec.dtype) if spec.dtype != TensorProto.BFLOAT16 else BF16
+    stat = [0.0] if spec.stat_zero else [-0.0]
+    feeds = _feeds(dtype, p=[-0.0], g=[0.0], lr=1, accum=[-0.0], m=-0.0, stat=stat)
+    attributes = SgdAttributes(0.25 if spec.dampening else 0.0, 0.5 if spec.weight_decay else 0.0, spec.nesterov)
+    expected = _check_case({}, spec, attributes, feeds)
+    assert np.signbit(expected["accum_out"].astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("spec", SPECIALISATIONS, ids=lambda s: s.overload)
+def test_specialised_body_matches_reference_bit_for_bit(spec):
+    kind = KINDS[{TensorProto.FLOAT: F32, TensorProto.FLOAT16: F16, TensorProto.BFLOAT16: BF16}[spec.dtype]]
+    sessions: dict = {}
+    counts = collections.Counter()
+
+    @settings(
+        max_examples=SPECIALISATION_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(case=_specialised_cases(kind, spec))
+    def check(case):
+        attributes, feeds, _ = case
+        _check_case(sessions, spec, attributes, feeds)
+        counts["examples"] += 1
+
+    check()
+    assert counts["examples"] >= SPECIALISATION_EXAMPLES
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_specialised_bodies_match_reference_bit_for_bit_2000_per_dtype(dtype, capsys):
+    # The per-dtype run of the property over that dtype's specialisations: 2,000 examples, each drawing
+    # which specialisation it runs.
+    kind = KINDS[dtype]
+    specs = [s for s in SPECIALISATIONS if s.dtype == ONNX_DTYPES[dtype]]
+    sessions: dict = {}
+    counts = collections.Counter()
+
+    @st.composite
+    def cases(draw):
+        spec = draw(st.sampled_from(specs))
+        return (spec, *draw(_specialised_cases(kind, spec)))
+
+    @settings(
+        max_examples=PROPERTY_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(case=cases())
+    def check(case):
+        spec, attributes, feeds, _ = case
+        _check_case(sessions, spec, attributes, feeds)
+        counts["examples"] += 1
+        counts[spec.overload] += 1
+
+    start = time.perf_counter()
+    check()
+    with capsys.disabled():
+        print(f"\nspecialised ORT == reference, {dtype.name}: {counts['examples']} examples over {len(specs)} overloads "
+              f"in {time.perf_counter() - start:.1f} s ({len(sessions)} sessions)")
+    assert counts["examples"] >= PROPERTY_EXAMPLES
+    assert all(counts[s.overload] > 0 for s in specs)

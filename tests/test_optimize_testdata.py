@@ -27,6 +27,7 @@ import pytest
 from onnx import helper
 
 import sgdfuse.api as api
+from sgdfuse.fused_op import Specialisation, read_sgd_attributes
 from sgdfuse.verify import check_models
 
 TESTDATA = Path(__file__).resolve().parent.parent / "testdata" / "torch"
@@ -137,7 +138,14 @@ def test_output_model_has_one_sgd_node_per_manifest_update_with_its_state_and_at
         assert _close(attributes["weight_decay"], want["weight_decay"], entry["dtype"])
         assert attributes["nesterov"] == int(want["nesterov"])
     assert any(o.domain == "ai.sgdfuse" for o in model.opset_import)
-    assert [(f.domain, f.name) for f in model.functions] == [("ai.sgdfuse", "SGD")]
+    # One function per distinct body the nodes call (function overloads), each assuming the node's own
+    # attributes and dtype.
+    overloads = sorted({n.overload for n in sgd_nodes})
+    assert sorted((f.domain, f.name, f.overload) for f in model.functions) == [("ai.sgdfuse", "SGD", o) for o in overloads]
+    for node in sgd_nodes:
+        spec = Specialisation.from_overload(node.overload)
+        spec.check(read_sgd_attributes(node), subject=node.name)
+        assert spec.dtype == {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16, "bfloat16": onnx.TensorProto.BFLOAT16}[entry["dtype"]]
 
 
 @pytest.mark.parametrize("entry", WITHOUT_MOMENTUM)

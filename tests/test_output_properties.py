@@ -169,7 +169,9 @@ def test_model_metadata_and_opset_imports_are_preserved(entry):
 
     assert [(p.key, p.value) for p in fused.metadata_props] == [(p.key, p.value) for p in original.metadata_props]
     assert (fused.doc_string, fused.producer_name, fused.producer_version) == ("a training step", "pytorch", "2.13.0")
-    assert (fused.ir_version, fused.graph.name, fused.graph.doc_string) == (original.ir_version, original.graph.name, "the graph")
+    # Fused nodes call specialised function overloads, which need IR 10; otherwise the IR version is kept.
+    ir_version = max(original.ir_version, 10) if entry["expected_momentum_updates"] else original.ir_version
+    assert (fused.ir_version, fused.graph.name, fused.graph.doc_string) == (ir_version, original.graph.name, "the graph")
     imports = {(o.domain, o.version) for o in fused.opset_import}
     assert {(o.domain, o.version) for o in original.opset_import} <= imports
     if entry["expected_momentum_updates"]:

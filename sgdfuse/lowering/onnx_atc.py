@@ -161,6 +161,11 @@ def to_onnx_atc(
     if sgd_nodes and not any(e.domain == DOMAIN for e in result.opset_import):
         result.opset_import.add(domain=DOMAIN, version=OP_VERSION)
     del result.functions[:]
+    # ATC maps the node by its key alone; with the functions gone, a specialised body's overload name means
+    # nothing there.
+    for node in result.graph.node:
+        if is_sgd_node(node):
+            node.ClearField("overload")
     logger.info("prepared %d SGD node(s) for ATC (standard domain written %r)", len(sgd_nodes), STANDARD_DOMAIN if explicit_onnx_domain else "")
     return result
 

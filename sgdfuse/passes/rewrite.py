@@ -21,7 +21,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from sgdfuse.contract import SgdAttributes
-from sgdfuse.fused_op import ensure_sgd_function, make_sgd_node
+from sgdfuse.fused_op import Specialisation, ensure_sgd_function, make_sgd_node
 from sgdfuse.passes.index import GraphIndex, _outer_reads, _subgraphs
 from sgdfuse.passes.linear import Poly, format_poly
 from sgdfuse.passes.sgd_match import Match
@@ -36,8 +36,8 @@ can warn about a fused model it did not fuse itself."""
 logger = logging.getLogger(__name__)
 
 STAT_DESCRIPTION = (
-    "zeros of the parameters' shape, computed in the graph (ConstantOfShape(Shape(parameters)), in FLOAT then Cast "
-    "for BFLOAT16): the original "
+    "zeros of the parameters' shape (ConstantOfShape of a constant shape when it is static, else of "
+    "Shape(parameters); in FLOAT then Cast for BFLOAT16): the original "
     "graph applies dampening on every step it computes, which is the contract with stat = 0; stat_out is unused"
 )
 
@@ -105,7 +105,8 @@ class Planner:
 
         shape = self._fresh(f"{base}/stat_shape")
         stat = self._fresh(f"{base}/stat")
-        nodes.append(helper.make_node("Shape", [match.parameters], [shape], name=self._fresh(f"{base}/Shape")))
+        if match.first_step is not None or self._static_dims(match) is None:
+            nodes.append(helper.make_node("Shape", [match.parameters], [shape], name=self._fresh(f"{base}/Shape")))
         accum = match.accum
         # onnxruntime's CPU kernels lack BFLOAT16 Expand and Where: for BFLOAT16 the flag is built in FLOAT
         # and cast (exact: 0 and 1 are BFLOAT16 values).
@@ -114,6 +115,7 @@ class Planner:
         if match.first_step is None:
             zero = numpy_helper.from_array(np.zeros((1,), dtype=onnx_to_numpy_dtype(work_dtype)), name="value")
             stat_work = self._fresh(f"{base}/stat_float") if low else stat
+            shape = self._static_shape(match, shape, nodes, initializers)
             nodes.append(helper.make_node("ConstantOfShape", [shape], [stat_work], name=self._fresh(f"{base}/ConstantOfShape"), value=zero))
             stat_text = STAT_DESCRIPTION
         else:
@@ -158,6 +160,7 @@ class Planner:
             (match.parameters_out, accum_out, stat_out),
             SgdAttributes(match.dampening, match.weight_decay, match.nesterov),
             name=self._fresh(f"{base}/SGD"),
+            specialisation=self.specialisation(match, learning_rate, momentum),
         )
         sgd.doc_string = ROLES_BY_PLAUSIBILITY if match.roles_from == "plausibility" else f"sgdfuse: roles from {match.roles_from}"
         if match.guard is not None:
@@ -171,6 +174,52 @@ class Planner:
                 "(If node) as the graph does, since the contract would keep the old buffer"
             )
         return Plan(match, nodes, initializers, sgd, gradient, learning_rate, momentum, stat_text)
+
+    def specialisation(self, match: Match, learning_rate: str, momentum: str) -> Specialisation | None:
+        """The specialised body the fused node of ``match`` can call (sgdfuse.fused_op.Specialisation), with
+        ``learning_rate`` and ``momentum`` the values the plan feeds; None (the general body) when a scalar's
+        rank is unknown or may exceed the parameters'.
+
+        What is proved here: the dtype and attributes are the match's; the momentum is a non-zero constant
+        when the match's momentum is a constant that stays non-zero in the dtype (as :meth:`_scalar` rounds
+        it); stat is +0 when the graph has no first-step rule (the plan feeds ``ConstantOfShape`` zeros).
+        """
+        if match.dtype not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16):
+            return None
+        parameters_rank = len(match.shape) if match.shape is not None else None
+        for name in (learning_rate, momentum):
+            known = name in self.index.producer or name in self.index.initializers or name in self.index.graph_inputs
+            # A name the plan made is a rank-0 initializer or a Reshape to rank 0 (_scalar).
+            shape = self.index.spec(name).shape if known else ()
+            if shape is None or (len(shape) > 0 and (parameters_rank is None or len(shape) > parameters_rank)):
+                return None
+        momentum_nonzero = False
+        if match.momentum.is_constant:
+            value = np.array(match.momentum.constant_value if not match.momentum.is_zero else 0.0, dtype=np.float64)
+            momentum_nonzero = bool(value.astype(np.float32).astype(onnx_to_numpy_dtype(match.dtype)) != 0)
+        attributes = SgdAttributes(match.dampening, match.weight_decay, match.nesterov)
+        return Specialisation.of(match.dtype, attributes, momentum_nonzero=momentum_nonzero, stat_zero=match.first_step is None)
+
+    @staticmethod
+    def _static_dims(match: Match) -> list[int] | None:
+        if match.shape is None or not all(isinstance(d, int) and d >= 0 for d in match.shape):
+            return None
+        return [int(d) for d in match.shape]
+
+    def _static_shape(self, match: Match, shape: str, nodes: list[onnx.NodeProto], initializers: list[onnx.TensorProto]) -> str:
+        """The shape ``stat`` zeros are made with: a shared INT64 initializer when the parameters' shape is
+        static (onnxruntime then folds the zeros into a constant once, instead of a Shape + ConstantOfShape
+        every run), else ``shape`` (the Shape node's output)."""
+        dims = self._static_dims(match)
+        if dims is None:
+            return shape
+        array = np.array(dims, dtype=np.int64)
+        key = ("stat_shape", onnx.TensorProto.INT64, array.tobytes())
+        if key not in self._constants:
+            name = self._fresh(f"sgdfuse/stat_shape_{len([k for k in self._constants if k[0] == 'stat_shape'])}")
+            self._constants[key] = name
+            initializers.append(numpy_helper.from_array(array, name=name))
+        return self._constants[key]
 
     def _momentum_zero_buffer(self, match: Match, base: str, inputs: tuple[str, str, str, str, str], fused_accum: str) -> list[onnx.NodeProto]:
         """``If(momentum == 0)``: then the contract's accum_t (accum*m + grad - grad*(1-stat)*d in FLOAT,
