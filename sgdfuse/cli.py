@@ -217,6 +217,10 @@ def _verification_line(report: Report) -> str:
     )
     if ratios:
         text += f" (worst {max(ratios):.2g} of the bound)"
+    shared = sum(1 for u in updates if u.get("verified_as"))
+    if shared:
+        # sgdfuse.verify.verify_plans: a class of updates with slices identical up to names shares a run.
+        text += f"; {len(updates) - shared} run, {shared} identical up to names to a run one of their class"
     unrated = [u for u in updates if not isinstance(u.get("max_bound_ratio"), (int, float))]
     if unrated:
         errors = [u["max_abs_error"] for u in unrated if isinstance(u.get("max_abs_error"), (int, float))]

@@ -102,8 +102,10 @@ after.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import heapq
 import logging
+import random
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -315,6 +317,9 @@ class UpdateCheck:
         message: why it failed, or "".
         runs: what was run, e.g. ``["native size 1", "native size 3", "double size 1", "double size 3"]``.
         note: what could not be run (a precision or size skipped, and why), or "".
+        verified_as: "" when this update's own slices were run; else the ``parameters_out`` of the update of
+            its class (slices identical up to value names, :func:`verify_plans`) whose run this result is,
+            the other fields copied from it.
     """
 
     parameters_out: str
@@ -325,6 +330,7 @@ class UpdateCheck:
     message: str = ""
     runs: list[str] = dataclasses.field(default_factory=list)
     note: str = ""
+    verified_as: str = ""
 
 
 class _Tally:
@@ -589,8 +595,9 @@ class _Probes:
     """``Identity`` copies of values as slice outputs (a graph input or initializer cannot always be one),
     one per value however many SGD nodes read it (a shared learning rate)."""
 
-    def __init__(self, taken: set[str]) -> None:
+    def __init__(self, taken: set[str], base: Iterable[str] | Mapping[str, object] = ()) -> None:
         self.taken = taken
+        self.base = base
         self.nodes: list[onnx.NodeProto] = []
         self._made: dict[str, str] = {}
 
@@ -599,7 +606,7 @@ class _Probes:
             return self._made[value]
         base = name = f"sgdfuse_probe/{tag}/{value}"
         counter = 1
-        while name in self.taken:
+        while name in self.taken or name in self.base:
             name = f"{base}_{counter}"
             counter += 1
         self.taken.add(name)
@@ -647,11 +654,15 @@ class _Slices:
     views: list[_UpdateView]
 
 
-def _build_slices(model: onnx.ModelProto, index: GraphIndex, plans: Sequence, shared: Mapping[str, onnx.TensorProto]) -> _Slices:
-    """The original and fused slices of ``plans`` (module docstring), with the views to compare them."""
+def _build_slices(
+    model: onnx.ModelProto, index: GraphIndex, plans: Sequence, shared: Mapping[str, onnx.TensorProto], evidence: Mapping[str, str] | None = None
+) -> _Slices:
+    """The original and fused slices of ``plans`` (module docstring), with the views to compare them.
+    ``evidence``: :func:`_name_evidence` of the graph, computed here when not given (it reads every output)."""
     graph_nodes = index.graph.node
     cone = set().union(*(plan.match.nodes for plan in plans))
-    evidence = _name_evidence(index.graph_outputs, index.state_names)
+    if evidence is None:
+        evidence = _name_evidence(index.graph_outputs, index.state_names)
 
     views: list[_UpdateView] = []
     wanted_original: list[str] = []
@@ -702,8 +713,8 @@ def _build_slices(model: onnx.ModelProto, index: GraphIndex, plans: Sequence, sh
     replaced = {o for plan in plans for o in (plan.match.parameters_out, plan.match.accum_out)}
     kept = [graph_nodes[i] for i in original_indices if not replaced.intersection(graph_nodes[i].output)]
     fused_nodes = kept + [node for plan in plans for node in plan.nodes]
-    taken = {o for node in fused_nodes for o in node.output} | set(index.graph_inputs) | set(index.initializers)
-    probe = _Probes(taken)
+    taken = {o for node in fused_nodes for o in node.output}
+    probe = _Probes(taken, index.state_names)  # a cached set: no pass over the graph per slice
     for view in views:
         view.learning_rate = probe(view.learning_rate, "learning_rate")
         view.momentum = probe(view.momentum, "momentum")
@@ -954,6 +965,139 @@ def verify_plans(
     """Run the original and the fused slices of ``plans`` in place, natively and lifted, at every size,
     over the schedule of the module docstring; one result per plan, in order.
 
+    From :data:`CLASS_MIN_PLANS` plans on, plans are grouped into classes whose single-plan slices are
+    identical up to value names (:func:`_slice_class_key`); per class the first plan and a seeded random
+    sample of up to :data:`CLASS_SAMPLE` others are run, and when every one of them passes, each other member
+    gets that result with ``verified_as`` naming the first plan. A class with a failing run has every member
+    run. Why this is sound: the two slices of a member are the representative's with every value renamed by
+    one bijection (operators, attributes, constant values and dtypes, input dtypes and shapes, the order of
+    nodes, what is compared and which value is written in place into which state all equal), so onnxruntime
+    computes the same numbers on both and every comparison of the check has the same outcome. A plan whose
+    slices cannot be keyed (a subgraph, an error building them) is run itself.
+
+    Args:
+        model: the model the plans apply to; ``index`` its index.
+        plans: :class:`sgdfuse.passes.rewrite.Plan` s.
+        steps: chained steps per precision and size (at least 1).
+        seed: seed of the random inputs (and of the class samples).
+        shared: the scalar initializers of every plan (plans share constants: the plan that made one owns
+            it), so that a batch can include what its plans read; computed from ``plans`` when not given.
+    """
+    if not plans:
+        return []
+    if shared is None:
+        shared = {t.name: t for plan in plans for t in plan.initializers}
+    if len(plans) < CLASS_MIN_PLANS:
+        return _verify_each(model, index, plans, steps=steps, seed=seed, shared=shared)
+    evidence = _name_evidence(index.graph_outputs, index.state_names)
+    classes: dict[object, list[int]] = {}
+    for k, plan in enumerate(plans):
+        key = _slice_class_key(model, index, plan, shared, evidence)
+        classes.setdefault(("own", k) if key is None else key, []).append(k)
+    sampler = random.Random(seed)
+    chosen: set[int] = set()
+    for members in classes.values():
+        chosen.add(members[0])
+        chosen.update(sampler.sample(members[1:], min(CLASS_SAMPLE, len(members) - 1)))
+    results = _run_chosen(model, index, plans, sorted(chosen), steps=steps, seed=seed, shared=shared)
+    unrun: list[int] = []
+    for members in classes.values():
+        ran = [results[k] for k in members if k in results]
+        if all(check.passed for check in ran):
+            first = results[members[0]]
+            for k in members:
+                if k not in results:
+                    results[k] = dataclasses.replace(first, parameters_out=plans[k].match.parameters_out, verified_as=first.parameters_out)
+        else:
+            unrun.extend(k for k in members if k not in results)
+    results.update(_run_chosen(model, index, plans, sorted(unrun), steps=steps, seed=seed + 1, shared=shared))
+    logger.info("verified %d plans in %d classes by running %d", len(plans), len(classes), len(chosen) + len(unrun))
+    return [results[k] for k in range(len(plans))]
+
+
+CLASS_MIN_PLANS = 64
+"""From this many plans on, :func:`verify_plans` runs a sample per class of identical slices."""
+
+CLASS_SAMPLE = 2
+"""Members run per class besides its first (seeded random choice)."""
+
+
+def _run_chosen(model, index, plans: Sequence, chosen: Sequence[int], *, steps: int, seed: int, shared) -> dict[int, UpdateCheck]:
+    checks = _verify_each(model, index, [plans[k] for k in chosen], steps=steps, seed=seed, shared=shared) if chosen else []
+    return dict(zip(chosen, checks))
+
+
+def _slice_class_key(model, index: GraphIndex, plan, shared, evidence: Mapping[str, str]) -> bytes | None:
+    """A digest of ``plan``'s original and fused slices (:func:`_build_slices` of the plan alone) with every
+    value name replaced by its order of first appearance: equal digests mean slices equal up to one
+    renaming. Node names, doc strings and metadata (no effect on the numbers) are left out; operators,
+    domains, attributes, initializers (dtype, dims, bytes), graph input types and shapes, the slice inputs'
+    roles, the compared outputs, the in-place pairs, coefficients and dtypes of each view are in. None when
+    the slices have a subgraph (its outer reads would need renaming too) or cannot be built."""
+    try:
+        slices = _build_slices(model, index, [plan], shared, evidence)
+    except Exception:  # the plan is run alone, where its error is reported
+        return None
+    names: dict[str, str] = {}
+
+    def rename(name: str) -> str:
+        return names.setdefault(name, f"v{len(names)}") if name else ""
+
+    parts: list[bytes] = []
+    for side in (slices.original, slices.fused):
+        graph = onnx.GraphProto()
+        for info in side.graph.input:
+            copy = graph.input.add()
+            copy.CopyFrom(info)
+            copy.name = rename(info.name)
+        for tensor in side.graph.initializer:
+            copy = graph.initializer.add()
+            copy.CopyFrom(tensor)
+            copy.name = rename(tensor.name)
+        for node in side.graph.node:
+            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+                return None
+            copy = graph.node.add()
+            copy.op_type, copy.domain, copy.overload = node.op_type, node.domain, node.overload
+            copy.input.extend(rename(name) for name in node.input)
+            copy.output.extend(rename(name) for name in node.output)
+            copy.attribute.extend(node.attribute)
+        for info in side.graph.output:
+            copy = graph.output.add()
+            copy.CopyFrom(info)
+            copy.name = rename(info.name)
+        parts.append(graph.SerializeToString(deterministic=True))
+        parts.extend(o.SerializeToString(deterministic=True) for o in side.opset_import)
+        parts.extend(f.SerializeToString(deterministic=True) for f in side.functions)
+    described = [
+        [(rename(spec.name), spec.dtype, spec.shape, spec.role) for spec in slices.inputs],
+        [rename(name) for name in slices.original_outputs],
+        [rename(name) for name in slices.fused_outputs],
+    ]
+    for view in slices.views:
+        described.append([
+            sorted((rename(k), v) for k, v in view.outputs.items()),
+            sorted((rename(k), rename(v)) for k, v in view.original_state.items()),
+            sorted((rename(k), rename(v)) for k, v in view.fused_state.items()),
+            sorted((rename(k), v) for k, v in view.roles.items()),
+            [rename(n) for n in (view.parameters, view.accum, view.gradient, view.learning_rate, view.momentum)],
+            view.gradient_side, repr(view.dampening), repr(view.weight_decay), view.nesterov, view.dtype,
+        ])
+    parts.append(repr(described).encode())
+    return hashlib.sha256(b"\0".join(parts)).digest()
+
+
+def _verify_each(
+    model: onnx.ModelProto,
+    index: GraphIndex,
+    plans: Sequence,
+    *,
+    steps: int,
+    seed: int,
+    shared: dict[str, onnx.TensorProto],
+) -> list[UpdateCheck]:
+    """:func:`verify_plans` with every plan run itself.
+
     A batch whose run raises is split in two and each half checked alone, down to single plans; a single
     plan that still cannot run is reported as not passed with the error.
 
@@ -963,18 +1107,16 @@ def verify_plans(
         steps: chained steps per precision and size (at least 1).
         seed: seed of the random inputs.
         shared: the scalar initializers of every plan (plans share constants: the plan that made one owns
-            it), so that a batch can include what its plans read; computed from ``plans`` when not given.
+            it), so that a batch can include what its plans read.
     """
     if not plans:
         return []
-    if shared is None:
-        shared = {t.name: t for plan in plans for t in plan.initializers}
     if len(plans) > BATCH_UPDATES:
         # onnxruntime's session creation grows faster than linearly with the graph: check in fixed-size
         # batches so the whole check stays linear in the number of updates.
         results: list[UpdateCheck] = []
         for start in range(0, len(plans), BATCH_UPDATES):
-            results.extend(verify_plans(model, index, plans[start : start + BATCH_UPDATES], steps=steps, seed=seed + start, shared=shared))
+            results.extend(_verify_each(model, index, plans[start : start + BATCH_UPDATES], steps=steps, seed=seed + start, shared=shared))
         return results
     try:
         return _verify_batch(model, index, plans, steps=steps, seed=seed, shared=shared)
@@ -983,7 +1125,7 @@ def verify_plans(
             return [UpdateCheck(plans[0].match.parameters_out, 0, False, float("nan"), float("nan"), f"could not run: {error}")]
         logger.info("batched verification failed (%s); verifying the batch in halves", error)
         half = len(plans) // 2
-        return verify_plans(model, index, plans[:half], steps=steps, seed=seed, shared=shared) + verify_plans(
+        return _verify_each(model, index, plans[:half], steps=steps, seed=seed, shared=shared) + _verify_each(
             model, index, plans[half:], steps=steps, seed=seed, shared=shared
         )
 
@@ -996,7 +1138,7 @@ def _verify_batch(model, index, plans, *, steps: int, seed: int, shared) -> list
         affected = [any(node.op_type in ops for node in _plan_nodes(index, plan)) for plan in plans]
         if any(affected) and not all(affected):
             groups = ([p for p, a in zip(plans, affected) if not a], [p for p, a in zip(plans, affected) if a])
-            checked = {id(p): c for group in groups for p, c in zip(group, verify_plans(model, index, group, steps=steps, seed=seed, shared=shared))}
+            checked = {id(p): c for group in groups for p, c in zip(group, _verify_each(model, index, group, steps=steps, seed=seed, shared=shared))}
             return [checked[id(p)] for p in plans]
     tallies = [_Tally() for _ in plans]
     if note:
