@@ -102,6 +102,7 @@ after.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import heapq
 import logging
@@ -728,12 +729,18 @@ def _build_slices(
     read = {name for node in fused_nodes for name in _node_reads(node)}
     fused_initializers = [tensor for name, tensor in shared.items() if name in read]
     fused, fused_inputs = _slice_model(
-        index, _topological(fused_nodes + probe.nodes), fused_initializers, fused_outputs, opsets, [make_sgd_function(function_opset(model))]
+        index, _topological(fused_nodes + probe.nodes), fused_initializers, fused_outputs, opsets, [_sgd_function(function_opset(model))]
     )
 
     names = list(dict.fromkeys(original_inputs + fused_inputs))
     inputs = _classify_inputs(index, names, views, plans, original_nodes)
     return _Slices(original, fused, inputs, original_outputs, fused_outputs, views)
+
+
+@functools.lru_cache(maxsize=8)
+def _sgd_function(opset: int) -> onnx.FunctionProto:
+    """:func:`make_sgd_function` for ``opset``, built once (a slice model copies it in; it is never mutated)."""
+    return make_sgd_function(opset)
 
 
 def _name_evidence(outputs: Iterable[str], state_names: Iterable[str]) -> dict[str, str]:
