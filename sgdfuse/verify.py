@@ -656,10 +656,17 @@ class _Slices:
 
 
 def _build_slices(
-    model: onnx.ModelProto, index: GraphIndex, plans: Sequence, shared: Mapping[str, onnx.TensorProto], evidence: Mapping[str, str] | None = None
+    model: onnx.ModelProto,
+    index: GraphIndex,
+    plans: Sequence,
+    shared: Mapping[str, onnx.TensorProto],
+    evidence: Mapping[str, str] | None = None,
+    *,
+    models: bool = True,
 ) -> _Slices:
     """The original and fused slices of ``plans`` (module docstring), with the views to compare them.
-    ``evidence``: :func:`_name_evidence` of the graph, computed here when not given (it reads every output)."""
+    ``evidence``: :func:`_name_evidence` of the graph, computed here when not given (it reads every output).
+    With ``models`` False, ``original`` and ``fused`` are the :class:`_Parts` the models would be built from."""
     graph_nodes = index.graph.node
     cone = set().union(*(plan.match.nodes for plan in plans))
     if evidence is None:
@@ -709,7 +716,8 @@ def _build_slices(
     produced = {o for node in original_nodes for o in node.output if o}
     gradients = [view.gradient for view in views if view.gradient in produced]
     original_outputs = list(dict.fromkeys(wanted_original + gradients))
-    original, original_inputs = _slice_model(index, original_nodes, [], original_outputs, model.opset_import, [])
+    original_parts = _Parts(original_nodes, [], original_outputs, list(model.opset_import), None)
+    original, original_inputs = _slice_model(index, original_parts) if models else _parts_inputs(index, original_parts)
 
     replaced = {o for plan in plans for o in (plan.match.parameters_out, plan.match.accum_out)}
     kept = [graph_nodes[i] for i in original_indices if not replaced.intersection(graph_nodes[i].output)]
@@ -728,9 +736,8 @@ def _build_slices(
         opsets.append(helper.make_opsetid(DOMAIN, OP_VERSION))
     read = {name for node in fused_nodes for name in _node_reads(node)}
     fused_initializers = [tensor for name, tensor in shared.items() if name in read]
-    fused, fused_inputs = _slice_model(
-        index, _topological(fused_nodes + probe.nodes), fused_initializers, fused_outputs, opsets, [_sgd_function(function_opset(model))]
-    )
+    fused_parts = _Parts(_topological(fused_nodes + probe.nodes), fused_initializers, fused_outputs, opsets, function_opset(model))
+    fused, fused_inputs = _slice_model(index, fused_parts) if models else _parts_inputs(index, fused_parts)
 
     names = list(dict.fromkeys(original_inputs + fused_inputs))
     inputs = _classify_inputs(index, names, views, plans, original_nodes)
@@ -819,41 +826,60 @@ def _sources(values: Sequence[str], nodes: Sequence[onnx.NodeProto]) -> set[str]
     return found
 
 
-def _slice_model(
-    index: GraphIndex,
-    nodes: Sequence[onnx.NodeProto],
-    initializers: Sequence[onnx.TensorProto],
-    outputs: Sequence[str],
-    opset_import: Sequence[onnx.OperatorSetIdProto],
-    functions: Sequence[onnx.FunctionProto],
-) -> tuple[onnx.ModelProto, list[str]]:
-    """A model of ``nodes`` whose inputs are every value they read that nothing in the slice defines."""
-    produced = {o for node in nodes for o in node.output if o}
-    own = {t.name for t in initializers}
-    needed_initializers: list[onnx.TensorProto] = list(initializers)
+@dataclasses.dataclass
+class _Parts:
+    """What a slice model is built from: its nodes (in order), its own initializers, its outputs, its opset
+    imports and, for a fused slice, the opset of the SGD function it carries (None: no function); after
+    :func:`_parts_inputs`, the initializers it reads from the graph and its inputs too."""
+
+    nodes: list[onnx.NodeProto]
+    initializers: list[onnx.TensorProto]
+    outputs: list[str]
+    opset_import: list[onnx.OperatorSetIdProto]
+    function_opset: int | None
+    needed_initializers: list[onnx.TensorProto] = dataclasses.field(default_factory=list)
+    inputs: list[str] = dataclasses.field(default_factory=list)
+
+
+def _parts_inputs(index: GraphIndex, parts: _Parts) -> tuple[_Parts, list[str]]:
+    """``parts`` with the inputs of the slice (every value its nodes read that nothing in it defines) and the
+    graph initializers it embeds; returns the parts and the inputs."""
+    produced = {o for node in parts.nodes for o in node.output if o}
+    own = {t.name for t in parts.initializers}
+    needed_initializers: list[onnx.TensorProto] = list(parts.initializers)
     inputs: list[str] = []
-    for node in nodes:
+    listed: set[str] = set()
+    for node in parts.nodes:
         for name in _node_reads(node):  # subgraph bodies read outer values too
-            if not name or name in produced or name in own or name in inputs:
+            if not name or name in produced or name in own or name in listed:
                 continue
             tensor = index.initializers.get(name)
             # An initializer whose data is external (not loaded) is fed like an input: onnxruntime would
             # resolve its location against the current directory, unchecked (sgdfuse.external_data).
-            if tensor is not None and name not in index.graph_inputs and tensor.data_location != onnx.TensorProto.EXTERNAL:
+            if tensor is not None and not index.is_input_name(name) and tensor.data_location != onnx.TensorProto.EXTERNAL:
                 needed_initializers.append(tensor)
                 own.add(name)
             else:
                 inputs.append(name)
+                listed.add(name)
+    parts.needed_initializers, parts.inputs = needed_initializers, inputs
+    return parts, inputs
+
+
+def _slice_model(index: GraphIndex, parts: _Parts) -> tuple[onnx.ModelProto, list[str]]:
+    """A model of ``parts``' nodes whose inputs are every value they read that nothing in the slice defines."""
+    parts, inputs = _parts_inputs(index, parts)
     graph = helper.make_graph(
-        list(nodes),
+        list(parts.nodes),
         "sgdfuse_slice",
         [_value_info(index, name) for name in inputs],
-        [helper.make_empty_tensor_value_info(name) for name in outputs],
-        initializer=needed_initializers,
+        [helper.make_empty_tensor_value_info(name) for name in parts.outputs],
+        initializer=parts.needed_initializers,
     )
-    model = helper.make_model(graph, opset_imports=list(opset_import))
+    model = helper.make_model(graph, opset_imports=list(parts.opset_import))
     model.ir_version = max(model.ir_version, 8)
-    model.functions.extend(functions)
+    if parts.function_opset is not None:
+        model.functions.extend([_sgd_function(parts.function_opset)])
     return model, inputs
 
 
@@ -1042,7 +1068,7 @@ def _slice_class_key(model, index: GraphIndex, plan, shared, evidence: Mapping[s
     roles, the compared outputs, the in-place pairs, coefficients and dtypes of each view are in. None when
     the slices have a subgraph (its outer reads would need renaming too) or cannot be built."""
     try:
-        slices = _build_slices(model, index, [plan], shared, evidence)
+        slices = _build_slices(model, index, [plan], shared, evidence, models=False)
     except Exception:  # the plan is run alone, where its error is reported
         return None
     names: dict[str, str] = {}
@@ -1050,32 +1076,27 @@ def _slice_class_key(model, index: GraphIndex, plan, shared, evidence: Mapping[s
     def rename(name: str) -> str:
         return names.setdefault(name, f"v{len(names)}") if name else ""
 
-    parts: list[bytes] = []
-    for side in (slices.original, slices.fused):
-        graph = onnx.GraphProto()
-        for info in side.graph.input:
-            copy = graph.input.add()
-            copy.CopyFrom(info)
-            copy.name = rename(info.name)
-        for tensor in side.graph.initializer:
-            copy = graph.initializer.add()
-            copy.CopyFrom(tensor)
-            copy.name = rename(tensor.name)
-        for node in side.graph.node:
+    digest = hashlib.sha256()
+    for parts in (slices.original, slices.fused):
+        described: list = [[(o.domain, o.version) for o in parts.opset_import], parts.function_opset]
+        for name in parts.inputs:
+            spec = index.spec(name)
+            described.append(("input", rename(name), spec.dtype, spec.shape))
+        for tensor in parts.needed_initializers:
+            anonymous = onnx.TensorProto()
+            anonymous.CopyFrom(tensor)
+            anonymous.name = ""
+            anonymous.doc_string = ""
+            described.append(("initializer", rename(tensor.name), anonymous.SerializeToString(deterministic=True)))
+        for node in parts.nodes:
             if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
                 return None
-            copy = graph.node.add()
-            copy.op_type, copy.domain, copy.overload = node.op_type, node.domain, node.overload
-            copy.input.extend(rename(name) for name in node.input)
-            copy.output.extend(rename(name) for name in node.output)
-            copy.attribute.extend(node.attribute)
-        for info in side.graph.output:
-            copy = graph.output.add()
-            copy.CopyFrom(info)
-            copy.name = rename(info.name)
-        parts.append(graph.SerializeToString(deterministic=True))
-        parts.extend(o.SerializeToString(deterministic=True) for o in side.opset_import)
-        parts.extend(f.SerializeToString(deterministic=True) for f in side.functions)
+            described.append((
+                node.op_type, node.domain, node.overload, [rename(n) for n in node.input], [rename(n) for n in node.output],
+                [a.SerializeToString(deterministic=True) for a in node.attribute],
+            ))
+        described.append(("outputs", [rename(n) for n in parts.outputs]))
+        digest.update(repr(described).encode())
     described = [
         [(rename(spec.name), spec.dtype, spec.shape, spec.role) for spec in slices.inputs],
         [rename(name) for name in slices.original_outputs],
@@ -1090,8 +1111,8 @@ def _slice_class_key(model, index: GraphIndex, plan, shared, evidence: Mapping[s
             [rename(n) for n in (view.parameters, view.accum, view.gradient, view.learning_rate, view.momentum)],
             view.gradient_side, repr(view.dampening), repr(view.weight_decay), view.nesterov, view.dtype,
         ])
-    parts.append(repr(described).encode())
-    return hashlib.sha256(b"\0".join(parts)).digest()
+    digest.update(repr(described).encode())
+    return digest.digest()
 
 
 def _verify_each(
