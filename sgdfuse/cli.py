@@ -437,6 +437,15 @@ def check_command(
     _out.print("All outputs agree.")
 
 
+def _names(names: list[str]) -> str:
+    """``names`` joined for a table cell; past :data:`TABLE_ROWS` names, the first few and the count."""
+    if not names:
+        return "-"
+    if len(names) <= TABLE_ROWS:
+        return ", ".join(names)
+    return f"{', '.join(names[:5])}, ... ({len(names)} in all)"
+
+
 @app.command("lower")
 def lower_command(
     model: Path = typer.Argument(..., help="Fused ONNX model (an unfused one is optimised first)."),
@@ -563,7 +572,7 @@ def lower_command(
         table.add_column(column)
     table.add_row(
         str(len(lowered.graph.op)), str(len(lowered.sgd_ops)), str(len(lowered.state)),
-        ", ".join(lowered.inputs) or "-", ", ".join(lowered.outputs) or "-",
+        _names(lowered.inputs), _names(lowered.outputs),
     )
     _out.print(table)
     _out.print(f"Wrote {destination} (step graph) and {init_destination} (init graph: assigns the state variables)")
