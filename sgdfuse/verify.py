@@ -85,6 +85,11 @@ wd and Nesterov from the SGD node's attributes, p and a from the feeds.
 
 Cost
 ----
+From :data:`CLASS_MIN_PLANS` plans on, :func:`verify_plans` runs one plan per class of plans whose slices are
+identical up to value names, plus a seeded sample of :data:`CLASS_SAMPLE` members; the others share that run
+(``verified_as``; the argument is in :func:`verify_plans`). A training step has a few hundred classes at
+most (forms x dtypes x shapes x hyper-parameters), so what is run stops growing with the number of updates;
+keying costs one single-plan slice per plan (about 2 ms).
 Per batch of :data:`BATCH_UPDATES` updates: four onnxruntime sessions (original and fused, native and
 lifted), each run ``sizes × (steps + 4)`` times (sizes is 1 for static shapes, 2 with symbolic dimensions);
 :func:`check_models` runs its lockstep and in-place schedules in the same four sessions. Linear in the number
@@ -123,6 +128,8 @@ __all__ = [
     "COEFFICIENT_ROUNDINGS",
     "SIZES",
     "BATCH_UPDATES",
+    "CLASS_MIN_PLANS",
+    "CLASS_SAMPLE",
     "UpdateCheck",
     "ModelCheck",
     "verify_plans",
