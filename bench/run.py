@@ -7,6 +7,8 @@ On the same generated files (bench/generate.py) it times, each measurement in a 
   no-verify    sgdfuse.optimize(path, verify=False) + result.save(out)   (= `sgdfuse optimize --no-verify`)
   verify       sgdfuse.optimize(path, verify=True) + result.save(out)    (= `sgdfuse optimize`)
   onnxscript   onnx.load + onnxscript.rewriter.rewrite(model, [one MomentumSGD rule]) + onnx.save
+  check        `sgdfuse check FILE FUSED --steps 3` (FUSED: the no-verify row's output, which runs first)
+  lower        `sgdfuse lower FUSED --soc Ascend910B2` (with its verification of the GE graph)
                (peer baseline: one rule for the simplest form, buf' = buf*m + g; p' = p + buf'*(-lr))
 
 Times are measured inside the child from just before the load to just after the save (interpreter start and
@@ -36,8 +38,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-MODES = ("load", "floor", "no-verify", "verify", "onnxscript")
+MODES = ("load", "floor", "no-verify", "verify", "onnxscript", "check", "lower")
 TARGETS = {"ratio": 3.0, "slope": 1.1, "rss": 2.0}
+RATIO_TARGETS = {"no-verify": 3.0, "verify": 6.0, "check": 10.0, "lower": 5.0}
+"""Issue 12: the most time each command may take, as a multiple of the floor (load + save) of the same run,
+at 10k and 50k updates (verify, check and lower: at 50k; they are shown against it at 10k too)."""
+CLI_MODES = ("check", "lower")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -122,6 +128,8 @@ def worker(mode: str, path: str, out: str) -> dict:
     elif mode == "onnxscript":
         model = rewriter.rewrite(onnx.load(path), pattern_rewrite_rules=[rule])
         onnx.save(model, out)
+    elif mode in CLI_MODES:
+        result["exit"] = _cli(mode, path, out)
     else:
         raise SystemExit(f"unknown mode {mode}")
     result["seconds"] = time.perf_counter() - start
@@ -140,6 +148,29 @@ def worker(mode: str, path: str, out: str) -> dict:
     if mode == "onnxscript":
         result["sgd_nodes"] = sum(1 for n in model.graph.node if n.op_type == "SGD" and n.domain == "ai.sgdfuse")
     return result
+
+
+def _cli(mode: str, path: str, out: str) -> int:
+    """Run ``sgdfuse check`` or ``sgdfuse lower`` in this process on the no-verify row's output; its exit code."""
+    import contextlib
+    import io
+
+    from sgdfuse.cli import main as cli
+
+    fused = os.path.join(os.path.dirname(out), "no-verify_" + os.path.basename(out).split("_", 1)[1])
+    if not os.path.exists(fused):
+        raise SystemExit(f"{fused} is missing: run the no-verify row first")
+    if mode == "check":
+        argv = ["check", path, fused, "--steps", "3"]
+    else:
+        argv = ["lower", fused, "--soc", "Ascend910B2", "-o", out[: -len(".onnx")] + ".air"]
+    console = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(console):
+            cli(argv)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    return 0
 
 
 class _Budget(Exception):
@@ -300,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
         mode, *rest = argv[1:]
-        if mode == "check":
+        if mode == "manifest":
             result = check_worker(*rest)
         elif mode == "profile":
             result = profile_worker(rest[0], float(rest[1]), int(rest[2]))
@@ -328,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         "PYTHONPATH) instead of the importable one; keeps a run stable while the work tree changes",
     )
     args = parser.parse_args(argv)
+    if any(mode in CLI_MODES for mode in args.modes) and "no-verify" not in args.modes:
+        args.modes.append("no-verify")  # check and lower read its output
+    args.modes = sorted(dict.fromkeys(args.modes), key=MODES.index)
     source = _select_sgdfuse(args.rev)
 
     sizes = sorted(args.sizes)
@@ -380,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(result)
                 print(f"   {mode:10s} run {run + 1}: {result['seconds']:.3f} s, peak RSS {result['maxrss_kb'] / 1024:.0f} MB", file=sys.stderr)
                 if mode in ("no-verify", "verify") and run == 0:
-                    check, _, _, error = run_child(["--worker", "check", path, out, path[: -len(".onnx")] + ".manifest.json"], args.timeout)
+                    check, _, _, error = run_child(["--worker", "manifest", path, out, path[: -len(".onnx")] + ".manifest.json"], args.timeout)
                     checks.setdefault(n, {})[mode] = check or {"error": error}
                     checks[n][mode + "_report"] = {k: result.get(k) for k in ("fused", "refused_reasons", "refused", "verified", "verification_passed")}
                 if result["seconds"] > args.single_run_above:
@@ -423,6 +457,11 @@ def main(argv: list[str] | None = None) -> int:
                 note = f"fused {cell['extra'].get('fused')}/{n}"
                 if mode == "verify":
                     note += f", verified {cell['extra'].get('verified')}, passed {cell['extra'].get('verification_passed')}"
+            elif mode in CLI_MODES:
+                note = f"exit {cell['extra'].get('exit')}"
+            if mode in RATIO_TARGETS and ratio is not None:
+                target = RATIO_TARGETS[mode]
+                note = f"{'PASS' if ratio <= target else 'FAIL'} (<= {target:g}x)  " + note
             print(
                 f"{mode:<12}{n:>9}{cell['runs']:>5}{fmt_seconds(cell['seconds']):>10}"
                 f"{('-' if ratio is None else f'{ratio:.2f}'):>9}{fmt_mb(cell['maxrss_kb']):>12}"
@@ -472,6 +511,26 @@ def main(argv: list[str] | None = None) -> int:
             verdicts.append((f"verify cost {n}", extra <= 1.0, f"{extra:.2f} floors"))
     for name, ok, text in verdicts:
         print(f"  {'MET ' if ok else 'MISS'} {name}: {text}")
+
+    print("\ntargets of issue 12 (time as a multiple of the floor measured in the same run, at 10k and 50k):")
+    print(f"  {'command':<12}{'updates':>9}{'x floor':>9}{'target':>8}  verdict")
+    for mode, target in RATIO_TARGETS.items():
+        for n in sizes:
+            if n < 10000 or mode not in results:
+                continue
+            cell, base = results[mode].get(n), floor.get(n)
+            if cell is None or base is None:
+                print(f"  {mode:<12}{n:>9}{'-':>9}{target:>7g}x  FAIL ({skipped[mode].get(n, 'not measured')})")
+                continue
+            ratio = cell["seconds"] / base["seconds"]
+            failed = cell["extra"].get("exit") not in (None, 0) or cell["extra"].get("verification_passed") is False
+            verdict = "PASS" if ratio <= target and not failed else "FAIL"
+            print(f"  {mode:<12}{n:>9}{ratio:>9.2f}{target:>7g}x  {verdict}" + ("  (the command failed)" if failed else ""))
+    for mode in ("no-verify", "verify"):
+        for n in sizes:
+            if n >= 10000 and n in results.get(mode, {}) and n in load:
+                r = results[mode][n]["maxrss_kb"] / load[n]["maxrss_kb"]
+                print(f"  {'RSS ' + mode:<12}{n:>9}{r:>9.2f}{2:>7g}x  {'PASS' if r <= 2 else 'FAIL'} (peak RSS against onnx.load's)")
 
     # ---- fusion checks -----------------------------------------------------------------------------
     print("\nfusion check against the generator's manifest:")

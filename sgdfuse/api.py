@@ -317,7 +317,10 @@ def _keep_shared_initializers(kept: list, planned: list) -> list:
     reading it: scalar initializers are shared between plans (:class:`~sgdfuse.passes.rewrite.Planner`),
     and rolling back one rewrite must leave every other one whole. New plan objects; none is mutated."""
     provided = {t.name for plan in kept for t in plan.initializers}
-    orphans = {t.name: t for plan in planned if plan not in kept for t in plan.initializers if t.name not in provided}
+    # By identity: ``plan not in kept`` would compare plans field by field against every kept one (quadratic,
+    # and a dataclass's __eq__ walks its node protos).
+    kept_ids = {id(plan) for plan in kept}
+    orphans = {t.name: t for plan in planned if id(plan) not in kept_ids for t in plan.initializers if t.name not in provided}
     if not orphans:
         return kept
     result = []

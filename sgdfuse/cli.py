@@ -98,15 +98,22 @@ def _default_output(source: Path) -> Path:
     return source.with_name(name + ".sgdfused.onnx")
 
 
-def _print_report(report: Report) -> None:
-    _print_fused(report)
-    if report.refused:
+TABLE_ROWS = 20
+"""Past this many fused updates (or refusals), the console shows a grouped summary instead of one row each;
+``--verbose`` prints every row, and the JSON report (``--report``) always holds everything."""
+
+
+def _print_report(report: Report, verbose: bool = False) -> None:
+    _print_fused(report, verbose)
+    if report.refused and (verbose or len(report.refused) <= TABLE_ROWS):
         table = Table(title=f"Refused candidates ({len(report.refused)})")
         for column in ("candidate", "reason", "why"):
             table.add_column(column)
         for r in report.refused:
             table.add_row(r.candidate, r.reason, "\n".join(r.explanation()))
         _out.print(table)
+    elif report.refused:
+        _print_refusal_groups(report)
     if report.fused:
         from sgdfuse.passes.traffic import fmt_bytes
 
@@ -127,21 +134,55 @@ def _print_report(report: Report) -> None:
         _out.print("Verification: off" + ("" if report.written else " (inspect is a dry run; add --verify to run the check)"))
 
 
-def _print_fused(report: Report) -> None:
+def _print_refusal_groups(report: Report) -> None:
+    """The refusals grouped by reason: how many, and the first one's candidate and explanation."""
+    groups: dict[str, list] = {}
+    for r in report.refused:
+        groups.setdefault(r.reason, []).append(r)
+    table = Table(title=f"Refused candidates ({len(report.refused)}) by reason (--verbose lists each, --report writes all)")
+    for column in ("reason", "count", "example", "why (example)"):
+        table.add_column(column)
+    for reason, members in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
+        table.add_row(reason, str(len(members)), members[0].candidate, "\n".join(members[0].explanation()))
+    _out.print(table)
+
+
+def _fused_columns(f) -> tuple[list[str], str]:
+    """The hyper-parameter cells of a fused update (as the console shows them) and its form."""
+    form = ", ".join(x for x in ("nesterov" if f.nesterov else "", "maximize" if f.maximize else "") if x) or "plain"
+    values = [format_value(v, f.dtype) for v in (f.learning_rate, f.momentum, f.dampening, f.weight_decay)]
+    for position, name in enumerate(("learning_rate", "momentum")):
+        if name in f.rounded:
+            values[position] += f" (rounded from {f.rounded[name]})"
+    return values, form
+
+
+def _print_fused(report: Report, verbose: bool = False) -> None:
     if not report.fused:
         return
-    table = Table(title=f"Fused updates ({len(report.fused)})")
-    for column in ("parameters", "gradient", "momentum buffer", "lr", "momentum", "dampening", "weight decay", "form", "roles from"):
-        # Numbers stay on one line (a FLOAT16 value and its exact value read as one); names may wrap.
-        table.add_column(column, no_wrap=column in ("lr", "momentum", "dampening", "weight decay"))
+    numbers = ("lr", "momentum", "dampening", "weight decay")
+    if verbose or len(report.fused) <= TABLE_ROWS:
+        table = Table(title=f"Fused updates ({len(report.fused)})")
+        for column in ("parameters", "gradient", "momentum buffer", *numbers, "form", "roles from"):
+            # Numbers stay on one line (a FLOAT16 value and its exact value read as one); names may wrap.
+            table.add_column(column, no_wrap=column in numbers)
+        for f in report.fused:
+            values, form = _fused_columns(f)
+            table.add_row(f.parameters, f.gradient, f.accum, *values, form, f.roles_from)
+    else:
+        # Grouped by what the fused op computes with (dtype, hyper-parameters, form) and by what decided the
+        # roles: one row per group with its size and first member.
+        groups: dict[tuple, list] = {}
+        for f in report.fused:
+            values, form = _fused_columns(f)
+            groups.setdefault((f.dtype, *values, form, f.roles_from), []).append(f)
+        table = Table(title=f"Fused updates ({len(report.fused)}) by hyper-parameters (--verbose lists each, --report writes all)")
+        for column in ("count", "dtype", *numbers, "form", "roles from", "example (parameters / gradient / buffer)"):
+            table.add_column(column, no_wrap=column in numbers)
+        for key, members in sorted(groups.items(), key=lambda item: -len(item[1])):
+            example = members[0]
+            table.add_row(str(len(members)), *key, f"{example.parameters} / {example.gradient} / {example.accum}")
     narrow = sorted({f.dtype for f in report.fused if f.dtype in ("FLOAT16", "BFLOAT16")})
-    for f in report.fused:
-        form = ", ".join(x for x in ("nesterov" if f.nesterov else "", "maximize" if f.maximize else "") if x) or "plain"
-        values = [format_value(v, f.dtype) for v in (f.learning_rate, f.momentum, f.dampening, f.weight_decay)]
-        for position, name in enumerate(("learning_rate", "momentum")):
-            if name in f.rounded:
-                values[position] += f" (rounded from {f.rounded[name]})"
-        table.add_row(f.parameters, f.gradient, f.accum, *values, form, f.roles_from)
     _out.print(table)
     if any(f.roles_from == "plausibility" for f in report.fused):
         _out.print(
@@ -176,6 +217,10 @@ def _verification_line(report: Report) -> str:
     )
     if ratios:
         text += f" (worst {max(ratios):.2g} of the bound)"
+    shared = sum(1 for u in updates if u.get("verified_as"))
+    if shared:
+        # sgdfuse.verify.verify_plans: a class of updates with slices identical up to names shares a run.
+        text += f"; {len(updates) - shared} run, {shared} identical up to names to a run one of their class"
     unrated = [u for u in updates if not isinstance(u.get("max_bound_ratio"), (int, float))]
     if unrated:
         errors = [u["max_abs_error"] for u in unrated if isinstance(u.get("max_abs_error"), (int, float))]
@@ -273,6 +318,7 @@ def optimize_command(
         None, "--state", help="NEW=OLD: graph output NEW is the next value of input OLD, written into it in place (repeatable)."
     ),
     buffers: Optional[list[str]] = typer.Option(None, "--buffers", help="Glob of the momentum-buffer inputs, e.g. 'b*' (repeatable)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=f"One console row per update and refusal, even past {TABLE_ROWS}."),
 ) -> None:
     """Fuse every momentum-SGD update of MODEL into one ai.sgdfuse::SGD node each, verify, and write the result."""
     _require_input(model)
@@ -296,7 +342,7 @@ def optimize_command(
             if report_path is not None:
                 batch.stage(report_path, (result.report.to_json() + "\n").encode())
             batch.commit()
-    _print_report(result.report)
+    _print_report(result.report, verbose)
     report = result.report
     nodes = (
         f"{report.nodes_before} → {report.nodes_after} nodes" if report.fused else f"{report.nodes_after} nodes, the input's graph unchanged"
@@ -314,16 +360,57 @@ def inspect_command(
     ),
     state: Optional[list[str]] = typer.Option(None, "--state", help="NEW=OLD: output NEW replaces input OLD in place (repeatable)."),
     buffers: Optional[list[str]] = typer.Option(None, "--buffers", help="Glob of the momentum-buffer inputs (repeatable)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=f"One console row per update and refusal, even past {TABLE_ROWS}."),
 ) -> None:
     """Report which updates of MODEL would fuse and why the other candidates would not; write nothing else."""
     _require_input(model)
     report = api.inspect(model, verify=verify, allow_rounding=allow_rounding, pins=_pins(state, buffers))
     if report_path is not None:
         _write_text(report_path, report.to_json())
-    _print_report(report)
+    _print_report(report, verbose)
     written = f"wrote only the report {report_path}" if report_path is not None else "nothing written"
     summary = _summary(report)
     _out.print(f"{summary[0].upper()}{summary[1:]}; {written} (a dry run)", markup=False, highlight=False, soft_wrap=True)
+
+
+def _check_rows(result) -> list[tuple[str, str, object, object, bool, str]]:
+    """(name, kind, max |difference|, ratio to the bound or None, agrees, message) per compared output and
+    per in-place state write of :func:`sgdfuse.verify.check_models`'s result."""
+    rows = []
+    for entry in result.outputs:
+        ratio = entry.get("max_bound_ratio") if entry["kind"] != "exact" else None
+        rows.append((entry["name"], entry["kind"], entry.get("max_abs_error"), ratio, bool(entry["passed"]), entry["message"]))
+    for entry in result.in_place:
+        # The value each side writes into a state the SGD op updates in place, steps chained per side.
+        name = f"{entry['name']} (in place: {entry['original']} / {entry['fused']})"
+        rows.append((name, entry["kind"], entry["max_abs_error"], entry["max_bound_ratio"], bool(entry["passed"]), entry["message"]))
+    return rows
+
+
+def _check_table(result, title: str, verbose: bool) -> Table:
+    """One row per output (``verbose`` or at most :data:`TABLE_ROWS` rows), else one row per (how compared,
+    agrees) with its count, the largest difference and ratio, and its first member as the example."""
+    rows = _check_rows(result)
+    table = Table(title=title)
+    if verbose or len(rows) <= TABLE_ROWS:
+        for column in ("output", "compared as", "max |difference|", "of bound", "agrees"):
+            table.add_column(column)
+        for name, kind, error, ratio, passed, message in rows:
+            table.add_row(name, kind, _number(error, ".3g"), _number(ratio, ".2g"), "yes" if passed else "NO: " + message)
+        return table
+    groups: dict[tuple[str, bool], list] = {}
+    for row in rows:
+        groups.setdefault((row[1], row[4]), []).append(row)
+    table.title = f"{title}: {len(rows)} outputs by comparison (--verbose lists each)"
+    for column in ("compared as", "agrees", "count", "max |difference|", "worst of bound", "example"):
+        table.add_column(column)
+    for (kind, passed), members in sorted(groups.items(), key=lambda item: (item[0][1], item[0][0])):
+        errors = [r[2] for r in members if isinstance(r[2], (int, float)) and not math.isnan(r[2])]
+        ratios = [r[3] for r in members if isinstance(r[3], (int, float)) and not math.isnan(r[3])]
+        example = members[0][0] if passed else f"{members[0][0]}: {members[0][5]}"
+        table.add_row(kind, "yes" if passed else "NO", str(len(members)), _number(max(errors) if errors else None, ".3g"),
+                      _number(max(ratios) if ratios else None, ".2g"), example)
+    return table
 
 
 @app.command("check")
@@ -332,6 +419,7 @@ def check_command(
     fused: Path = typer.Argument(..., help="Its fused form (from sgdfuse optimize)."),
     steps: int = typer.Option(3, "--steps", min=1, help="Chained steps to run."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help=f"One console row per output, even past {TABLE_ROWS}."),
 ) -> None:
     """Run ORIGINAL and FUSED in onnxruntime on the same seeded inputs for STEPS chained steps, natively and in DOUBLE, in lockstep and in place; exit 0 only if every output and every in-place state write agrees."""
     from sgdfuse.verify import check_models
@@ -349,22 +437,7 @@ def check_command(
     except ONNXRUNTIME_ERRORS as error:  # onnxruntime refuses a model it cannot run (e.g. a preview training op)
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise SgdfuseError(f"{original} / {fused}: onnxruntime cannot run the models: {first_line}") from error
-    table = Table(title=f"{original.name} vs {fused.name}: {steps} chained steps")
-    for column in ("output", "compared as", "max |difference|", "of bound", "agrees"):
-        table.add_column(column)
-    for entry in result.outputs:
-        table.add_row(
-            entry["name"], entry["kind"], _number(entry.get("max_abs_error"), ".3g"),
-            _number(entry.get("max_bound_ratio"), ".2g") if entry["kind"] != "exact" else "-",
-            "yes" if entry["passed"] else "NO: " + entry["message"],
-        )
-    for entry in result.in_place:
-        # The value each side writes into a state the SGD op updates in place, steps chained per side.
-        table.add_row(
-            f"{entry['name']} (in place: {entry['original']} / {entry['fused']})", entry["kind"], f"{entry['max_abs_error']:.3g}",
-            f"{entry['max_bound_ratio']:.2g}", "yes" if entry["passed"] else "NO: " + entry["message"],
-        )
-    _out.print(table)
+    _out.print(_check_table(result, f"{original.name} vs {fused.name}: {steps} chained steps", verbose))
     _out.print(f"Ran: {', '.join(result.runs)}", markup=False)
     if result.note:
         _out.print(f"Note: {result.note}", markup=False)
@@ -372,6 +445,15 @@ def check_command(
         _err.print("error: the models disagree", markup=False)
         raise typer.Exit(1)
     _out.print("All outputs agree.")
+
+
+def _names(names: list[str]) -> str:
+    """``names`` joined for a table cell; past :data:`TABLE_ROWS` names, the first few and the count."""
+    if not names:
+        return "-"
+    if len(names) <= TABLE_ROWS:
+        return ", ".join(names)
+    return f"{', '.join(names[:5])}, ... ({len(names)} in all)"
 
 
 @app.command("lower")
@@ -498,7 +580,7 @@ def lower_command(
         table.add_column(column)
     table.add_row(
         str(len(lowered.graph.op)), str(len(lowered.sgd_ops)), str(len(lowered.state)),
-        ", ".join(lowered.inputs) or "-", ", ".join(lowered.outputs) or "-",
+        _names(lowered.inputs), _names(lowered.outputs),
     )
     _out.print(table)
     _out.print(f"Wrote {destination} (step graph) and {init_destination} (init graph: assigns the state variables)")

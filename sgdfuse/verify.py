@@ -85,6 +85,11 @@ wd and Nesterov from the SGD node's attributes, p and a from the feeds.
 
 Cost
 ----
+From :data:`CLASS_MIN_PLANS` plans on, :func:`verify_plans` runs one plan per class of plans whose slices are
+identical up to value names, plus a seeded sample of :data:`CLASS_SAMPLE` members; the others share that run
+(``verified_as``; the argument is in :func:`verify_plans`). A training step has a few hundred classes at
+most (forms x dtypes x shapes x hyper-parameters), so what is run stops growing with the number of updates;
+keying costs one single-plan slice per plan (about 2 ms).
 Per batch of :data:`BATCH_UPDATES` updates: four onnxruntime sessions (original and fused, native and
 lifted), each run ``sizes × (steps + 4)`` times (sizes is 1 for static shapes, 2 with symbolic dimensions);
 :func:`check_models` runs its lockstep and in-place schedules in the same four sessions. Linear in the number
@@ -102,15 +107,18 @@ after.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import heapq
 import logging
+import random
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
 from onnx import helper
 
-from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, function_opset, read_sgd_attributes, sgd_functions_for
+from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, Specialisation, function_opset, read_sgd_attributes, sgd_functions_for
 from sgdfuse.lift import FLOAT_TYPES, lift_to_double, missing_kernels, specialise
 from sgdfuse.passes.index import GraphIndex
 from sgdfuse.runtime import make_session, onnx_to_numpy_dtype, run
@@ -120,6 +128,8 @@ __all__ = [
     "COEFFICIENT_ROUNDINGS",
     "SIZES",
     "BATCH_UPDATES",
+    "CLASS_MIN_PLANS",
+    "CLASS_SAMPLE",
     "UpdateCheck",
     "ModelCheck",
     "verify_plans",
@@ -315,6 +325,9 @@ class UpdateCheck:
         message: why it failed, or "".
         runs: what was run, e.g. ``["native size 1", "native size 3", "double size 1", "double size 3"]``.
         note: what could not be run (a precision or size skipped, and why), or "".
+        verified_as: "" when this update's own slices were run; else the ``parameters_out`` of the update of
+            its class (slices identical up to value names, :func:`verify_plans`) whose run this result is,
+            the other fields copied from it.
     """
 
     parameters_out: str
@@ -325,6 +338,7 @@ class UpdateCheck:
     message: str = ""
     runs: list[str] = dataclasses.field(default_factory=list)
     note: str = ""
+    verified_as: str = ""
 
 
 class _Tally:
@@ -589,8 +603,9 @@ class _Probes:
     """``Identity`` copies of values as slice outputs (a graph input or initializer cannot always be one),
     one per value however many SGD nodes read it (a shared learning rate)."""
 
-    def __init__(self, taken: set[str]) -> None:
+    def __init__(self, taken: set[str], base: Iterable[str] | Mapping[str, object] = ()) -> None:
         self.taken = taken
+        self.base = base
         self.nodes: list[onnx.NodeProto] = []
         self._made: dict[str, str] = {}
 
@@ -599,7 +614,7 @@ class _Probes:
             return self._made[value]
         base = name = f"sgdfuse_probe/{tag}/{value}"
         counter = 1
-        while name in self.taken:
+        while name in self.taken or name in self.base:
             name = f"{base}_{counter}"
             counter += 1
         self.taken.add(name)
@@ -647,11 +662,22 @@ class _Slices:
     views: list[_UpdateView]
 
 
-def _build_slices(model: onnx.ModelProto, index: GraphIndex, plans: Sequence, shared: Mapping[str, onnx.TensorProto]) -> _Slices:
-    """The original and fused slices of ``plans`` (module docstring), with the views to compare them."""
+def _build_slices(
+    model: onnx.ModelProto,
+    index: GraphIndex,
+    plans: Sequence,
+    shared: Mapping[str, onnx.TensorProto],
+    evidence: Mapping[str, str] | None = None,
+    *,
+    models: bool = True,
+) -> _Slices:
+    """The original and fused slices of ``plans`` (module docstring), with the views to compare them.
+    ``evidence``: :func:`_name_evidence` of the graph, computed here when not given (it reads every output).
+    With ``models`` False, ``original`` and ``fused`` are the :class:`_Parts` the models would be built from."""
     graph_nodes = index.graph.node
     cone = set().union(*(plan.match.nodes for plan in plans))
-    evidence = _name_evidence(index.graph_outputs, index.state_names)
+    if evidence is None:
+        evidence = _name_evidence(index.graph_outputs, index.state_names)
 
     views: list[_UpdateView] = []
     wanted_original: list[str] = []
@@ -697,13 +723,14 @@ def _build_slices(model: onnx.ModelProto, index: GraphIndex, plans: Sequence, sh
     produced = {o for node in original_nodes for o in node.output if o}
     gradients = [view.gradient for view in views if view.gradient in produced]
     original_outputs = list(dict.fromkeys(wanted_original + gradients))
-    original, original_inputs = _slice_model(index, original_nodes, [], original_outputs, model.opset_import, [])
+    original_parts = _Parts(original_nodes, [], original_outputs, list(model.opset_import), None)
+    original, original_inputs = _slice_model(index, original_parts) if models else _parts_inputs(index, original_parts)
 
     replaced = {o for plan in plans for o in (plan.match.parameters_out, plan.match.accum_out)}
     kept = [graph_nodes[i] for i in original_indices if not replaced.intersection(graph_nodes[i].output)]
     fused_nodes = kept + [node for plan in plans for node in plan.nodes]
-    taken = {o for node in fused_nodes for o in node.output} | set(index.graph_inputs) | set(index.initializers)
-    probe = _Probes(taken)
+    taken = {o for node in fused_nodes for o in node.output}
+    probe = _Probes(taken, index.state_names)  # a cached set: no pass over the graph per slice
     for view in views:
         view.learning_rate = probe(view.learning_rate, "learning_rate")
         view.momentum = probe(view.momentum, "momentum")
@@ -716,16 +743,26 @@ def _build_slices(model: onnx.ModelProto, index: GraphIndex, plans: Sequence, sh
         opsets.append(helper.make_opsetid(DOMAIN, OP_VERSION))
     read = {name for node in fused_nodes for name in _node_reads(node)}
     fused_initializers = [tensor for name, tensor in shared.items() if name in read]
-    fused, fused_inputs = _slice_model(
-        index, _topological(fused_nodes + probe.nodes), fused_initializers, fused_outputs, opsets,
-        sgd_functions_for(fused_nodes, function_opset(model)),
-    )
-    # The fused side runs the bodies the output model will call (specialised overloads need IR 10).
-    fused.ir_version = max(fused.ir_version, OVERLOAD_IR_VERSION)
+    fused_parts = _Parts(_topological(fused_nodes + probe.nodes), fused_initializers, fused_outputs, opsets, function_opset(model))
+    fused, fused_inputs = _slice_model(index, fused_parts) if models else _parts_inputs(index, fused_parts)
 
     names = list(dict.fromkeys(original_inputs + fused_inputs))
     inputs = _classify_inputs(index, names, views, plans, original_nodes)
     return _Slices(original, fused, inputs, original_outputs, fused_outputs, views)
+
+
+
+
+def _overload_problem(node: onnx.NodeProto) -> str:
+    """Why an SGD node's specialised body (its ``overload``) does not fit its attributes, or "" when it does
+    (or it calls the general body): the body assumes them, the lowered GE op reads them."""
+    if not node.overload:
+        return ""
+    try:
+        Specialisation.from_overload(node.overload).check(read_sgd_attributes(node), subject=node.name or "SGD node")
+    except ValueError as error:
+        return str(error)
+    return ""
 
 
 def _name_evidence(outputs: Iterable[str], state_names: Iterable[str]) -> dict[str, str]:
@@ -804,41 +841,62 @@ def _sources(values: Sequence[str], nodes: Sequence[onnx.NodeProto]) -> set[str]
     return found
 
 
-def _slice_model(
-    index: GraphIndex,
-    nodes: Sequence[onnx.NodeProto],
-    initializers: Sequence[onnx.TensorProto],
-    outputs: Sequence[str],
-    opset_import: Sequence[onnx.OperatorSetIdProto],
-    functions: Sequence[onnx.FunctionProto],
-) -> tuple[onnx.ModelProto, list[str]]:
-    """A model of ``nodes`` whose inputs are every value they read that nothing in the slice defines."""
-    produced = {o for node in nodes for o in node.output if o}
-    own = {t.name for t in initializers}
-    needed_initializers: list[onnx.TensorProto] = list(initializers)
+@dataclasses.dataclass
+class _Parts:
+    """What a slice model is built from: its nodes (in order), its own initializers, its outputs, its opset
+    imports and, for a fused slice, the opset of the SGD function it carries (None: no function); after
+    :func:`_parts_inputs`, the initializers it reads from the graph and its inputs too."""
+
+    nodes: list[onnx.NodeProto]
+    initializers: list[onnx.TensorProto]
+    outputs: list[str]
+    opset_import: list[onnx.OperatorSetIdProto]
+    function_opset: int | None
+    needed_initializers: list[onnx.TensorProto] = dataclasses.field(default_factory=list)
+    inputs: list[str] = dataclasses.field(default_factory=list)
+
+
+def _parts_inputs(index: GraphIndex, parts: _Parts) -> tuple[_Parts, list[str]]:
+    """``parts`` with the inputs of the slice (every value its nodes read that nothing in it defines) and the
+    graph initializers it embeds; returns the parts and the inputs."""
+    produced = {o for node in parts.nodes for o in node.output if o}
+    own = {t.name for t in parts.initializers}
+    needed_initializers: list[onnx.TensorProto] = list(parts.initializers)
     inputs: list[str] = []
-    for node in nodes:
+    listed: set[str] = set()
+    for node in parts.nodes:
         for name in _node_reads(node):  # subgraph bodies read outer values too
-            if not name or name in produced or name in own or name in inputs:
+            if not name or name in produced or name in own or name in listed:
                 continue
             tensor = index.initializers.get(name)
             # An initializer whose data is external (not loaded) is fed like an input: onnxruntime would
             # resolve its location against the current directory, unchecked (sgdfuse.external_data).
-            if tensor is not None and name not in index.graph_inputs and tensor.data_location != onnx.TensorProto.EXTERNAL:
+            if tensor is not None and not index.is_input_name(name) and tensor.data_location != onnx.TensorProto.EXTERNAL:
                 needed_initializers.append(tensor)
                 own.add(name)
             else:
                 inputs.append(name)
+                listed.add(name)
+    parts.needed_initializers, parts.inputs = needed_initializers, inputs
+    return parts, inputs
+
+
+def _slice_model(index: GraphIndex, parts: _Parts) -> tuple[onnx.ModelProto, list[str]]:
+    """A model of ``parts``' nodes whose inputs are every value they read that nothing in the slice defines."""
+    parts, inputs = _parts_inputs(index, parts)
     graph = helper.make_graph(
-        list(nodes),
+        list(parts.nodes),
         "sgdfuse_slice",
         [_value_info(index, name) for name in inputs],
-        [helper.make_empty_tensor_value_info(name) for name in outputs],
-        initializer=needed_initializers,
+        [helper.make_empty_tensor_value_info(name) for name in parts.outputs],
+        initializer=parts.needed_initializers,
     )
-    model = helper.make_model(graph, opset_imports=list(opset_import))
+    model = helper.make_model(graph, opset_imports=list(parts.opset_import))
     model.ir_version = max(model.ir_version, 8)
-    model.functions.extend(functions)
+    if parts.function_opset is not None:
+        # The fused side runs the bodies the output model will call (specialised overloads need IR 10).
+        model.functions.extend(sgd_functions_for(parts.nodes, parts.function_opset))
+        model.ir_version = max(model.ir_version, OVERLOAD_IR_VERSION)
     return model, inputs
 
 
@@ -957,6 +1015,145 @@ def verify_plans(
     """Run the original and the fused slices of ``plans`` in place, natively and lifted, at every size,
     over the schedule of the module docstring; one result per plan, in order.
 
+    From :data:`CLASS_MIN_PLANS` plans on, plans are grouped into classes whose single-plan slices are
+    identical up to value names (:func:`_slice_class_key`); per class the first plan and a seeded random
+    sample of up to :data:`CLASS_SAMPLE` others are run, and when every one of them passes, each other member
+    gets that result with ``verified_as`` naming the first plan. A class with a failing run has every member
+    run. Why this is sound: the two slices of a member are the representative's with every value renamed by
+    one bijection (operators, attributes, constant values and dtypes, input dtypes and shapes, the order of
+    nodes, what is compared and which value is written in place into which state all equal), so onnxruntime
+    computes the same numbers on both and every comparison of the check has the same outcome. A plan whose
+    slices cannot be keyed (a subgraph, an error building them) is run itself.
+
+    Args:
+        model: the model the plans apply to; ``index`` its index.
+        plans: :class:`sgdfuse.passes.rewrite.Plan` s.
+        steps: chained steps per precision and size (at least 1).
+        seed: seed of the random inputs (and of the class samples).
+        shared: the scalar initializers of every plan (plans share constants: the plan that made one owns
+            it), so that a batch can include what its plans read; computed from ``plans`` when not given.
+    """
+    if not plans:
+        return []
+    if shared is None:
+        shared = {t.name: t for plan in plans for t in plan.initializers}
+    inconsistent = {k: problem for k, plan in enumerate(plans) if (problem := _overload_problem(plan.sgd_node))}
+    if inconsistent:
+        # onnxruntime runs the overload's body, GE the attributes: a node whose two disagree is never kept.
+        rest = [plan for k, plan in enumerate(plans) if k not in inconsistent]
+        checked = iter(verify_plans(model, index, rest, steps=steps, seed=seed, shared=shared))
+        return [
+            UpdateCheck(plan.match.parameters_out, 0, False, float("nan"), float("nan"), inconsistent[k]) if k in inconsistent else next(checked)
+            for k, plan in enumerate(plans)
+        ]
+    if shared is None:
+        shared = {t.name: t for plan in plans for t in plan.initializers}
+    if len(plans) < CLASS_MIN_PLANS:
+        return _verify_each(model, index, plans, steps=steps, seed=seed, shared=shared)
+    evidence = _name_evidence(index.graph_outputs, index.state_names)
+    classes: dict[object, list[int]] = {}
+    for k, plan in enumerate(plans):
+        key = _slice_class_key(model, index, plan, shared, evidence)
+        classes.setdefault(("own", k) if key is None else key, []).append(k)
+    sampler = random.Random(seed)
+    chosen: set[int] = set()
+    for members in classes.values():
+        chosen.add(members[0])
+        chosen.update(sampler.sample(members[1:], min(CLASS_SAMPLE, len(members) - 1)))
+    results = _run_chosen(model, index, plans, sorted(chosen), steps=steps, seed=seed, shared=shared)
+    unrun: list[int] = []
+    for members in classes.values():
+        ran = [results[k] for k in members if k in results]
+        if all(check.passed for check in ran):
+            first = results[members[0]]
+            for k in members:
+                if k not in results:
+                    results[k] = dataclasses.replace(first, parameters_out=plans[k].match.parameters_out, verified_as=first.parameters_out)
+        else:
+            unrun.extend(k for k in members if k not in results)
+    results.update(_run_chosen(model, index, plans, sorted(unrun), steps=steps, seed=seed + 1, shared=shared))
+    logger.info("verified %d plans in %d classes by running %d", len(plans), len(classes), len(chosen) + len(unrun))
+    return [results[k] for k in range(len(plans))]
+
+
+CLASS_MIN_PLANS = 64
+"""From this many plans on, :func:`verify_plans` runs a sample per class of identical slices."""
+
+CLASS_SAMPLE = 2
+"""Members run per class besides its first (seeded random choice)."""
+
+
+def _run_chosen(model, index, plans: Sequence, chosen: Sequence[int], *, steps: int, seed: int, shared) -> dict[int, UpdateCheck]:
+    checks = _verify_each(model, index, [plans[k] for k in chosen], steps=steps, seed=seed, shared=shared) if chosen else []
+    return dict(zip(chosen, checks))
+
+
+def _slice_class_key(model, index: GraphIndex, plan, shared, evidence: Mapping[str, str]) -> bytes | None:
+    """A digest of ``plan``'s original and fused slices (:func:`_build_slices` of the plan alone) with every
+    value name replaced by its order of first appearance: equal digests mean slices equal up to one
+    renaming. Node names, doc strings and metadata (no effect on the numbers) are left out; operators,
+    domains, attributes, initializers (dtype, dims, bytes), graph input types and shapes, the slice inputs'
+    roles, the compared outputs, the in-place pairs, coefficients and dtypes of each view are in. None when
+    the slices have a subgraph (its outer reads would need renaming too) or cannot be built."""
+    try:
+        slices = _build_slices(model, index, [plan], shared, evidence, models=False)
+    except Exception:  # the plan is run alone, where its error is reported
+        return None
+    names: dict[str, str] = {}
+
+    def rename(name: str) -> str:
+        return names.setdefault(name, f"v{len(names)}") if name else ""
+
+    digest = hashlib.sha256()
+    for parts in (slices.original, slices.fused):
+        described: list = [[(o.domain, o.version) for o in parts.opset_import], parts.function_opset]
+        for name in parts.inputs:
+            spec = index.spec(name)
+            described.append(("input", rename(name), spec.dtype, spec.shape))
+        for tensor in parts.needed_initializers:
+            anonymous = onnx.TensorProto()
+            anonymous.CopyFrom(tensor)
+            anonymous.name = ""
+            anonymous.doc_string = ""
+            described.append(("initializer", rename(tensor.name), anonymous.SerializeToString(deterministic=True)))
+        for node in parts.nodes:
+            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+                return None
+            described.append((
+                node.op_type, node.domain, node.overload, [rename(n) for n in node.input], [rename(n) for n in node.output],
+                [a.SerializeToString(deterministic=True) for a in node.attribute],
+            ))
+        described.append(("outputs", [rename(n) for n in parts.outputs]))
+        digest.update(repr(described).encode())
+    described = [
+        [(rename(spec.name), spec.dtype, spec.shape, spec.role) for spec in slices.inputs],
+        [rename(name) for name in slices.original_outputs],
+        [rename(name) for name in slices.fused_outputs],
+    ]
+    for view in slices.views:
+        described.append([
+            sorted((rename(k), v) for k, v in view.outputs.items()),
+            sorted((rename(k), rename(v)) for k, v in view.original_state.items()),
+            sorted((rename(k), rename(v)) for k, v in view.fused_state.items()),
+            sorted((rename(k), v) for k, v in view.roles.items()),
+            [rename(n) for n in (view.parameters, view.accum, view.gradient, view.learning_rate, view.momentum)],
+            view.gradient_side, repr(view.dampening), repr(view.weight_decay), view.nesterov, view.dtype,
+        ])
+    digest.update(repr(described).encode())
+    return digest.digest()
+
+
+def _verify_each(
+    model: onnx.ModelProto,
+    index: GraphIndex,
+    plans: Sequence,
+    *,
+    steps: int,
+    seed: int,
+    shared: dict[str, onnx.TensorProto],
+) -> list[UpdateCheck]:
+    """:func:`verify_plans` with every plan run itself.
+
     A batch whose run raises is split in two and each half checked alone, down to single plans; a single
     plan that still cannot run is reported as not passed with the error.
 
@@ -966,18 +1163,16 @@ def verify_plans(
         steps: chained steps per precision and size (at least 1).
         seed: seed of the random inputs.
         shared: the scalar initializers of every plan (plans share constants: the plan that made one owns
-            it), so that a batch can include what its plans read; computed from ``plans`` when not given.
+            it), so that a batch can include what its plans read.
     """
     if not plans:
         return []
-    if shared is None:
-        shared = {t.name: t for plan in plans for t in plan.initializers}
     if len(plans) > BATCH_UPDATES:
         # onnxruntime's session creation grows faster than linearly with the graph: check in fixed-size
         # batches so the whole check stays linear in the number of updates.
         results: list[UpdateCheck] = []
         for start in range(0, len(plans), BATCH_UPDATES):
-            results.extend(verify_plans(model, index, plans[start : start + BATCH_UPDATES], steps=steps, seed=seed + start, shared=shared))
+            results.extend(_verify_each(model, index, plans[start : start + BATCH_UPDATES], steps=steps, seed=seed + start, shared=shared))
         return results
     try:
         return _verify_batch(model, index, plans, steps=steps, seed=seed, shared=shared)
@@ -986,7 +1181,7 @@ def verify_plans(
             return [UpdateCheck(plans[0].match.parameters_out, 0, False, float("nan"), float("nan"), f"could not run: {error}")]
         logger.info("batched verification failed (%s); verifying the batch in halves", error)
         half = len(plans) // 2
-        return verify_plans(model, index, plans[:half], steps=steps, seed=seed, shared=shared) + verify_plans(
+        return _verify_each(model, index, plans[:half], steps=steps, seed=seed, shared=shared) + _verify_each(
             model, index, plans[half:], steps=steps, seed=seed, shared=shared
         )
 
@@ -999,7 +1194,7 @@ def _verify_batch(model, index, plans, *, steps: int, seed: int, shared) -> list
         affected = [any(node.op_type in ops for node in _plan_nodes(index, plan)) for plan in plans]
         if any(affected) and not all(affected):
             groups = ([p for p, a in zip(plans, affected) if not a], [p for p, a in zip(plans, affected) if a])
-            checked = {id(p): c for group in groups for p, c in zip(group, verify_plans(model, index, group, steps=steps, seed=seed, shared=shared))}
+            checked = {id(p): c for group in groups for p, c in zip(group, _verify_each(model, index, group, steps=steps, seed=seed, shared=shared))}
             return [checked[id(p)] for p in plans]
     tallies = [_Tally() for _ in plans]
     if note:

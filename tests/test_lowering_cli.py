@@ -80,13 +80,13 @@ def test_unknown_format_is_a_usage_error(capsys):
 
 
 def test_an_unfused_model_gets_one_summary_line_of_what_fused_what_was_refused_and_the_check(tmp_path, capsys):
-    # Two updates: one fuses, one with a runtime dampening is refused (the contract needs it as an attribute).
+    # Two updates: one fuses, one with decoupled weight decay (p*0.99 - 0.1*buf_out) is refused.
     from forms import Builder
 
     b = Builder()
-    p, g, buf, d = b.tensor_input("p"), b.tensor_input("g"), b.tensor_input("buf"), b.scalar_input("d")
-    b.add(b.mul(buf, b.scalar(0.9)), b.mul(g, b.sub(b.scalar(1.0), d)), out="buf_out")
-    b.sub(p, b.mul(b.scalar(0.1), "buf_out"), out="p_out")
+    p, g, buf = b.tensor_input("p"), b.tensor_input("g"), b.tensor_input("buf")
+    b.add(b.mul(buf, b.scalar(0.9)), g, out="buf_out")
+    b.sub(b.mul(p, b.scalar(0.99)), b.mul(b.scalar(0.1), "buf_out"), out="p_out")
     q, gq, bufq = b.tensor_input("q"), b.tensor_input("gq"), b.tensor_input("bufq")
     b.add(b.mul(bufq, b.scalar(0.9)), gq, out="bufq_out")
     b.sub(q, b.mul(b.scalar(0.1), "bufq_out"), out="q_out")
@@ -96,7 +96,7 @@ def test_an_unfused_model_gets_one_summary_line_of_what_fused_what_was_refused_a
     assert code == 0 and not stderr
     [line] = [line for line in stdout.splitlines() if "optimised first" in line]
     assert "two.onnx had no ai.sgdfuse::SGD node" in line
-    assert "1 update(s) fused, 1 refused (1 runtime-hyperparameter)" in line
+    assert "1 update(s) fused, 1 refused (1 extra-term)" in line
     assert "verification ran (1 update(s), 3 chained steps in onnxruntime, 0 failed)" in line
 
 
