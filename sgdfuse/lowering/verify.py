@@ -185,6 +185,26 @@ def _disagreement(name: str, want: np.ndarray, have: np.ndarray, dtype: int, ste
     return worst, ""
 
 
+CONDITIONING_FACTOR = 16.0
+"""An output beyond the fixed tolerance still agrees when within this many times onnxruntime's own change
+for a :data:`PERTURBATION` of the data inputs (the ResNet step's BatchNorms at 1x1 spatial size turn a
+relative 1e-7 into ~1e-5 on some outputs; the executor's difference there was at most 3.4 times that)."""
+
+PERTURBATION = 2.0**-22
+"""Relative change of the data inputs for the conditioning chain (two float32 ulps)."""
+
+
+def _within_conditioning(expected: np.ndarray, actual: np.ndarray, perturbed: np.ndarray) -> bool:
+    if expected.dtype.kind not in "f" and expected.dtype.name != "bfloat16":
+        return False
+    with np.errstate(invalid="ignore"):
+        difference = np.abs(expected.astype(np.float64) - actual.astype(np.float64))
+        sensitivity = np.abs(expected.astype(np.float64) - perturbed.astype(np.float64))
+    if not (np.all(np.isfinite(difference)) and np.all(np.isfinite(sensitivity))):
+        return False
+    return float(np.max(difference)) <= CONDITIONING_FACTOR * float(np.max(sensitivity))
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
@@ -244,25 +264,44 @@ def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3,
         raise _cannot_verify(f"onnxruntime cannot run the fused model ({_first_line(error)})") from error
     runner = lowered.runner()
     worst = {name: 0.0 for name in lowered.outputs}
+    # A second onnxruntime chain with the data nudged by two float32 ulps measures how much the model itself
+    # amplifies rounding (BatchNorm over a few values is ill-conditioned): an output beyond the fixed
+    # tolerance still agrees within CONDITIONING_FACTOR times that change.
+    data = [i.name for i in inputs if i.name not in pairs.values() and i.name not in initial and i.name not in momenta
+            and i.name not in overflow and np.asarray(feeds[i.name]).dtype.kind == "f" and np.asarray(feeds[i.name]).size > 1]
+    nudged = dict(feeds)
     try:
         runner.initialise({name: feeds[name] for name in lowered.init_inputs.values()})
         for step in range(steps):
+            for name in data:
+                nudged[name] = (np.asarray(feeds[name]) * (1 + PERTURBATION)).astype(np.asarray(feeds[name]).dtype)
             expected = runtime.run(session, feeds)
             actual = runner.step(feeds)
+            perturbed = None
             for name in lowered.outputs:
                 error, message = _disagreement(name, np.asarray(expected[name]), np.asarray(actual[name]), dtypes.get(name, 0), step + 1)
+                if message and data:
+                    perturbed = perturbed if perturbed is not None else runtime.run(session, nudged)
+                    if _within_conditioning(np.asarray(expected[name]), np.asarray(actual[name]), np.asarray(perturbed[name])):
+                        message = ""
                 worst[name] = max(worst[name], error)
                 if message:
                     return LoweringCheck(step + 1, False, worst, message)
+            if data:
+                perturbed = perturbed if perturbed is not None else runtime.run(session, nudged)
+                for output, state in pairs.items():
+                    nudged[state] = perturbed[output]
             for output, state in pairs.items():
                 feeds[state] = expected[output]
             for value in inputs:
                 if value.name not in pairs.values() and value.name not in initial:
                     feeds[value.name] = _feed(value, rng, step + 1)
+                    nudged[value.name] = feeds[value.name]
                     if value.name in momenta and step == 0:
                         feeds[value.name] = np.zeros_like(feeds[value.name])
                     if value.name in overflow and step == 0:
                         feeds[value.name] = np.full_like(feeds[value.name], np.inf)
+                    nudged[value.name] = feeds[value.name]
     except ExecutorError as error:
         raise _cannot_verify(str(error)) from error
     except LoweringError:
