@@ -121,6 +121,7 @@ from onnx import helper
 from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, Specialisation, function_opset, read_sgd_attributes, sgd_functions_for
 from sgdfuse.lift import FLOAT_TYPES, lift_to_double, missing_kernels, specialise
 from sgdfuse.passes.index import GraphIndex
+from sgdfuse.passes.sgd_match import previous_by_name
 from sgdfuse.runtime import make_session, onnx_to_numpy_dtype, run
 
 __all__ = [
@@ -173,26 +174,11 @@ where a first step that ignores the old buffer must be seen to ignore it."""
 _UNIT_ROUNDOFF = {onnx.TensorProto.FLOAT: 2.0**-24, onnx.TensorProto.FLOAT16: 2.0**-11, onnx.TensorProto.BFLOAT16: 2.0**-8}
 _SMALLEST_SUBNORMAL = {onnx.TensorProto.FLOAT: 2.0**-149, onnx.TensorProto.FLOAT16: 2.0**-24, onnx.TensorProto.BFLOAT16: 2.0**-133}
 _DOUBLE_ROUNDOFF = 2.0**-53
-_STATE_SUFFIXES = ("_out", "_new", "_next", "_updated", ".out", ".new")
-_STATE_PREFIXES = ("new_", "next_", "updated_", "out_")
 
 
 def unit_roundoff(dtype: int) -> float:
     """Unit roundoff (half the machine epsilon) of an ONNX float dtype."""
     return _UNIT_ROUNDOFF[dtype]
-
-
-def previous_by_name(output: str, inputs: Iterable[str]) -> str | None:
-    """The input whose name marks ``output`` as its next value (``buf`` for ``buf_out``, ``new_buf``,
-    ``buf_new``, ``buf_next``, ``buf_updated``, ``next_buf``, ...), or None when the names say nothing."""
-    names = inputs if isinstance(inputs, (set, frozenset, dict)) else set(inputs)
-    for suffix in _STATE_SUFFIXES:
-        if output.endswith(suffix) and output[: -len(suffix)] in names:
-            return output[: -len(suffix)]
-    for prefix in _STATE_PREFIXES:
-        if output.startswith(prefix) and output[len(prefix):] in names:
-            return output[len(prefix):]
-    return None
 
 
 # ----------------------------------------------------------------------------------------------- bounds

@@ -22,7 +22,7 @@ import fnmatch
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import onnx
@@ -33,7 +33,7 @@ from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.linear import ONE, Form, Normaliser, Poly, add_forms, format_form, format_poly, scale_form
 from sgdfuse.passes.precision import FLOAT_DTYPES, SPACINGS, Precision, round_to_dtype, working_precision
 
-__all__ = ["Match", "Miss", "FirstStep", "Guard", "RolePins", "REASONS", "ROLE_EVIDENCE", "find_updates", "guarded_outputs"]
+__all__ = ["Match", "Miss", "FirstStep", "Guard", "RolePins", "REASONS", "ROLE_EVIDENCE", "find_updates", "guarded_outputs", "previous_by_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -1541,19 +1541,25 @@ _STATE_SUFFIXES = ("_out", "_new", "_next", "_updated", ".out", ".new")
 _STATE_PREFIXES = ("new_", "next_", "updated_", "out_")
 
 
-def _previous_by_name(index: GraphIndex, output: str, pins: RolePins | None = None) -> str | None:
-    """The graph input that ``output`` is the next value of: as pinned by the user, else as its name says
-    (``buf`` for ``buf_out``); None when neither says."""
-    if pins is not None and output in pins.state:
-        return pins.state[output]
-    inputs = index.state_names
+def previous_by_name(output: str, inputs: Iterable[str]) -> str | None:
+    """The input whose name marks ``output`` as its next value (``buf`` for ``buf_out``, ``new_buf``,
+    ``buf_new``, ``buf_next``, ``buf_updated``, ``next_buf``, ...), or None when the names say nothing."""
+    names = inputs if isinstance(inputs, (set, frozenset, dict)) else set(inputs)
     for suffix in _STATE_SUFFIXES:
-        if output.endswith(suffix) and output[: -len(suffix)] in inputs:
+        if output.endswith(suffix) and output[: -len(suffix)] in names:
             return output[: -len(suffix)]
     for prefix in _STATE_PREFIXES:
-        if output.startswith(prefix) and output[len(prefix):] in inputs:
+        if output.startswith(prefix) and output[len(prefix):] in names:
             return output[len(prefix):]
     return None
+
+
+def _previous_by_name(index: GraphIndex, output: str, pins: RolePins | None = None) -> str | None:
+    """The graph input that ``output`` is the next value of: as pinned by the user, else as its name says
+    (:func:`previous_by_name`); None when neither says."""
+    if pins is not None and output in pins.state:
+        return pins.state[output]
+    return previous_by_name(output, index.state_names)
 
 
 def _typing_problem(
