@@ -159,12 +159,19 @@ def test_maximize_negated_gradient_fuses_and_feeds_negation():
 
 
 def test_ema_momentum_is_contract_with_dampening_equal_momentum():
-    beta = 0.9
-    b = Builder()
-    p, g, buf = _state(b)
-    b.add(b.mul(buf, b.scalar(beta)), b.mul(b.sub(b.scalar(1.0), b.scalar(beta)), g), out="buf_new")
-    b.sub(p, b.mul(b.scalar(LR), "buf_new"), out="p_new")
-    _fuses_as(b.model(["p_new", "buf_new"]), momentum=beta, dampening=beta)
+    # buf = beta*buf + (1 - beta)*g. With beta = 0.5 it reads as dampening 0.5 on g; with beta = 0.9 the
+    # op's g - g*0.9 would round 9 times the (1 - beta)*g it leaves, so the graph's own (1 - beta)*g value is
+    # the gradient, with dampening 0.
+    for beta in (0.5, 0.9):
+        b = Builder()
+        p, g, buf = _state(b)
+        scaled = b.mul(b.sub(b.scalar(1.0), b.scalar(beta)), g)
+        b.add(b.mul(buf, b.scalar(beta)), scaled, out="buf_new")
+        b.sub(p, b.mul(b.scalar(LR), "buf_new"), out="p_new")
+        if beta == 0.5:
+            _fuses_as(b.model(["p_new", "buf_new"]), momentum=beta, dampening=beta)
+        else:
+            _fuses_as(b.model(["p_new", "buf_new"]), momentum=beta, dampening=0.0, gradient=scaled)
 
 
 def test_scaled_gradient_accumulation_is_momentum_one():

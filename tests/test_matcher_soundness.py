@@ -594,3 +594,36 @@ def test_a_term_scaled_far_up_and_back_down_is_refused():
     original = model(nodes, [value("p"), value("g"), value("buf")], [value("p_out"), value("buf_out")],
                      [const("lr", 0.1), const("mu", 0.9), const("s", 1e30)])
     assert refusal(original).reason == "cancelling-terms"
+
+
+def test_a_buffer_behind_a_per_element_momentum_is_not_replaced_by_the_gradient():
+    # buf' = m_vec*buf + g with m a per-element vector: the only linear reading takes g as the buffer with
+    # momentum 1, which would write buf' into g in place. Without names it is refused, not guessed.
+    shape = (3, 4)
+    nodes = [node("Mul", ["m", "buf"], ["a"]), node("Add", ["a", "g"], ["bo"]), node("Mul", ["lr", "bo"], ["d"]),
+             node("Sub", ["p", "d"], ["po"])]
+    original = model(nodes, [value("p", F32, shape), value("g", F32, shape), value("buf", F32, shape)],
+                     [value("po", F32, shape), value("bo", F32, shape)],
+                     [numpy_helper.from_array(np.array([0.875, 0.5, 0.25, 0.125], np.float32), "m"), const("lr", 0.125)])
+    r = refusal(original, "po")
+    assert r.reason == "ambiguous-roles" and "--state" in r.detail, r
+
+
+@pytest.mark.parametrize("lr", [2.0**-7, 2.0**-10, 2.0**-20])
+def test_keras_with_a_power_of_two_learning_rate_takes_its_own_scaled_gradient(lr):
+    # 1 - lr is exact in float32 here, but the op's grad - grad*d with d = 1 - lr keeps one ulp of grad on a
+    # term of lr*grad: the graph's own lr*g with dampening 0 is the exact reading.
+    original = keras_step(lr)
+    result = fused_one(original)
+    f = result.report.fused[0]
+    assert (f.gradient, f.dampening) == ("lr_g", 0.0)
+    assert_in_place_equal(original, result.model, {"w_out": "w", "m_out": "m"}, steps=6)
+
+
+def test_a_dampening_within_two_to_the_minus_ten_of_one_with_no_scaled_value_is_refused():
+    # buf' = 0.9*buf + g - d*g with d = 1 - 2^-12 written as g - d*g: no value holds (1 - d)*g.
+    nodes = [node("Mul", ["buf", "mom"], ["bm"]), node("Mul", ["g", "d"], ["gd"]), node("Add", ["bm", "g"], ["t"]),
+             node("Sub", ["t", "gd"], ["buf_out"]), node("Mul", ["buf_out", "lr"], ["st"]), node("Sub", ["p", "st"], ["p_out"])]
+    original = model(nodes, [value("p"), value("g"), value("buf")], [value("p_out"), value("buf_out")],
+                     [const("mom", 0.9), const("lr", 0.1), const("d", 1 - 2.0**-12)])
+    assert refusal(original).reason == "inexact-coefficients"

@@ -839,7 +839,22 @@ def _solve_pair(
                 best = result
     if len(solutions) == 1:
         decided = "pin" if rel.pins.buffers and named_by != "structure" else (named_by if named_buffer is not None else "structure")
-        return dataclasses.replace(solutions[0], roles_from=decided)
+        only = solutions[0]
+        if decided == "structure" and only.momentum.is_constant and not 0 < only.momentum.constant_value < 1:
+            # The one reading left takes a fed tensor as the buffer with a momentum no optimizer uses (1, from a
+            # buffer hidden behind a per-element factor, m*buf with m a vector): without a name or a pin
+            # that is no evidence of which tensor is written in place.
+            return Miss(
+                w,
+                "ambiguous-roles",
+                f"the only momentum-SGD reading of {v} takes {only.accum} as the buffer with momentum "
+                f"{format_poly(only.momentum)} and {only.gradient} as the gradient; nothing but the algebra says "
+                f"{only.accum} is the buffer. If it is, pin it: --state {v}={only.accum} (or name the output "
+                f"{only.accum}_out).",
+                equation=equation,
+                score=9,
+            )
+        return dataclasses.replace(only, roles_from=decided)
     if solutions:
         # One step's algebra cannot tell the buffer from the gradient when both are inputs: buf' = 0.9*buf + g
         # is also "accum = g, momentum 1, dampening 0.1". The in-place write must hit the real buffer: the
@@ -1015,20 +1030,49 @@ def _solve_roles(
             # Readings that need a dampening near 1 (the graph's lr*g read as g with 1 - d = lr) lose to
             # the exact ones: the op forms 1 - d in float32, which cancels.
             # One spacing is the rounding of a folded constant (1 - d, (1 - d)*wd): such readings tie, and
-            # the first (the leaf gradient, with the graph's own hyper-parameters) wins.
-            if chosen is None or max(result.coefficient_error, 1.0) < max(chosen.coefficient_error, 1.0):
+            # the first (the leaf gradient, with the graph's own hyper-parameters) wins. The op's own
+            # arithmetic counts too: it forms grad - grad*d, whose rounding is |d|/|1 - d| times the term's
+            # (d = 1 - 2^-20 is exact in float32, but grad - grad*d keeps one ulp of grad on a 2^-20 term).
+            if chosen is None or _reading_cost(result) < _reading_cost(chosen):
                 chosen = result
-            if chosen.coefficient_error <= 1.0:
+            if _reading_cost(chosen) <= 1.0:
                 break
             continue
         # The first reading's refusal is the one to report; a later value reading's own typing (a FLOAT
         # Cast of a FLOAT16 gradient) is no news about the update.
         if best is None or (result.score > best.score and result.reason not in ("mixed-precision", "dtype-mismatch")):
             best = result
+    if chosen is not None and _cancellation_gain(chosen) > MAX_CANCELLATION_GAIN:
+        return Miss(
+            w,
+            "inexact-coefficients",
+            f"read with dampening {chosen.dampening:.9g}, the op would compute grad - grad*d, whose rounding is "
+            f"{_cancellation_gain(chosen):.3g} times the size of the term it leaves (1 - d = {1 - chosen.dampening:.3g}); "
+            "no value of the graph holds the scaled gradient, which the op could take with dampening 0.",
+            equation=equation,
+            score=6,
+        )
     if chosen is not None:
         return chosen
     assert best is not None
     return best
+
+
+MAX_CANCELLATION_GAIN = 1024.0
+"""A reading whose ``grad - grad*d`` rounds more than this many times the term ``(1 - d)*grad`` it leaves is
+refused when nothing better exists (dampening within 2^-10 of 1)."""
+
+
+def _cancellation_gain(match: Match) -> float:
+    """|d| / |1 - d|: how much the op's ``grad - grad*d`` amplifies rounding relative to the term it leaves."""
+    d = match.dampening
+    return math.inf if d == 1 else max(1.0, abs(d) / abs(1.0 - d))
+
+
+def _reading_cost(match: Match) -> float:
+    """How far a reading is from exact: its coefficient distance (spacings, at least 1) times the op's own
+    cancellation gain."""
+    return max(match.coefficient_error, 1.0) * _cancellation_gain(match)
 
 
 @dataclasses.dataclass(frozen=True)
