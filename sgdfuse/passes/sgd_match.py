@@ -21,14 +21,16 @@ import dataclasses
 import fnmatch
 import logging
 import math
+import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import onnx
 
 from sgdfuse.contract import TensorSpec, check_attributes, dtype_name, format_shape
 from sgdfuse.errors import ContractError, RolePinError
+from sgdfuse.passes.classes import find_by_class
 from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.linear import ONE, Form, Normaliser, Poly, add_forms, format_form, format_poly, scale_form
 from sgdfuse.passes.precision import FLOAT_DTYPES, SPACINGS, Precision, round_to_dtype, working_precision
@@ -112,6 +114,53 @@ class Match:
     graph's, in spacings of the working precision (:mod:`sgdfuse.passes.precision`). The graph writes the
     buffer's coefficients as single constants, so an exact reading has 0 here; one that needs a dampening
     near 1 does not. Readings are ranked by it."""
+    equation_forms: tuple = dataclasses.field(default=(), compare=False, repr=False)
+    """``(parameter form, buffer form)`` the two equations are written from (over the graph's values): kept
+    so that a match renamed for another member of its structural class writes its own equations."""
+
+
+    def with_equations(self) -> "Match":
+        """This match with :attr:`parameter_equation` and :attr:`accum_equation` written (lazily) from
+        :attr:`equation_forms`, in terms of its own values."""
+        w, v, p, a, g = self.parameters_out, self.accum_out, self.parameters, self.accum, self.gradient
+        parameter_form, buffer_form = self.equation_forms
+        self.parameter_equation = LazyText(lambda: f"{w} = {format_form(parameter_form, [p, v, a])}")
+        self.accum_equation = LazyText(lambda: f"{v} = {format_form(buffer_form, [a, g, p])}")
+        return self
+
+    def renamed(self, names: Mapping[str, str], nodes: Mapping[int, int]) -> "Match":
+        """This match for another member of its structural class (:mod:`sgdfuse.passes.classes`): every value
+        name through ``names`` and node index through ``nodes`` (names and nodes not in them, shared by the
+        members, stay), its equations rewritten from the renamed forms."""
+        name = lambda value: names.get(value, value)  # noqa: E731
+        parameter_form, buffer_form = self.equation_forms
+        return dataclasses.replace(
+            self,
+            parameters=name(self.parameters),
+            gradient=name(self.gradient),
+            accum=name(self.accum),
+            parameters_out=name(self.parameters_out),
+            accum_out=name(self.accum_out),
+            learning_rate=_renamed_poly(self.learning_rate, names),
+            momentum=_renamed_poly(self.momentum, names),
+            nodes={nodes.get(k, k) for k in self.nodes},
+            first_step=None if self.first_step is None else dataclasses.replace(self.first_step, condition=name(self.first_step.condition)),
+            guard=None if self.guard is None else dataclasses.replace(
+                self.guard, output=name(self.guard.output), new=name(self.guard.new), old=name(self.guard.old), condition=name(self.guard.condition)
+            ),
+            rounded=dict(self.rounded),
+            equation_forms=(_renamed_form(parameter_form, names), _renamed_form(buffer_form, names)),
+        ).with_equations()
+
+
+def _renamed_poly(poly: Poly, names: Mapping[str, str]) -> Poly:
+    if poly.is_constant:
+        return poly
+    return Poly({tuple(sorted((names.get(s, s), power) for s, power in monomial)): c for monomial, c in poly.terms.items()})
+
+
+def _renamed_form(form: Form, names: Mapping[str, str]) -> Form:
+    return {names.get(leaf, leaf): _renamed_poly(c, names) for leaf, c in form.items()}
 
 
 @dataclasses.dataclass
@@ -264,7 +313,7 @@ def find_updates(
     _check_pins(index, pins)
     normaliser = normaliser or Normaliser(index)
     outputs = list(dict.fromkeys(index.graph_outputs))
-    matches, misses = _find(index, normaliser, outputs, pins, allow_rounding, {})
+    matches, misses = _find_by_class(index, normaliser, outputs, pins, allow_rounding)
     # A guarded output Where(c, old, new) that no update explains as it is (a first-step Where is one) is
     # matched through its new value; the guard pairs new with old.
     claimed = {_skip_copies(index, name) for m in matches for name in (m.parameters_out, m.accum_out)}
@@ -327,10 +376,86 @@ def _one_writer(matches: list[Match]) -> tuple[list[Match], list[Miss]]:
     return accepted, misses
 
 
-def _find(
-    index: GraphIndex, normaliser: Normaliser, outputs: list[str], pins: RolePins, allow_rounding: bool, guards: dict[str, "Guard"]
+def _named_next(index: GraphIndex, float_outputs: list[str], pins: RolePins) -> dict[str, str]:
+    """Name evidence of which output is the next value of which state input (buf -> buf_out), by the
+    input: the copy-free value of the first output so named."""
+    named_next: dict[str, str] = {}
+    for o in float_outputs:
+        previous = _previous_by_name(index, o, pins)
+        if previous is not None:
+            named_next.setdefault(previous, _skip_copies(index, o))
+    return named_next
+
+
+MEMO_CHECK_ENV = "SGDFUSE_CHECK_CLASSES"
+"""Environment variable: when set to 1, :func:`find_updates` also solves every output directly and raises
+AssertionError if the per-class result differs (used by the test suite)."""
+
+
+def _find_by_class(
+    index: GraphIndex, normaliser: Normaliser, outputs: list[str], pins: RolePins, allow_rounding: bool
 ) -> tuple[list[Match], list[Miss]]:
-    """The updates among ``outputs`` (graph outputs, or the new values of guarded ones) and the refusals."""
+    """:func:`_find` over ``outputs``, solving one member of each structural class of update clusters
+    (:mod:`sgdfuse.passes.classes`) and renaming its matches for the others."""
+    float_outputs = [o for o in outputs if index.spec(o).dtype in _EPS]
+    named_next = _named_next(index, float_outputs, pins)
+    name_facts = name_facts_of(index, pins, named_next)
+
+    def solve(some: list[str]) -> tuple[list[Match], list[Miss]]:
+        return _find(index, normaliser, some, pins, allow_rounding, {}, named_next)
+
+    def form_leaves(output: str) -> set[str]:
+        return set(normaliser.form(output)) - {ONE}
+
+    result = find_by_class(index, float_outputs, solve, lambda m, names, nodes: m.renamed(names, nodes), name_facts, form_leaves)
+    if os.environ.get(MEMO_CHECK_ENV) == "1":
+        direct = _find(index, normaliser, outputs, pins, allow_rounding, {})
+        _assert_same(result, direct)
+    return result
+
+
+def name_facts_of(index: GraphIndex, pins: RolePins, named_next: Mapping[str, str]) -> Callable[[str, bool], tuple]:
+    """Everything the matcher reads from a value's name, for the structural class key
+    (:func:`sgdfuse.passes.classes.clusters_of`): ``(flags, previous, next)``.
+
+    ``flags`` are the buffer and gradient conventions (:data:`ROLE_EVIDENCE`), the user's buffer globs and
+    whether a state pin names it; ``previous`` is the input its name (or a pin) says it replaces, asked of
+    graph outputs only (the matcher asks it of the candidate and its buffers); ``next`` is the output named as
+    its next value (``named_next``, :func:`_named_next`)."""
+
+    def name_facts(value: str, is_output: bool) -> tuple:
+        flags = (bool(_BUFFER_NAME.search(value)), bool(_GRADIENT_NAME.search(value)), pins.is_buffer(value), value in pins.state)
+        return flags, _previous_by_name(index, value, pins) if is_output else None, named_next.get(value)
+
+    return name_facts
+
+
+def _assert_same(by_class: tuple[list[Match], list[Miss]], direct: tuple[list[Match], list[Miss]]) -> None:
+    """Raise AssertionError when the per-class matcher's result differs from the direct one."""
+    def matches(found: list[Match]) -> list:
+        return [(dataclasses.replace(m, parameter_equation=str(m.parameter_equation), accum_equation=str(m.accum_equation)), sorted(m.nodes)) for m in found]
+
+    def misses(refused: list[Miss]) -> list:
+        return sorted((m.candidate, m.reason, m.detail, str(m.equation), m.nearest, m.differing, m.buffer) for m in refused)
+
+    if matches(by_class[0]) != matches(direct[0]):
+        raise AssertionError(f"per-class matches differ from the direct ones: {matches(by_class[0])} != {matches(direct[0])}")
+    if misses(by_class[1]) != misses(direct[1]):
+        raise AssertionError(f"per-class refusals differ from the direct ones: {misses(by_class[1])} != {misses(direct[1])}")
+
+
+def _find(
+    index: GraphIndex,
+    normaliser: Normaliser,
+    outputs: list[str],
+    pins: RolePins,
+    allow_rounding: bool,
+    guards: dict[str, "Guard"],
+    named_next: dict[str, str] | None = None,
+) -> tuple[list[Match], list[Miss]]:
+    """The updates among ``outputs`` (graph outputs, or the new values of guarded ones) and the refusals.
+    ``named_next`` is the name evidence of the whole graph (:func:`_named_next`) when ``outputs`` are a part
+    of it; by default it is read from ``outputs``."""
     float_outputs = [o for o in outputs if index.spec(o).dtype in _EPS]
     canonical = {o: _skip_copies(index, o) for o in float_outputs}
     position = {o: k for k, o in enumerate(float_outputs)}
@@ -339,11 +464,8 @@ def _find(
         outputs_by_canonical.setdefault(canonical[o], []).append(o)
     # Name evidence of which output is the next value of which state input (buf -> buf_out): an in-place
     # write must hit the input its output replaces, whatever order the outputs come in.
-    named_next: dict[str, str] = {}
-    for o in float_outputs:
-        previous = _previous_by_name(index, o, pins)
-        if previous is not None:
-            named_next.setdefault(previous, canonical[o])
+    if named_next is None:
+        named_next = _named_next(index, float_outputs, pins)
 
     matches: list[Match] = []
     misses: list[Miss] = []
@@ -1201,14 +1323,13 @@ def _attributes_reading(
         dtype=index.spec(p).dtype,
         shape=index.spec(p).shape,
         nodes=nodes_w | nodes_v,
-        parameter_equation=LazyText(
-            lambda: f"{w} = {format_form({p: Poly.const(1), v: alpha, a: beta} if nesterov else {p: Poly.const(1), v: alpha}, [p, v, a])}"
-        ),
-        accum_equation=LazyText(lambda: f"{v} = {format_form(form_v, [a, g, p])}"),
+        parameter_equation="",
+        accum_equation="",
         first_step=first_step,
         rounded=_rounded_hyperparameters(lr, m, index.spec(p).dtype, rel),
         coefficient_error=error,
-    )
+        equation_forms=({p: Poly.const(1), v: alpha, a: beta} if nesterov else {p: Poly.const(1), v: alpha}, form_v),
+    ).with_equations()
 
 
 def _op_forms(normaliser: Normaliser, solved: _Solved, g: str, sign: float, lr: Poly, m: Poly, dampening: float, weight_decay: float) -> tuple[Form, Form]:

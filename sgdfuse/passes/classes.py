@@ -1,0 +1,489 @@
+"""Structural classes of update clusters: the matcher solves one member of each class, the rest are renamed.
+
+A training step of N parameters holds N update sub-graphs that differ only in their names (and often not even
+in their constants): solving each one costs milliseconds of algebra, while recognising that two of them are
+the same up to names costs a walk over a dozen nodes. :func:`find_by_class` groups the graph outputs into
+*clusters* (outputs whose elementwise regions share a tensor), computes a key per cluster that captures
+everything the matcher (:mod:`sgdfuse.passes.sgd_match`) reads, solves the first member of each key and
+instantiates its matches for every other member by renaming. The argument, and what the key holds, is in
+docs/design.md ("Matching per structural class").
+
+What the key holds, per value of the cluster's region (numbered in a canonical walk from the cluster's
+outputs, so two members' values correspond by position):
+
+- how it is defined: the producing node's op type, domain, serialised attributes and input positions, or the
+  kind of leaf (graph input, initializer that is an input, constant initializer with its bytes, output of an op
+  the walk does not enter, with that op's type);
+- its dtype and shape (symbolic dimensions by name);
+- every fact the matcher draws from its name: the buffer and gradient conventions, the user's pins, the input
+  its name says it replaces (``previous_by_name``), the output named as its own next value, and its place in
+  the sort order of the cluster's names (the matcher breaks ties by name order);
+- which graph outputs the cluster has, in graph order.
+
+Values shared with other clusters (a learning-rate input read by every update, a shared scalar initializer)
+are keyed by their literal name and not entered. A cluster whose region holds a ``Where``, an ``If`` or any
+node with a subgraph, whose outputs come out of an op the walk does not enter, or whose region is large is
+solved directly; so is every member of a class whose solved member was refused (the refusal's wording names
+the member's own values). Without a class to share, the result is exactly :func:`_find`'s.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+
+import onnx
+
+from sgdfuse.passes.index import GraphIndex
+
+__all__ = ["ENTERED_OPS", "MAX_REGION", "Cluster", "find_by_class", "clusters_of"]
+
+logger = logging.getLogger(__name__)
+
+ENTERED_OPS = frozenset(
+    {
+        "Identity", "Cast", "CastLike", "Reshape", "Unsqueeze", "Squeeze", "Expand", "Flatten", "Gather", "Neg",
+        "Reciprocal", "ConstantOfShape", "Add", "Sub", "Mul", "Div", "Sum", "Constant", "Shape",
+    }
+)
+"""Default-domain ops whose inputs the region walk enters: every op the normaliser (:mod:`sgdfuse.passes.linear`)
+reads through for forms or scalars, plus ``Shape`` and ``Constant``. The output of any other op is a leaf of
+the region, keyed by its op type (the matcher does not look behind it when it fuses)."""
+
+DIRECT_OPS = frozenset({"Where", "If", "Loop", "Scan"})
+"""Ops the matcher reads into (a first-step ``Where``, an ``If`` on one boolean) in ways the key does not
+capture: a cluster holding one is solved directly."""
+
+MAX_REGION = 512
+"""A cluster with more values than this is solved directly (no class would share its cost)."""
+
+SHARED_SCALAR_REGIONS = 4
+"""A one-element value read by more regions than this (a learning rate fed to every update) links no
+clusters: it is keyed by name instead."""
+
+
+@dataclasses.dataclass
+class Cluster:
+    """Graph outputs solved together, and the walk that keys them.
+
+    Attributes:
+        outputs: the float graph outputs of the cluster, in graph order.
+        extras: outputs of other clusters (computed only from shared values) that the matcher may pair with
+            these, passed along and keyed by name.
+        values: the region's value names in canonical order (local values only).
+        nodes: the region's node indices in canonical order.
+        key: the class key (None: solve directly).
+    """
+
+    outputs: list[str]
+    extras: list[str] = dataclasses.field(default_factory=list)
+    values: list[str] = dataclasses.field(default_factory=list)
+    nodes: list[int] = dataclasses.field(default_factory=list)
+    key: tuple | None = None
+
+
+class _Walker:
+    """Regions of graph outputs, with per-node facts read from the protobuf once."""
+
+    def __init__(self, index: GraphIndex) -> None:
+        self.index = index
+        self._node_facts: dict[int, tuple] = {}
+        self._value_facts: dict[str, tuple] = {}
+        self._steps: dict[str, tuple[int | None, tuple[str, ...], bool]] = {}
+        self.outputs = set(index.graph_outputs)
+
+    def node_facts(self, k: int) -> tuple:
+        """``(op_type, domain, inputs, outputs, has subgraph)`` of node ``k``."""
+        facts = self._node_facts.get(k)
+        if facts is None:
+            node = self.index.graph.node[k]
+            subgraph = False
+            if node.attribute:
+                subgraph = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+            facts = (node.op_type, node.domain, tuple(node.input), tuple(node.output), subgraph)
+            self._node_facts[k] = facts
+        return facts
+
+    def attributes(self, k: int) -> bytes:
+        """Node ``k``'s attributes, serialised deterministically (a ``Constant``'s value, a ``Cast``'s type)."""
+        node = self.index.graph.node[k]
+        return b"".join(a.SerializeToString(deterministic=True) for a in node.attribute) if node.attribute else b""
+
+    def entered(self, value: str) -> int | None:
+        """The producer of ``value`` when the walk enters it, else None (a leaf)."""
+        return self.step(value)[0]
+
+    def step(self, value: str) -> tuple[int | None, tuple[str, ...], bool, tuple[str, ...]]:
+        """``(producer entered or None, its inputs, whether the producer makes the region direct, the inputs of
+        a producer not entered)``: the matcher reads the operands of a leaf's producer (to name a buffer
+        hidden behind it), so those are listed in the region, but not entered."""
+        step = self._steps.get(value)
+        if step is None:
+            k = self.index.producer.get(value)
+            if k is None:
+                step = (None, (), False, ())
+            else:
+                op, domain, inputs, _, subgraph = self.node_facts(k)
+                direct = subgraph or op in DIRECT_OPS
+                if domain not in ("", "ai.onnx") or op not in ENTERED_OPS:
+                    step = (None, (), direct, inputs)
+                else:
+                    step = (k, inputs, direct, ())
+            self._steps[value] = step
+        return step
+
+    def region(self, output: str) -> tuple[list[str], set[str], bool]:
+        """Values of ``output``'s region in walk order (depth first, inputs in order), those only listed as
+        operands of a leaf's producer (not entered), and whether the region must be solved directly: it holds
+        a node of :data:`DIRECT_OPS` or one with a subgraph, it is larger than :data:`MAX_REGION`, or the
+        output (past copies) comes out of an op the walk does not enter (the matcher then looks behind that
+        op for an update it passes through)."""
+        listed = {output}
+        walked = {output}
+        order = [output]
+        fringe: set[str] = set()
+        stack = [output]
+        direct = self._behind_copies_not_entered(output)
+        step = self.step
+        while stack:
+            _, inputs, makes_direct, operands = step(stack.pop())
+            if makes_direct:
+                direct = True
+            for name in inputs:
+                if name and name not in walked:
+                    walked.add(name)
+                    stack.append(name)
+                    if name not in listed:
+                        listed.add(name)
+                        order.append(name)
+            for name in operands:
+                if name and name not in listed:
+                    listed.add(name)
+                    order.append(name)
+                    fringe.add(name)
+            if len(order) > MAX_REGION:
+                return order, fringe - walked, True
+        return order, fringe - walked, direct
+
+    def copies(self, value: str) -> set[str]:
+        """``value`` and the values it copies through ``Identity``, ``Cast`` and ``CastLike`` (a superset of
+        the matcher's own copy rule, which follows only float-to-float casts)."""
+        chain = set()
+        while value not in chain:
+            chain.add(value)
+            k = self.index.producer.get(value)
+            if k is None:
+                break
+            op, domain, inputs = self.node_facts(k)[:3]
+            if domain not in ("", "ai.onnx") or op not in ("Identity", "Cast", "CastLike") or not inputs or not inputs[0]:
+                break
+            value = inputs[0]
+        return chain
+
+    def _behind_copies_not_entered(self, output: str) -> bool:
+        value, seen = output, set()
+        while value not in seen:
+            seen.add(value)
+            k = self.index.producer.get(value)
+            if k is None:
+                return False
+            op, domain, inputs = self.node_facts(k)[:3]
+            if domain in ("", "ai.onnx") and op in ("Identity", "Cast", "CastLike") and inputs:
+                value = inputs[0]
+                continue
+            return domain not in ("", "ai.onnx") or op not in ENTERED_OPS
+        return False
+
+    def value_facts(self, value: str) -> tuple:
+        """What the key holds of ``value`` besides its name facts: its spec and how it is defined (the
+        defining node's inputs are added by the caller, as positions)."""
+        facts = self._value_facts.get(value)
+        if facts is None:
+            index = self.index
+            spec = index.spec(value)
+            shape = spec.shape
+            k = index.producer.get(value)
+            if k is not None:
+                op, domain, _, outputs, _ = self.node_facts(k)
+                entered = domain in ("", "ai.onnx") and op in ENTERED_OPS
+                kind: tuple = ("node" if entered else "computed", op, domain, outputs.index(value), len(outputs), self.attributes(k) if entered else b"")
+            elif value in index.initializers:
+                if index.is_input_name(value):
+                    kind = ("initializer-input",)
+                else:
+                    constant = index.constant(value)
+                    kind = ("initializer", None if constant is None else (str(constant.dtype), constant.shape, constant.tobytes()))
+            elif index.is_input_name(value):
+                kind = ("input",)
+            else:
+                kind = ("undefined",)
+            facts = (spec.dtype, shape, kind, value in self.outputs)
+            self._value_facts[value] = facts
+        return facts
+
+    def is_constant(self, value: str) -> bool:
+        """A small compile-time constant (its bytes are keyed), or the output of a ``Constant`` node."""
+        return self.index.constant(value) is not None
+
+
+def clusters_of(
+    index: GraphIndex, outputs: Sequence[str], name_facts: Callable[[str, bool], tuple], form_leaves: Callable[[str], set[str]]
+) -> list[Cluster]:
+    """The clusters of ``outputs`` (float graph outputs, in graph order), each keyed (or marked direct).
+
+    ``name_facts(name, is_output)`` returns the matcher's facts drawn from a name: ``(flags, previous, next)`` with
+    ``flags`` a tuple (conventions, pins), ``previous`` the input the name says it replaces and ``next`` the
+    output named as its next value (or None);
+    ``form_leaves(output)`` the leaves of an output's linear form (asked only of outputs computed from shared
+    values alone).
+    """
+    walker = _Walker(index)
+    regions: dict[str, list[str]] = {}
+    fringes: dict[str, set[str]] = {}
+    direct: set[str] = set()
+    appearances: dict[str, list[str]] = {}
+    # An operand of a leaf's producer matters to the matcher only when it is (a copy of) a graph output's value.
+    output_copies = set().union(*(walker.copies(o) for o in outputs)) if outputs else set()
+    for o in outputs:
+        values, fringe, must = walker.region(o)
+        regions[o] = values
+        fringes[o] = fringe
+        if must:
+            direct.add(o)
+        for value in values:
+            if value in fringe and not (walker.copies(value) & output_copies):
+                continue
+            appearances.setdefault(value, []).append(o)
+
+    parent = {o: o for o in outputs}
+
+    def find(o: str) -> str:
+        while parent[o] != o:
+            parent[o] = parent[parent[o]]
+            o = parent[o]
+        return o
+
+    for value, readers in appearances.items():
+        if len(readers) < 2 or not _links(walker, value, len(readers)):
+            continue
+        root = find(readers[0])
+        for other in readers[1:]:
+            other_root = find(other)
+            if other_root != root:
+                parent[other_root] = root
+    members: dict[str, list[str]] = {}
+    for o in outputs:
+        members.setdefault(find(o), []).append(o)
+    cluster_of = {o: find(o) for o in outputs}
+    shared = {value for value, readers in appearances.items() if len({cluster_of[o] for o in readers}) > 1}
+
+    # Outputs computed from shared values alone (a learning-rate schedule lr*0.99): the matcher may pair them
+    # with any cluster whose region holds their form's leaves, so they go along as keyed extras.
+    loose = [o for o, values in regions.items() if _loose(walker, values, fringes[o], shared)]
+    loose_leaves = {o: form_leaves(o) for o in loose}
+
+    clusters: list[Cluster] = []
+    # The loose outputs' own results come from solving them together, directly.
+    loose_cluster = Cluster([o for o in outputs if o in loose_leaves])
+    for root, outs in members.items():
+        outs = [o for o in outs if o not in loose_leaves]
+        if not outs:
+            continue
+        cluster = Cluster(outs)
+        region_values = {value for o in outs for value in regions[o]}
+        cluster.extras = [v for v, leaves in loose_leaves.items() if leaves and leaves <= region_values]
+        if not any(o in direct or o in shared for o in outs):
+            _key(walker, cluster, regions, fringes, shared, name_facts)
+        clusters.append(cluster)
+    if loose_cluster.outputs:
+        clusters.append(loose_cluster)
+    return clusters
+
+
+def _links(walker: _Walker, value: str, readers: int) -> bool:
+    """Whether a value read by several regions puts them in one cluster: any tensor does, a one-element
+    value only when few regions read it, a constant never (its bytes are in the key)."""
+    if walker.is_constant(value):
+        return False
+    if readers <= SHARED_SCALAR_REGIONS:
+        return True
+    return walker.index.spec(value).num_elements() != 1
+
+
+def _loose(walker: _Walker, values: list[str], fringe: set[str], shared: set[str]) -> bool:
+    """True when every leaf of the region that is not a constant is shared with other clusters."""
+    entered = walker.entered
+    for value in values:
+        if entered(value) is None and value not in shared and value not in fringe and not walker.is_constant(value):
+            return False
+    return True
+
+
+def _key(
+    walker: _Walker, cluster: Cluster, regions: dict[str, list[str]], fringes: dict[str, set[str]], shared: set[str], name_facts: Callable[[str, bool], tuple]
+) -> None:
+    """Fill ``cluster.values``, ``cluster.nodes`` and ``cluster.key``: the values are the outputs' regions in
+    turn (each in its walk order) without repeats or shared values, which is canonical: two members of a
+    class list corresponding values at the same positions."""
+    ids: dict[str, int] = {}
+    values: list[str] = []
+    walked: set[str] = set()
+    for o in cluster.outputs:
+        fringe = fringes[o]
+        for value in regions[o]:
+            if value not in fringe:
+                walked.add(value)
+            if value not in ids and value not in shared:
+                ids[value] = len(values)
+                values.append(value)
+    if len(values) > MAX_REGION:
+        return
+    step = walker.step
+    node_ids: dict[int, int] = {}
+    nodes: list[int] = []
+    shared_read: set[str] = set()
+    structure = []
+
+    def refs(inputs: tuple[str, ...]) -> tuple:
+        result = []
+        for name in inputs:
+            position = ids.get(name)
+            if not name:
+                result.append("")
+            elif position is None:
+                shared_read.add(name)
+                result.append(name)
+            else:
+                result.append(position)
+        return tuple(result)
+
+    for value in values:
+        if value not in walked:
+            structure.append((walker.value_facts(value), "operand of a leaf's producer"))
+            continue
+        k, inputs, _, operands = step(value)
+        if k is None:
+            structure.append((walker.value_facts(value), None, refs(operands)))
+            continue
+        if k not in node_ids:
+            node_ids[k] = len(nodes)
+            nodes.append(k)
+        structure.append((walker.value_facts(value), node_ids[k], refs(inputs)))
+    shared_names = sorted(shared_read)
+    rank = {name: position for position, name in enumerate(sorted(values))}
+    names = []
+    outputs = walker.outputs
+    for value in values:
+        is_output = value in outputs
+        if not is_output and walker.is_constant(value):
+            # A small constant folds into a coefficient: it is never a leaf whose name the matcher reads.
+            names.append((rank[value], bisect.bisect_left(shared_names, value) if shared_names else 0))
+            continue
+        flags, previous, named_next = name_facts(value, is_output)
+        names.append((rank[value], bisect.bisect_left(shared_names, value) if shared_names else 0, flags, _named(previous, ids, shared), _named(named_next, ids, shared)))
+    cluster.values = values
+    cluster.nodes = nodes
+    cluster.key = (tuple(ids[o] for o in cluster.outputs), tuple(cluster.extras), tuple(structure), tuple(names))
+
+
+def _named(name: str | None, ids: dict[str, int], shared: set[str]) -> tuple | None:
+    """A value a name fact points to: local (by position), shared (by name), or elsewhere in the graph."""
+    if name is None:
+        return None
+    if name in ids:
+        return ("local", ids[name])
+    if name in shared:
+        return ("shared", name)
+    return ("outside",)
+
+
+@dataclasses.dataclass
+class _Template:
+    """A solved class: its first member's values and nodes, and the matches found (None: solve each member
+    directly)."""
+
+    values: list[str]
+    nodes: list[int]
+    matches: list | None
+
+
+def find_by_class(
+    index: GraphIndex,
+    outputs: Sequence[str],
+    solve: Callable[[list[str]], tuple[list, list]],
+    rename: Callable[[object, dict[str, str], dict[int, int]], object],
+    name_facts: Callable[[str, bool], tuple],
+    form_leaves: Callable[[str], set[str]],
+    *,
+    check: bool = False,
+) -> tuple[list, list]:
+    """The matcher's result over ``outputs``, solving one member per structural class.
+
+    Args:
+        index: the graph.
+        outputs: the candidate outputs (graph outputs, in graph order; the non-float ones are skipped).
+        solve: the matcher over a list of outputs: ``(matches, misses)`` (``sgd_match._find``).
+        rename: a match of a class's solved member renamed for another member, given the value and node
+            correspondences.
+        name_facts: the facts the matcher draws from a name (see :func:`clusters_of`).
+        form_leaves: the leaves of an output's linear form.
+        check: also solve every member directly and raise AssertionError on any difference (tests).
+
+    Returns:
+        ``(matches, misses)`` in the order the matcher gives them for the whole list.
+    """
+    position = {o: k for k, o in enumerate(outputs)}
+    clusters = clusters_of(index, outputs, name_facts, form_leaves)
+    templates: dict[tuple, _Template] = {}
+    matches: list = []
+    misses: list = []
+    solved = instantiated = 0
+    for cluster in clusters:
+        if cluster.key is None:
+            found, refused = _solve_cluster(cluster, solve, position)
+            solved += 1
+        else:
+            template = templates.get(cluster.key)
+            if template is None:
+                found, refused = _solve_cluster(cluster, solve, position)
+                solved += 1
+                template = _Template(cluster.values, cluster.nodes, None if refused else found)
+                templates[cluster.key] = template
+            elif template.matches is None:
+                found, refused = _solve_cluster(cluster, solve, position)
+                solved += 1
+            else:
+                names = dict(zip(template.values, cluster.values))
+                node_map = dict(zip(template.nodes, cluster.nodes))
+                found, refused = [rename(m, names, node_map) for m in template.matches], []
+                instantiated += 1
+                if check:
+                    direct_found, direct_refused = _solve_cluster(cluster, solve, position)
+                    if [_comparable(m) for m in direct_found] != [_comparable(m) for m in found] or direct_refused:
+                        raise AssertionError(f"class instance of {cluster.outputs} differs from its direct solution")
+        matches.extend(found)
+        misses.extend(refused)
+    logger.debug("matched %d clusters directly, %d by class", solved, instantiated)
+    matches.sort(key=lambda m: position.get(m.parameters_out, len(position)))
+    misses.sort(key=lambda m: position.get(m.candidate, len(position)))
+    return matches, misses
+
+
+def _solve_cluster(cluster: Cluster, solve: Callable[[list[str]], tuple[list, list]], position: dict[str, int]) -> tuple[list, list]:
+    """The matcher on the cluster's outputs (and its extras, whose own results belong to their cluster)."""
+    if not cluster.extras:
+        return solve(cluster.outputs)
+    own = set(cluster.outputs)
+    together = sorted(set(cluster.outputs) | set(cluster.extras), key=position.__getitem__)
+    found, refused = solve(together)
+    return [m for m in found if m.parameters_out in own], [m for m in refused if m.candidate in own]
+
+
+def _comparable(match) -> tuple:
+    """A match as plain data, with its equations as text (for :func:`find_by_class`'s ``check``)."""
+    fields = dataclasses.asdict(match)
+    fields["parameter_equation"] = str(match.parameter_equation)
+    fields["accum_equation"] = str(match.accum_equation)
+    return tuple(sorted((k, repr(v)) for k, v in fields.items()))
