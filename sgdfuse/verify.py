@@ -1039,7 +1039,14 @@ def verify_plans(
     evidence = _name_evidence(index.graph_outputs, index.state_names)
     classes: dict[object, list[int]] = {}
     for k, plan in enumerate(plans):
-        key = _slice_class_key(model, index, plan, shared, evidence)
+        structural = getattr(plan.match, "structural_class", None)
+        # The matcher's structural class says the original cones are a renaming of its first member's
+        # (docs/design.md, "Matching per structural class"); the digest of the plan's own nodes says the same
+        # of the rewrite. Other plans are keyed by their whole slices.
+        if structural is not None:
+            key = ("structural", structural, _plan_digest(plan, shared))
+        else:
+            key = _slice_class_key(model, index, plan, shared, evidence)
         classes.setdefault(("own", k) if key is None else key, []).append(k)
     sampler = random.Random(seed)
     chosen: set[int] = set()
@@ -1072,6 +1079,32 @@ CLASS_SAMPLE = 2
 def _run_chosen(model, index, plans: Sequence, chosen: Sequence[int], *, steps: int, seed: int, shared) -> dict[int, UpdateCheck]:
     checks = _verify_each(model, index, [plans[k] for k in chosen], steps=steps, seed=seed, shared=shared) if chosen else []
     return dict(zip(chosen, checks))
+
+
+def _plan_digest(plan, shared: Mapping[str, onnx.TensorProto]) -> bytes:
+    """A digest of ``plan``'s new nodes (op, domain, overload, attributes, value names replaced by their order
+    of first appearance) and of the scalar initializers they read (dtype, dims, bytes): two plans with equal
+    digests rewrite their cones alike, up to names. A subgraph attribute keeps its own names, so plans with
+    one get digests of their own."""
+    names: dict[str, str] = {}
+
+    def rename(name: str) -> str:
+        return names.setdefault(name, f"v{len(names)}") if name else ""
+
+    described: list = [plan.sgd_node.doc_string]
+    for node in plan.nodes:
+        described.append((
+            node.op_type, node.domain, node.overload, [rename(n) for n in node.input], [rename(n) for n in node.output],
+            [a.SerializeToString(deterministic=True) for a in node.attribute],
+        ))
+        for name in node.input:
+            tensor = shared.get(name)
+            if tensor is not None:
+                anonymous = onnx.TensorProto()
+                anonymous.CopyFrom(tensor)
+                anonymous.name = ""
+                described.append(("initializer", rename(name), anonymous.SerializeToString(deterministic=True)))
+    return hashlib.sha256(repr(described).encode()).digest()
 
 
 def _slice_class_key(model, index: GraphIndex, plan, shared, evidence: Mapping[str, str]) -> bytes | None:

@@ -95,3 +95,31 @@ def test_updates_differing_in_a_constant_or_a_shape_are_run_each_in_their_own_cl
     run = [name for name, u in checks.items() if not u["verified_as"]]
     classes = {("b" if int(n[1:-4]) % 10 == 3 else "s" if int(n[1:-4]) % 10 == 7 else "a") for n in run}
     assert classes == {"a", "b", "s"}
+
+
+def _wrong_learning_rate_planner(wrong: set[str]):
+    """A planner that feeds the listed updates' SGD nodes a learning rate of 0.2 instead of the graph's 0.1: a
+    rewrite whose attributes and overload agree (so only running it shows it is wrong)."""
+
+    class WrongPlanner(Planner):
+        def plan(self, match):
+            plan = super().plan(match)
+            if match.parameters_out not in wrong:
+                return plan
+            name = f"wrong_lr_{match.parameters_out}"
+            plan.sgd_node.input[2] = name
+            plan.initializers.append(graphs.scalar(name, 0.2))
+            return plan
+
+    return WrongPlanner
+
+
+@pytest.mark.parametrize("wrong", [{"p37_out"}, {"p0_out"}, {"p5_out", "p61_out"}])
+def test_a_consistent_wrong_rewrite_in_a_matcher_class_is_run_and_refused(monkeypatch, wrong):
+    # The 80 updates are one structural class of the matcher: the wrong plans' own nodes differ from the
+    # others', so they are run, whoever the class's first member is.
+    monkeypatch.setattr(api, "Planner", _wrong_learning_rate_planner(wrong))
+    report = api.optimize(_updates(N)).report
+    assert sorted(f.parameters_out for f in report.fused) == sorted(f"p{i}_out" for i in range(N) if f"p{i}_out" not in wrong)
+    assert {(r.candidate, r.reason) for r in report.refused} == {(name, "verification-failed") for name in wrong}
+    assert any(u["verified_as"] for u in report.verification.updates), "the identical updates share a run"

@@ -371,6 +371,16 @@ def _key(
             node_ids[k] = len(nodes)
             nodes.append(k)
         structure.append((walker.value_facts(value), node_ids[k], refs(inputs)))
+    # Which computed values something outside the region reads: the rewrite keeps their nodes, and the
+    # verification probes them, so members of a class must agree on it too.
+    consumers, subgraph_reads = walker.index.consumers, walker.index.subgraph_reads
+    inside = set(nodes)
+    read_outside = tuple(
+        position
+        for position, value in enumerate(values)
+        if value in walked and step(value)[0] is not None
+        and (value in subgraph_reads or any(c not in inside for c in consumers.get(value, ())))
+    )
     shared_names = sorted(shared_read)
     rank = {name: position for position, name in enumerate(sorted(values))}
     names = []
@@ -385,7 +395,7 @@ def _key(
         names.append((rank[value], bisect.bisect_left(shared_names, value) if shared_names else 0, flags, _named(previous, ids, shared), _named(named_next, ids, shared)))
     cluster.values = values
     cluster.nodes = nodes
-    cluster.key = (tuple(ids[o] for o in cluster.outputs), tuple(cluster.extras), tuple(structure), tuple(names))
+    cluster.key = (tuple(ids[o] for o in cluster.outputs), tuple(cluster.extras), tuple(structure), tuple(names), read_outside)
 
 
 def _named(name: str | None, ids: dict[str, int], shared: set[str]) -> tuple | None:
@@ -451,6 +461,9 @@ def find_by_class(
                 solved += 1
                 template = _Template(cluster.values, cluster.nodes, None if refused else found)
                 templates[cluster.key] = template
+                if not refused:
+                    for j, match in enumerate(found):
+                        match.structural_class = (len(templates), j)
             elif template.matches is None:
                 found, refused = _solve_cluster(cluster, solve, position)
                 solved += 1
@@ -458,6 +471,8 @@ def find_by_class(
                 names = dict(zip(template.values, cluster.values))
                 node_map = dict(zip(template.nodes, cluster.nodes))
                 found, refused = [rename(m, names, node_map) for m in template.matches], []
+                for match, solved_match in zip(found, template.matches):
+                    match.structural_class = solved_match.structural_class
                 instantiated += 1
                 if check:
                     direct_found, direct_refused = _solve_cluster(cluster, solve, position)

@@ -114,6 +114,10 @@ class Match:
     graph's, in spacings of the working precision (:mod:`sgdfuse.passes.precision`). The graph writes the
     buffer's coefficients as single constants, so an exact reading has 0 here; one that needs a dampening
     near 1 does not. Readings are ranked by it."""
+    structural_class: object = dataclasses.field(default=None, compare=False, repr=False)
+    """``(class, position)`` when the matcher solved this update's structural class once and renamed the
+    result (:mod:`sgdfuse.passes.classes`): matches with equal values are one another's renaming, and so are
+    their rewrites; None when it was solved on its own."""
     equation_forms: tuple = dataclasses.field(default=(), compare=False, repr=False)
     """``(parameter form, buffer form)`` the two equations are written from (over the graph's values): kept
     so that a match renamed for another member of its structural class writes its own equations."""
