@@ -1002,7 +1002,9 @@ def verify_plans(
     over the schedule of the module docstring; one result per plan, in order.
 
     From :data:`CLASS_MIN_PLANS` plans on, plans are grouped into classes whose single-plan slices are
-    identical up to value names (:func:`_slice_class_key`); per class the first plan and a seeded random
+    identical up to value names: plans of one structural class of the matcher (``Match.structural_class``,
+    whose original cones are renamings of each other) whose own nodes agree up to names (:func:`_plan_digest`),
+    else by the digest of their whole slices (:func:`_slice_class_key`); per class the first plan and a seeded random
     sample of up to :data:`CLASS_SAMPLE` others are run, and when every one of them passes, each other member
     gets that result with ``verified_as`` naming the first plan. A class with a failing run has every member
     run. Why this is sound: the two slices of a member are the representative's with every value renamed by

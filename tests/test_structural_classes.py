@@ -250,3 +250,24 @@ def test_bench_style_graph_matches_the_direct_matcher(monkeypatch):
     index = build_index(model)
     found, refused = find_updates(index, Normaliser(index))
     assert len(found) == 300
+
+
+def test_a_schedule_output_of_the_shared_learning_rate_keeps_classes_and_results():
+    # lr_next = lr*0.99 is an output computed from the shared learning rate alone: it goes along with every
+    # cluster as a keyed extra; the updates still share one class and each fuses as directly.
+    updates = [_update(k, shared_lr="lr") for k in range(6)]
+    updates[0][1].append(value("lr", F32, []))
+    schedule = ([helper.make_node("Mul", ["lr", "gamma"], ["lr_next"])], [], [value("lr_next", F32, [])], [scalar("gamma", 0.99)])
+    model = _model(*updates, schedule)
+    index = build_index(model)
+    normaliser = Normaliser(index)
+    clusters = classes.clusters_of(
+        index, list(index.graph_outputs), sgd_match.name_facts_of(index, RolePins(), {}), lambda o: set(normaliser.form(o)) - {""}
+    )
+    keyed = [c for c in clusters if c.key is not None]
+    assert len(keyed) == 6 and len({c.key for c in keyed}) == 1
+    assert all(c.extras == ["lr_next"] for c in keyed)
+    found, refused = _by_class(model)
+    direct_found, direct_refused = _direct(model)
+    assert _plain(found) == _plain(direct_found) and len(found) == 6
+    assert sorted((r.candidate, r.reason) for r in refused) == sorted((r.candidate, r.reason) for r in direct_refused)

@@ -292,8 +292,9 @@ def clusters_of(
         if not outs:
             continue
         cluster = Cluster(outs)
-        region_values = {value for o in outs for value in regions[o]}
-        cluster.extras = [v for v, leaves in loose_leaves.items() if leaves and leaves <= region_values]
+        if loose_leaves:
+            region_values = {value for o in outs for value in regions[o]}
+            cluster.extras = [v for v, leaves in loose_leaves.items() if leaves and leaves <= region_values]
         if not any(o in direct or o in shared for o in outs):
             _key(walker, cluster, regions, fringes, shared, name_facts)
         clusters.append(cluster)
