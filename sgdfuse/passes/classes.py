@@ -91,7 +91,8 @@ class _Walker:
         self.index = index
         self._node_facts: dict[int, tuple] = {}
         self._value_facts: dict[str, tuple] = {}
-        self._steps: dict[str, tuple[int | None, tuple[str, ...], bool]] = {}
+        self._steps: dict[str, tuple] = {}
+        self._constants: dict[str, bool] = {}
         self.outputs = set(index.graph_outputs)
 
     def node_facts(self, k: int) -> tuple:
@@ -224,8 +225,18 @@ class _Walker:
         return facts
 
     def is_constant(self, value: str) -> bool:
-        """A small compile-time constant (its bytes are keyed), or the output of a ``Constant`` node."""
-        return self.index.constant(value) is not None
+        """A small compile-time constant (``GraphIndex.constant``: its bytes are keyed)."""
+        known = self._constants.get(value)
+        if known is None:
+            k = self.index.producer.get(value)
+            if k is not None and self.node_facts(k)[0] != "Constant":
+                known = False  # only a Constant node's output is a constant among computed values
+            elif k is None and value not in self.index.initializers:
+                known = False
+            else:
+                known = self.index.constant(value) is not None
+            self._constants[value] = known
+        return known
 
 
 def clusters_of(
@@ -342,58 +353,60 @@ def _key(
     if len(values) > MAX_REGION:
         return
     step = walker.step
+    value_facts = walker.value_facts
+    is_constant = walker.is_constant
+    consumers, subgraph_reads, outputs = walker.index.consumers, walker.index.subgraph_reads, walker.outputs
     node_ids: dict[int, int] = {}
     nodes: list[int] = []
     shared_read: set[str] = set()
     structure = []
-
-    def refs(inputs: tuple[str, ...]) -> tuple:
-        result = []
-        for name in inputs:
-            position = ids.get(name)
-            if not name:
-                result.append("")
-            elif position is None:
-                shared_read.add(name)
-                result.append(name)
-            else:
-                result.append(position)
-        return tuple(result)
-
-    for value in values:
+    computed: list[int] = []
+    for position, value in enumerate(values):
         if value not in walked:
-            structure.append((walker.value_facts(value), "operand of a leaf's producer"))
+            structure.append((value_facts(value), "operand of a leaf's producer"))
             continue
         k, inputs, _, operands = step(value)
+        refs = []
+        for name in inputs if k is not None else operands:
+            if not name:
+                refs.append("")
+                continue
+            at = ids.get(name)
+            if at is None:
+                shared_read.add(name)
+                refs.append(name)
+            else:
+                refs.append(at)
         if k is None:
-            structure.append((walker.value_facts(value), None, refs(operands)))
+            structure.append((value_facts(value), None, tuple(refs)))
             continue
-        if k not in node_ids:
-            node_ids[k] = len(nodes)
+        computed.append(position)
+        node_id = node_ids.get(k)
+        if node_id is None:
+            node_id = node_ids[k] = len(nodes)
             nodes.append(k)
-        structure.append((walker.value_facts(value), node_ids[k], refs(inputs)))
+        structure.append((value_facts(value), node_id, tuple(refs)))
     # Which computed values something outside the region reads: the rewrite keeps their nodes, and the
     # verification probes them, so members of a class must agree on it too.
-    consumers, subgraph_reads = walker.index.consumers, walker.index.subgraph_reads
-    inside = set(nodes)
+    inside = node_ids
     read_outside = tuple(
         position
-        for position, value in enumerate(values)
-        if value in walked and step(value)[0] is not None
-        and (value in subgraph_reads or any(c not in inside for c in consumers.get(value, ())))
+        for position in computed
+        if values[position] in subgraph_reads or any(c not in inside for c in consumers.get(values[position], ()))
     )
     shared_names = sorted(shared_read)
-    rank = {name: position for position, name in enumerate(sorted(values))}
-    names = []
-    outputs = walker.outputs
-    for value in values:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    names: list = [None] * len(values)
+    for rank, position in enumerate(order):
+        value = values[position]
+        before = bisect.bisect_left(shared_names, value) if shared_names else 0
         is_output = value in outputs
-        if not is_output and walker.is_constant(value):
+        if not is_output and is_constant(value):
             # A small constant folds into a coefficient: it is never a leaf whose name the matcher reads.
-            names.append((rank[value], bisect.bisect_left(shared_names, value) if shared_names else 0))
+            names[position] = (rank, before)
             continue
         flags, previous, named_next = name_facts(value, is_output)
-        names.append((rank[value], bisect.bisect_left(shared_names, value) if shared_names else 0, flags, _named(previous, ids, shared), _named(named_next, ids, shared)))
+        names[position] = (rank, before, flags, _named(previous, ids, shared), _named(named_next, ids, shared))
     cluster.values = values
     cluster.nodes = nodes
     cluster.key = (tuple(ids[o] for o in cluster.outputs), tuple(cluster.extras), tuple(structure), tuple(names), read_outside)
