@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import onnx
 
@@ -240,9 +240,16 @@ class _Walker:
 
 
 def clusters_of(
-    index: GraphIndex, outputs: Sequence[str], name_facts: Callable[[str, bool], tuple], form_leaves: Callable[[str], set[str]]
-) -> list[Cluster]:
-    """The clusters of ``outputs`` (float graph outputs, in graph order), each keyed (or marked direct).
+    index: GraphIndex,
+    outputs: Sequence[str],
+    name_facts: Callable[[str, bool], tuple],
+    form_leaves: Callable[[str], set[str]],
+    *,
+    lazy: bool = False,
+) -> Iterable[Cluster]:
+    """The clusters of ``outputs`` (float graph outputs, in graph order), each keyed (or marked direct); with
+    ``lazy``, a generator that keys each cluster as it is taken (so that a caller dropping them never holds
+    every key at once).
 
     ``name_facts(name, is_output)`` returns the matcher's facts drawn from a name: ``(flags, previous, next)`` with
     ``flags`` a tuple (conventions, pins), ``previous`` the input the name says it replaces and ``next`` the
@@ -296,6 +303,7 @@ def clusters_of(
     loose_leaves = {o: form_leaves(o) for o in loose}
 
     clusters: list[Cluster] = []
+    pending: list[Cluster] = []
     # The loose outputs' own results come from solving them together, directly.
     loose_cluster = Cluster([o for o in outputs if o in loose_leaves])
     for root, outs in members.items():
@@ -307,11 +315,18 @@ def clusters_of(
             region_values = {value for o in outs for value in regions[o]}
             cluster.extras = [v for v, leaves in loose_leaves.items() if leaves and leaves <= region_values]
         if not any(o in direct or o in shared for o in outs):
-            _key(walker, cluster, regions, fringes, shared, name_facts)
+            pending.append(cluster)
         clusters.append(cluster)
     if loose_cluster.outputs:
         clusters.append(loose_cluster)
-    return clusters
+
+    def keyed(cluster: Cluster) -> Cluster:
+        if id(cluster) in pending_ids:
+            _key(walker, cluster, regions, fringes, shared, name_facts)
+        return cluster
+
+    pending_ids = {id(c) for c in pending}
+    return (keyed(c) for c in clusters) if lazy else [keyed(c) for c in clusters]
 
 
 def _links(walker: _Walker, value: str, readers: int) -> bool:
@@ -440,8 +455,6 @@ def find_by_class(
     rename: Callable[[object, dict[str, str], dict[int, int]], object],
     name_facts: Callable[[str, bool], tuple],
     form_leaves: Callable[[str], set[str]],
-    *,
-    check: bool = False,
 ) -> tuple[list, list]:
     """The matcher's result over ``outputs``, solving one member per structural class.
 
@@ -453,13 +466,12 @@ def find_by_class(
             correspondences.
         name_facts: the facts the matcher draws from a name (see :func:`clusters_of`).
         form_leaves: the leaves of an output's linear form.
-        check: also solve every member directly and raise AssertionError on any difference (tests).
 
     Returns:
         ``(matches, misses)`` in the order the matcher gives them for the whole list.
     """
     position = {o: k for k, o in enumerate(outputs)}
-    clusters = clusters_of(index, outputs, name_facts, form_leaves)
+    clusters = clusters_of(index, outputs, name_facts, form_leaves, lazy=True)
     templates: dict[tuple, _Template] = {}
     matches: list = []
     misses: list = []
@@ -488,10 +500,8 @@ def find_by_class(
                 for match, solved_match in zip(found, template.matches):
                     match.structural_class = solved_match.structural_class
                 instantiated += 1
-                if check:
-                    direct_found, direct_refused = _solve_cluster(cluster, solve, position)
-                    if [_comparable(m) for m in direct_found] != [_comparable(m) for m in found] or direct_refused:
-                        raise AssertionError(f"class instance of {cluster.outputs} differs from its direct solution")
+        # The key and the walk are done with (a template keeps its own): drop them as we go.
+        cluster.key, cluster.values, cluster.nodes = None, [], []
         matches.extend(found)
         misses.extend(refused)
     logger.debug("matched %d clusters directly, %d by class", solved, instantiated)
@@ -508,11 +518,3 @@ def _solve_cluster(cluster: Cluster, solve: Callable[[list[str]], tuple[list, li
     together = sorted(set(cluster.outputs) | set(cluster.extras), key=position.__getitem__)
     found, refused = solve(together)
     return [m for m in found if m.parameters_out in own], [m for m in refused if m.candidate in own]
-
-
-def _comparable(match) -> tuple:
-    """A match as plain data, with its equations as text (for :func:`find_by_class`'s ``check``)."""
-    fields = dataclasses.asdict(match)
-    fields["parameter_equation"] = str(match.parameter_equation)
-    fields["accum_equation"] = str(match.accum_equation)
-    return tuple(sorted((k, repr(v)) for k, v in fields.items()))
