@@ -271,3 +271,25 @@ def test_a_schedule_output_of_the_shared_learning_rate_keeps_classes_and_results
     direct_found, direct_refused = _direct(model)
     assert _plain(found) == _plain(direct_found) and len(found) == 6
     assert sorted((r.candidate, r.reason) for r in refused) == sorted((r.candidate, r.reason) for r in direct_refused)
+
+
+def test_a_one_element_state_shared_by_many_updates_is_written_once():
+    # Six updates read the same one-element "parameters" p (read by more than four regions, so it links no
+    # clusters): each alone is an update of p, but only one may write p in place.
+    def update(k):
+        nodes = [
+            helper.make_node("Mul", [f"buf{k}", f"m{k}"], [f"scaled{k}"]),
+            helper.make_node("Add", [f"scaled{k}", f"g{k}"], [f"buf{k}_out"]),
+            helper.make_node("Mul", [f"buf{k}_out", f"lr{k}"], [f"step{k}"]),
+            helper.make_node("Sub", ["p", f"step{k}"], [f"q{k}"]),
+        ]
+        inputs = [value(f"g{k}", F32, [1]), value(f"buf{k}", F32, [1])]
+        return nodes, inputs, [value(f"q{k}", F32, [1]), value(f"buf{k}_out", F32, [1])], [scalar(f"m{k}", 0.9), scalar(f"lr{k}", 0.1)]
+
+    updates = [update(k) for k in range(6)]
+    updates[0][1].append(value("p", F32, [1]))
+    model = _model(*updates)
+    found, refused = _by_class(model)
+    writers = [m for m in found if m.parameters == "p"]
+    assert len(writers) <= 1
+    assert {r.reason for r in refused if r.candidate.startswith("q")} <= {"shared-state"}

@@ -411,7 +411,11 @@ def _find_by_class(
     def form_leaves(output: str) -> set[str]:
         return set(normaliser.form(output)) - {ONE}
 
-    result = find_by_class(index, float_outputs, solve, lambda m, names, nodes: m.renamed(names, nodes), name_facts, form_leaves)
+    found, refused = find_by_class(index, float_outputs, solve, lambda m, names, nodes: m.renamed(names, nodes), name_facts, form_leaves)
+    # Clusters are solved apart: one writer per state holds within each; a state value shared by clusters (a
+    # one-element input read by many updates) is claimed once over the whole graph as well.
+    found, shared = _one_writer(found)
+    result = (found, refused + shared)
     if os.environ.get(MEMO_CHECK_ENV) == "1":
         direct = _find(index, normaliser, outputs, pins, allow_rounding, {})
         _assert_same(result, direct)
