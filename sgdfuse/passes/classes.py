@@ -59,6 +59,15 @@ capture: a cluster holding one is solved directly."""
 MAX_REGION = 512
 """A cluster with more values than this is solved directly (no class would share its cost)."""
 
+MAX_WALK = 20_000
+"""A region with more values than this stops per-class matching altogether (the whole graph is solved
+directly): clustering needs every region whole, and walking many such regions would cost more than solving."""
+
+
+class _TooLarge(Exception):
+    """A region exceeded :data:`MAX_WALK`."""
+
+
 SHARED_SCALAR_REGIONS = 4
 """A one-element value read by more regions than this (a learning rate fed to every update) links no
 clusters: it is keyed by name instead."""
@@ -164,9 +173,9 @@ class _Walker:
                     listed.add(name)
                     order.append(name)
                     fringe.add(name)
-            if len(order) > MAX_REGION:
-                return order, fringe - walked, True
-        return order, fringe - walked, direct
+            if len(order) > MAX_WALK:
+                raise _TooLarge(output)
+        return order, fringe - walked, direct or len(order) > MAX_REGION
 
     def copies(self, value: str) -> set[str]:
         """``value`` and the values it copies through ``Identity``, ``Cast`` and ``CastLike`` (a superset of
@@ -284,7 +293,16 @@ def clusters_of(
         return o
 
     for value, readers in appearances.items():
-        if len(readers) < 2 or not _links(walker, value, len(readers)):
+        if len(readers) < 2:
+            continue
+        links = _links(walker, value, len(readers))
+        if links is None:
+            # A one-element value read by many regions: a learning rate links nothing, but the regions of
+            # one-element outputs (updates of one-element state, which it may be) are linked through it.
+            readers = [o for o in readers if walker.index.spec(o).num_elements() in (1, None)]
+            if len(readers) < 2:
+                continue
+        elif not links:
             continue
         root = find(readers[0])
         for other in readers[1:]:
@@ -329,14 +347,16 @@ def clusters_of(
     return (keyed(c) for c in clusters) if lazy else [keyed(c) for c in clusters]
 
 
-def _links(walker: _Walker, value: str, readers: int) -> bool:
-    """Whether a value read by several regions puts them in one cluster: any tensor does, a one-element
-    value only when few regions read it, a constant never (its bytes are in the key)."""
+def _links(walker: _Walker, value: str, readers: int) -> bool | None:
+    """Whether a value read by several regions puts them in one cluster: a tensor does, a constant never (its
+    bytes are in the key), a one-element value when few regions read it; None for a one-element value read by
+    more than :data:`SHARED_SCALAR_REGIONS` regions (the caller links only the regions of one-element
+    outputs through it)."""
     if walker.is_constant(value):
         return False
-    if readers <= SHARED_SCALAR_REGIONS:
+    if readers <= SHARED_SCALAR_REGIONS or walker.index.spec(value).num_elements() != 1:
         return True
-    return walker.index.spec(value).num_elements() != 1
+    return None
 
 
 def _loose(walker: _Walker, values: list[str], fringe: set[str], shared: set[str]) -> bool:
@@ -471,7 +491,11 @@ def find_by_class(
         ``(matches, misses)`` in the order the matcher gives them for the whole list.
     """
     position = {o: k for k, o in enumerate(outputs)}
-    clusters = clusters_of(index, outputs, name_facts, form_leaves, lazy=True)
+    try:
+        clusters = clusters_of(index, outputs, name_facts, form_leaves, lazy=True)
+    except _TooLarge as error:
+        logger.debug("region of %s exceeds %d values: solving the graph directly", error, MAX_WALK)
+        return solve(list(outputs))
     templates: dict[tuple, _Template] = {}
     matches: list = []
     misses: list = []
