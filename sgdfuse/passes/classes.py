@@ -102,6 +102,7 @@ class _Walker:
         self._value_facts: dict[str, tuple] = {}
         self._steps: dict[str, tuple] = {}
         self._constants: dict[str, bool] = {}
+        self._below: dict[frozenset[str], list[str]] = {}
         self.outputs = set(index.graph_outputs)
 
     def node_facts(self, k: int) -> tuple:
@@ -191,6 +192,20 @@ class _Walker:
                 break
             value = inputs[0]
         return chain
+
+    def shared_below(self, roots: frozenset[str]) -> list[str]:
+        """``roots`` and every value the walk enters below them, sorted (cached per set of roots)."""
+        cached = self._below.get(roots)
+        if cached is None:
+            seen = set(roots)
+            stack = list(roots)
+            while stack:
+                for name in self.step(stack.pop())[1]:
+                    if name and name not in seen:
+                        seen.add(name)
+                        stack.append(name)
+            cached = self._below[roots] = sorted(seen)
+        return cached
 
     def _behind_copies_not_entered(self, output: str) -> bool:
         value, seen = output, set()
@@ -429,7 +444,9 @@ def _key(
         for position in computed
         if values[position] in subgraph_reads or any(c not in inside for c in consumers.get(values[position], ()))
     )
-    shared_names = sorted(shared_read)
+    # The matcher sorts names it reaches through a shared value too (a gradient read behind a shared copy):
+    # each local name's place among every shared name below the ones the cluster reads is in the key.
+    shared_names = walker.shared_below(frozenset(shared_read))
     order = sorted(range(len(values)), key=values.__getitem__)
     names: list = [None] * len(values)
     for rank, position in enumerate(order):
