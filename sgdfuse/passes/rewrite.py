@@ -80,6 +80,8 @@ class Planner:
         self._taken |= {n.name for n in index.graph.node if n.name}
         self._taken |= set(index.consumers)
         self._constants: dict[tuple[str, int, bytes], str] = {}
+        # How many shared constants of each role exist: their names are numbered in order of creation.
+        self._role_counts: dict[str, int] = {}
 
     def _fresh(self, base: str) -> str:
         name, counter = base, 1
@@ -88,6 +90,12 @@ class Planner:
             counter += 1
         self._taken.add(name)
         return name
+
+    def _count_role(self, role: str) -> int:
+        """How many shared constants of ``role`` were made before this one (then counts this one)."""
+        count = self._role_counts.get(role, 0)
+        self._role_counts[role] = count + 1
+        return count
 
     def plan(self, match: Match) -> Plan:
         """The rewrite of ``match``. Raises :class:`~sgdfuse.errors.AttributeContractError` if the
@@ -188,7 +196,7 @@ class Planner:
             return None
         parameters_rank = len(match.shape) if match.shape is not None else None
         for name in (learning_rate, momentum):
-            known = name in self.index.producer or name in self.index.initializers or name in self.index.graph_inputs
+            known = name in self.index.producer or name in self.index.initializers or self.index.is_input_name(name)
             # A name the plan made is a rank-0 initializer or a Reshape to rank 0 (_scalar).
             shape = self.index.spec(name).shape if known else ()
             if shape is None or (len(shape) > 0 and (parameters_rank is None or len(shape) > parameters_rank)):
@@ -216,7 +224,7 @@ class Planner:
         array = np.array(dims, dtype=np.int64)
         key = ("stat_shape", onnx.TensorProto.INT64, array.tobytes())
         if key not in self._constants:
-            name = self._fresh(f"sgdfuse/stat_shape_{len([k for k in self._constants if k[0] == 'stat_shape'])}")
+            name = self._fresh(f"sgdfuse/stat_shape_{self._count_role('stat_shape')}")
             self._constants[key] = name
             initializers.append(numpy_helper.from_array(array, name=name))
         return self._constants[key]
@@ -301,7 +309,7 @@ class Planner:
             array = np.array(poly.constant_value if not poly.is_zero else 0.0, dtype=np.float64).astype(np.float32).astype(np_dtype)
             key = (role, dtype, array.tobytes())
             if key not in self._constants:
-                name = self._fresh(f"sgdfuse/{role}_{len([k for k in self._constants if k[0] == role])}")
+                name = self._fresh(f"sgdfuse/{role}_{self._count_role(role)}")
                 self._constants[key] = name
                 initializers.append(numpy_helper.from_array(array, name=name))
             return self._constants[key]
