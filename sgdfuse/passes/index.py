@@ -40,6 +40,7 @@ class GraphIndex:
             initializers and shape inference.
         subgraph_reads: names read from the outer scope by any subgraph (``If``/``Loop``/``Scan`` bodies):
             such values are used even though no top-level node lists them.
+        subgraph_nodes: indices of the nodes that hold a subgraph attribute, in node order.
     """
 
     graph: onnx.GraphProto
@@ -50,6 +51,7 @@ class GraphIndex:
     graph_outputs: list[str]
     specs: dict[str, TensorSpec]
     subgraph_reads: set[str]
+    subgraph_nodes: list[int] = dataclasses.field(default_factory=list)
     _constants: dict[str, np.ndarray | None] = dataclasses.field(default_factory=dict)
 
     def node(self, value: str) -> onnx.NodeProto | None:
@@ -150,6 +152,7 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     producer: dict[str, int] = {}
     consumers: dict[str, list[int]] = {}
     subgraph_reads: set[str] = set()
+    subgraph_nodes: list[int] = []
     for index, node in enumerate(graph.node):
         for name in node.output:
             if name:
@@ -157,9 +160,13 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
         for name in node.input:
             if name:
                 consumers.setdefault(name, []).append(index)
+        held = False
         for attribute in node.attribute:
             for sub in _subgraphs(attribute):
                 subgraph_reads.update(_outer_reads(sub))
+                held = True
+        if held:
+            subgraph_nodes.append(index)
 
     specs: dict[str, TensorSpec] = {}
     value_infos = list(graph.input) + list(graph.output) + list(graph.value_info)
@@ -182,6 +189,7 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
         graph_outputs=[o.name for o in graph.output],
         specs=specs,
         subgraph_reads=subgraph_reads,
+        subgraph_nodes=subgraph_nodes,
     )
 
 

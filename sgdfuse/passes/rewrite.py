@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
+from google.protobuf import unknown_fields
 from onnx import helper, numpy_helper
 
 from sgdfuse.contract import SgdAttributes
@@ -363,76 +364,128 @@ def describe_scalar(poly: Poly) -> str | float:
 
 
 def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]) -> onnx.ModelProto:
-    """A new model with ``plans`` applied; ``model`` is not modified.
+    """A new model with ``plans`` applied; ``model`` is not modified. ``index`` is ``build_index(model)``.
+
+    The work is proportional to the graph's size only where the output must be written anyway (each kept
+    node is copied once); which old nodes go is decided from the index's reader lists, looking at the
+    updates' nodes and their readers only.
 
     Raises:
         ValueError: the model's default-domain opset is below 15 (the SGD function body needs it); callers
             check :data:`sgdfuse.fused_op.MIN_OPSET` first.
     """
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
     if not plans:
+        result = onnx.ModelProto()
+        result.CopyFrom(model)
         return result
-    graph = result.graph
-    original = list(graph.node)
-
-    # The fused node now produces the update's outputs: their old producers go; the rest of the cone goes
-    # only if nothing else reads it.
-    replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
-    cone = set().union(*(plan.match.nodes for plan in plans))
-    removed: set[int] = {i for i in cone if any(o in replaced_outputs for o in original[i].output)}
-
-    reads: dict[str, int] = {}
-    node_reads = [_reads(node) for node in original]
-    for i, names in enumerate(node_reads):
-        if i in removed:
-            continue
-        for name in names:
-            reads[name] = reads.get(name, 0) + 1
-    for plan in plans:
-        for node in plan.nodes:
-            for name in _reads(node):
-                reads[name] = reads.get(name, 0) + 1
-    outputs = {o.name for o in graph.output}
-    for i in sorted(cone, reverse=True):
-        if i in removed:
-            continue
-        if any(reads.get(o, 0) or o in outputs for o in original[i].output if o):
-            continue
-        removed.add(i)
-        for name in node_reads[i]:
-            reads[name] -= 1
+    original = model.graph.node
+    removed, reads = _removed_nodes(model, index, plans)
 
     # Scalars only the removed nodes read go with them; every other initializer stays.
-    read_by_removed = {name for i in removed for name in node_reads[i]}
-    inputs = {i.name for i in graph.input}
+    read_by_removed = {name for i in removed for name in _reads(original[i])}
+    inputs = set(index.graph_inputs)
+    outputs = set(index.graph_outputs)
     kept_initializers = [
-        t for t in graph.initializer if not (t.name in read_by_removed and not reads.get(t.name) and t.name not in inputs and t.name not in outputs)
+        t for t in model.graph.initializer
+        if not (t.name in read_by_removed and not reads.get(t.name) and t.name not in inputs and t.name not in outputs)
     ]
-    new_initializers = [t for plan in plans for t in plan.initializers]
-    del graph.initializer[:]
-    graph.initializer.extend(kept_initializers + new_initializers)
-
+    replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
     gone_values = {o for i in removed for o in original[i].output} - replaced_outputs
-    kept_info = [vi for vi in graph.value_info if vi.name not in gone_values]
-    del graph.value_info[:]
-    graph.value_info.extend(kept_info)
 
     # Order: every kept node at its old position, each plan's nodes at the position of its update's last
     # node, then a stable topological sort (a reader of a fused output placed earlier moves after it).
-    entries: list[tuple[tuple[int, int], onnx.NodeProto]] = []
-    for i, node in enumerate(original):
-        if i not in removed:
-            entries.append(((i, 0), node))
+    entries: list[tuple[tuple[int, int], onnx.NodeProto]] = [((i, 0), node) for i, node in enumerate(original) if i not in removed]
     for plan in plans:
         anchor = max(plan.match.nodes) if plan.match.nodes else len(original)
         for j, node in enumerate(plan.nodes):
             entries.append(((anchor, 1 + j), node))
-    ordered = _stable_topological_sort(entries, available=inputs | {t.name for t in graph.initializer})
-    del graph.node[:]
+    available = inputs | {t.name for t in kept_initializers} | {t.name for plan in plans for t in plan.initializers}
+    ordered = _stable_topological_sort(entries, available=available)
+
+    # The new model is built field by field: the old node list is never copied whole (only the kept nodes).
+    result = onnx.ModelProto()
+    _copy_into(result, model, skip={"graph"})
+    graph = result.graph
+    _copy_into(graph, model.graph, skip={"node", "initializer", "value_info"})
     graph.node.extend(ordered)
+    graph.initializer.extend(kept_initializers)
+    graph.initializer.extend(t for plan in plans for t in plan.initializers)
+    graph.value_info.extend(vi for vi in model.graph.value_info if vi.name not in gone_values)
     ensure_sgd_function(result)
     return result
+
+
+def _removed_nodes(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]) -> tuple[set[int], dict[str, int]]:
+    """The old nodes the plans remove, and the read counts (after the rewrite) of every value the
+    decision looked at.
+
+    The fused node now produces each update's outputs: their old producers go. Another node of an update's
+    cone goes only if nothing reads its outputs after the rewrite (neither a kept node, a subgraph, a new
+    node nor the graph's outputs); cone nodes are visited last to first, so a chain of helpers goes whole.
+    A value's read count starts from the index (one per input slot of every node, plus one per subgraph
+    that reads it from the outer scope) and is corrected for the removed and the new nodes.
+    """
+    original = model.graph.node
+    replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
+    cone = set().union(*(plan.match.nodes for plan in plans))
+    removed: set[int] = {i for i in cone if any(o in replaced_outputs for o in original[i].output)}
+
+    outer: dict[str, int] = {}
+    for i in index.subgraph_nodes:
+        for name in _reads(original[i])[len([n for n in original[i].input if n]):]:
+            outer[name] = outer.get(name, 0) + 1
+    reads: dict[str, int] = {}
+
+    def add(name: str, delta: int) -> None:
+        if name not in reads:
+            reads[name] = len(index.consumers.get(name, ())) + outer.get(name, 0)
+        reads[name] += delta
+
+    for i in removed:
+        for name in _reads(original[i]):
+            add(name, -1)
+    for plan in plans:
+        for node in plan.nodes:
+            for name in _reads(node):
+                add(name, 1)
+    outputs = set(index.graph_outputs)
+    for i in sorted(cone, reverse=True):
+        if i in removed:
+            continue
+        node_outputs = [o for o in original[i].output if o]
+        for o in node_outputs:
+            add(o, 0)
+        if any(reads[o] or o in outputs for o in node_outputs):
+            continue
+        removed.add(i)
+        for name in _reads(original[i]):
+            add(name, -1)
+    return removed, reads
+
+
+def _copy_into(target, source, *, skip: set[str]) -> None:
+    """Copy every field of ``source`` but ``skip`` into the empty message ``target`` of the same type. A
+    message with fields this ``onnx`` does not know (unknown fields) is copied whole and the skipped fields
+    cleared, so nothing of it is lost."""
+    if len(unknown_fields.UnknownFieldSet(source)):
+        target.CopyFrom(source)
+        for name in skip:
+            target.ClearField(name)
+        return
+    for field, value in source.ListFields():
+        if field.name not in skip:
+            _set_field(target, field, value)
+
+
+def _set_field(target, field, value) -> None:
+    # ``is_repeated`` is the newer protobuf's name for ``label == LABEL_REPEATED`` (removed there).
+    repeated = field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED
+    if repeated:
+        getattr(target, field.name).extend(value)
+    elif field.type == field.TYPE_MESSAGE:
+        getattr(target, field.name).CopyFrom(value)
+    else:
+        setattr(target, field.name, value)
 
 
 def _reads(node: onnx.NodeProto) -> list[str]:
