@@ -145,10 +145,37 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     """Index ``model.graph`` in one sweep.
 
     Shapes and dtypes come from the graph's declarations and, when ``infer_shapes``, from ONNX shape
-    inference run on a copy of the model with initializer data stripped (so no weight bytes are copied or
-    read). Inference failures are logged and tolerated: unknown shapes only make the matcher more careful.
+    inference run on the model with initializer data stripped (so no weight bytes are copied or read).
+    Inference failures are logged and tolerated: unknown shapes only make the matcher
+    more careful.
     """
     graph = model.graph
+    producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph)
+    specs: dict[str, TensorSpec] = {}
+    _add_specs(specs, graph.input)
+    _add_specs(specs, graph.output)
+    _add_specs(specs, graph.value_info)
+    if infer_shapes:
+        _add_specs(specs, _inferred_value_infos(model, subgraph_nodes))
+    initializers = {t.name: t for t in graph.initializer}
+    for name, tensor in initializers.items():
+        specs[name] = TensorSpec(name, tuple(int(d) for d in tensor.dims), tensor.data_type)
+
+    return GraphIndex(
+        graph=graph,
+        producer=producer,
+        consumers=consumers,
+        initializers=initializers,
+        graph_inputs=[i.name for i in graph.input],
+        graph_outputs=[o.name for o in graph.output],
+        specs=specs,
+        subgraph_reads=subgraph_reads,
+        subgraph_nodes=subgraph_nodes,
+    )
+
+
+def _sweep_nodes(graph: onnx.GraphProto) -> tuple[dict[str, int], dict[str, list[int]], set[str], list[int]]:
+    """Producer, consumers, outer-scope reads of subgraphs and the nodes holding subgraphs (GraphIndex)."""
     producer: dict[str, int] = {}
     consumers: dict[str, list[int]] = {}
     subgraph_reads: set[str] = set()
@@ -167,30 +194,19 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
                 held = True
         if held:
             subgraph_nodes.append(index)
+    return producer, consumers, subgraph_reads, subgraph_nodes
 
-    specs: dict[str, TensorSpec] = {}
-    value_infos = list(graph.input) + list(graph.output) + list(graph.value_info)
-    if infer_shapes:
-        value_infos.extend(_inferred_value_infos(model))
-    for info in value_infos:
+
+def _add_specs(specs: dict[str, TensorSpec], infos) -> None:
+    """Add the tensor types of ``infos`` to ``specs``: the first spec with a shape wins (declarations are
+    added before inference)."""
+    for info in infos:
+        known = specs.get(info.name)
+        if known is not None and known.shape is not None:
+            continue
         spec = _spec_of(info)
-        if spec is not None and (info.name not in specs or specs[info.name].shape is None):
+        if spec is not None:
             specs[info.name] = spec
-    initializers = {t.name: t for t in graph.initializer}
-    for name, tensor in initializers.items():
-        specs[name] = TensorSpec(name, tuple(int(d) for d in tensor.dims), tensor.data_type)
-
-    return GraphIndex(
-        graph=graph,
-        producer=producer,
-        consumers=consumers,
-        initializers=initializers,
-        graph_inputs=[i.name for i in graph.input],
-        graph_outputs=[o.name for o in graph.output],
-        specs=specs,
-        subgraph_reads=subgraph_reads,
-        subgraph_nodes=subgraph_nodes,
-    )
 
 
 def _spec_of(info: onnx.ValueInfoProto) -> TensorSpec | None:
@@ -211,24 +227,46 @@ def _spec_of(info: onnx.ValueInfoProto) -> TensorSpec | None:
     return TensorSpec(info.name, shape, tensor_type.elem_type)
 
 
-def _inferred_value_infos(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
-    # Shape inference needs initializer shapes, not their bytes: infer on a copy without the data.
+def _inferred_value_infos(model: onnx.ModelProto, subgraph_nodes: list[int]) -> list[onnx.ValueInfoProto]:
+    """The value infos ONNX shape inference finds for ``model`` (main graph and every subgraph); empty when
+    it fails. ``subgraph_nodes`` are the main graph's nodes that hold subgraphs (inference keeps the order)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(_stripped(model), check_type=False, strict_mode=False, data_prop=True)
+    except Exception as error:  # inference is advisory; the matcher treats unknown shapes as unproven
+        logger.warning("shape inference failed, continuing with declared shapes only: %s", error)
+        return []
+    same_nodes = len(inferred.graph.node) == len(model.graph.node)  # inference adds and moves no node
+    return _value_infos(inferred, subgraph_nodes if same_nodes else None)
+
+
+def _stripped(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every initializer of more than :data:`SMALL_CONSTANT_ELEMENTS` elements replaced by a
+    dataless one of its type and shape (a copy; ``model`` itself when there is none such)."""
+    # Shape inference needs initializer shapes, not their bytes.
+    if not any(_is_large(t) for t in model.graph.initializer):
+        return model
     stripped = onnx.ModelProto()
     stripped.CopyFrom(model)
     for tensor in stripped.graph.initializer:
         _strip_data(tensor)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(stripped, check_type=False, strict_mode=False, data_prop=True)
-    except Exception as error:  # inference is advisory; the matcher treats unknown shapes as unproven
-        logger.warning("shape inference failed, continuing with declared shapes only: %s", error)
-        return []
+    return stripped
+
+
+def _value_infos(inferred: onnx.ModelProto, subgraph_nodes: list[int] | None) -> list[onnx.ValueInfoProto]:
+    """The value infos of ``inferred``'s main graph, then of its subgraphs; ``subgraph_nodes`` (the main
+    graph's nodes that hold one; None: look at every node) saves a walk over the others."""
     infos = list(inferred.graph.value_info)
     # Value names are unique across scopes (SSA), so the types inferred inside If/Loop bodies join the
     # same table: the matcher reads If branches that select a first step.
-    stack = [inferred.graph]
+    main = inferred.graph.node
+    stack: list[onnx.GraphProto | None] = [None]  # None: the main graph
     while stack:
         graph = stack.pop()
-        for node in graph.node:
+        if graph is None:
+            nodes = main if subgraph_nodes is None else [main[i] for i in subgraph_nodes]
+        else:
+            nodes = graph.node
+        for node in nodes:
             for attribute in node.attribute:
                 for sub in _subgraphs(attribute):
                     infos.extend(sub.value_info)
@@ -237,8 +275,12 @@ def _inferred_value_infos(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     return infos
 
 
+def _is_large(tensor: onnx.TensorProto) -> bool:
+    return int(np.prod(tensor.dims, dtype=np.int64)) > SMALL_CONSTANT_ELEMENTS
+
+
 def _strip_data(tensor: onnx.TensorProto) -> None:
-    if int(np.prod(tensor.dims, dtype=np.int64)) <= SMALL_CONSTANT_ELEMENTS:
+    if not _is_large(tensor):
         return
     dims, dtype, name = list(tensor.dims), tensor.data_type, tensor.name
     tensor.Clear()
