@@ -22,7 +22,7 @@ from sgdfuse.fused_op import MIN_OPSET, function_opset
 from sgdfuse.passes.index import build_index
 from sgdfuse.passes.linear import Normaliser
 from sgdfuse.passes.onnx_momentum import TRAINING_DOMAIN, convert_momentum_nodes
-from sgdfuse.passes import traffic
+from sgdfuse.passes import output_check, traffic
 from sgdfuse.passes.rewrite import Planner, apply_plans, describe_scalar, shortest_float32
 from sgdfuse.passes.sgd_match import Match, Miss, RolePins, find_updates
 from sgdfuse.report import FusedUpdate, Refusal, Report, Verification
@@ -185,7 +185,7 @@ def optimize(
     )
     tell("rewrite")
     new_model = apply_plans(base, index, plans)
-    _check_output(new_model, source_model)
+    _check_output(new_model, source_model, rewrite=(base, index, plans))
     report.nodes_after = len(new_model.graph.node)
     return OptimizeResult(new_model, report, source_dir)
 
@@ -348,9 +348,14 @@ def _checkable(model: onnx.ModelProto) -> onnx.ModelProto:
     return copy
 
 
-def _check_output(model: onnx.ModelProto, source: onnx.ModelProto) -> None:
+def _check_output(model: onnx.ModelProto, source: onnx.ModelProto, *, rewrite: tuple | None = None) -> None:
     """The final guard: the model ``optimize`` returns passes ``onnx.checker`` (full check, with shape
     inference), so that no model sgdfuse made invalid is ever written.
+
+    With ``rewrite`` = (base, index, plans), ``model`` being ``apply_plans(base, index, plans)`` and ``base``
+    the input itself, the verdict is first proven from what changed (:mod:`sgdfuse.passes.output_check`, at
+    a cost proportional to the rewrite): when it is, anything the checker would still reject was already in
+    the input. Otherwise (and with no ``rewrite``) the checker runs on the whole output.
 
     An input model that already fails the check (a graph output without a shape, say; onnxruntime runs such
     models) is not sgdfuse's to fix: when the output fails with the very same first error as the input, it
@@ -359,6 +364,15 @@ def _check_output(model: onnx.ModelProto, source: onnx.ModelProto) -> None:
     Raises:
         InvalidOutputError: the output fails the check and the input passes it, or fails it differently.
     """
+    if rewrite is not None:
+        base, index, plans = rewrite
+        if base is source and not plans:
+            return  # the output is a copy of the input: sgdfuse changed nothing
+        if base is source:
+            reason = output_check.unproven(model, source, index, plans)
+            if reason is None:
+                return
+            logger.info("checking the whole output model: %s", reason)
     error = _checker_error(model)
     if error is None:
         return
