@@ -378,11 +378,12 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
         result = onnx.ModelProto()
         result.CopyFrom(model)
         return result
-    original = model.graph.node
-    removed, reads = _removed_nodes(model, index, plans)
+    old = _OldNodes(model.graph.node, index.subgraph_nodes)
+    new_reads = [_reads(node) for plan in plans for node in plan.nodes]
+    removed, reads = _removed_nodes(old, index, plans, new_reads)
 
     # Scalars only the removed nodes read go with them; every other initializer stays.
-    read_by_removed = {name for i in removed for name in _reads(original[i])}
+    read_by_removed = {name for i in removed for name in old.reads(i)}
     inputs = set(index.graph_inputs)
     outputs = set(index.graph_outputs)
     kept_initializers = [
@@ -390,17 +391,19 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
         if not (t.name in read_by_removed and not reads.get(t.name) and t.name not in inputs and t.name not in outputs)
     ]
     replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
-    gone_values = {o for i in removed for o in original[i].output} - replaced_outputs
+    gone_values = {o for i in removed for o in old.outputs(i)} - replaced_outputs
 
     # Order: every kept node at its old position, each plan's nodes at the position of its update's last
     # node, then a stable topological sort (a reader of a fused output placed earlier moves after it).
-    entries: list[tuple[tuple[int, int], onnx.NodeProto]] = [((i, 0), node) for i, node in enumerate(original) if i not in removed]
+    kept = [i for i in range(len(old)) if i not in removed]
+    entries: list[tuple[tuple[int, int], onnx.NodeProto]] = [((i, 0), old.node(i)) for i in kept]
+    entry_reads = [old.reads(i) for i in kept] + new_reads
     for plan in plans:
-        anchor = max(plan.match.nodes) if plan.match.nodes else len(original)
+        anchor = max(plan.match.nodes) if plan.match.nodes else len(old)
         for j, node in enumerate(plan.nodes):
             entries.append(((anchor, 1 + j), node))
     available = inputs | {t.name for t in kept_initializers} | {t.name for plan in plans for t in plan.initializers}
-    ordered = _stable_topological_sort(entries, available=available)
+    ordered = _stable_topological_sort(entries, available=available, reads=entry_reads)
 
     # The new model is built field by field: the old node list is never copied whole (only the kept nodes).
     result = onnx.ModelProto()
@@ -415,7 +418,42 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
     return result
 
 
-def _removed_nodes(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]) -> tuple[set[int], dict[str, int]]:
+class _OldNodes:
+    """The nodes of the graph being rewritten, by position, each fetched and its reads listed once."""
+
+    def __init__(self, nodes, subgraph_nodes: list[int]) -> None:
+        self._nodes = nodes
+        self._with_subgraphs = set(subgraph_nodes)
+        self._node: dict[int, onnx.NodeProto] = {}
+        self._reads: dict[int, list[str]] = {}
+        self._outputs: dict[int, list[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def node(self, i: int) -> onnx.NodeProto:
+        node = self._node.get(i)
+        if node is None:
+            node = self._node[i] = self._nodes[i]
+        return node
+
+    def outputs(self, i: int) -> list[str]:
+        """The names node ``i`` outputs (empty slots left out)."""
+        names = self._outputs.get(i)
+        if names is None:
+            names = self._outputs[i] = [n for n in self.node(i).output if n]
+        return names
+
+    def reads(self, i: int) -> list[str]:
+        """What node ``i`` reads (:func:`_reads`): its inputs, and what its subgraphs read from outside."""
+        names = self._reads.get(i)
+        if names is None:
+            node = self.node(i)
+            names = self._reads[i] = _reads(node) if i in self._with_subgraphs else [n for n in node.input if n]
+        return names
+
+
+def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new_reads: list[list[str]]) -> tuple[set[int], dict[str, int]]:
     """The old nodes the plans remove, and the read counts (after the rewrite) of every value the
     decision looked at.
 
@@ -423,16 +461,17 @@ def _removed_nodes(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Pl
     cone goes only if nothing reads its outputs after the rewrite (neither a kept node, a subgraph, a new
     node nor the graph's outputs); cone nodes are visited last to first, so a chain of helpers goes whole.
     A value's read count starts from the index (one per input slot of every node, plus one per subgraph
-    that reads it from the outer scope) and is corrected for the removed and the new nodes.
+    that reads it from the outer scope) and is corrected for the removed and the new nodes (``new_reads``:
+    what each new node reads).
     """
-    original = model.graph.node
     replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
     cone = set().union(*(plan.match.nodes for plan in plans))
-    removed: set[int] = {i for i in cone if any(o in replaced_outputs for o in original[i].output)}
+    removed: set[int] = {i for i in cone if not replaced_outputs.isdisjoint(old.outputs(i))}
 
     outer: dict[str, int] = {}
     for i in index.subgraph_nodes:
-        for name in _reads(original[i])[len([n for n in original[i].input if n]):]:
+        node = old.node(i)
+        for name in old.reads(i)[len([n for n in node.input if n]):]:
             outer[name] = outer.get(name, 0) + 1
     reads: dict[str, int] = {}
 
@@ -442,23 +481,22 @@ def _removed_nodes(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Pl
         reads[name] += delta
 
     for i in removed:
-        for name in _reads(original[i]):
+        for name in old.reads(i):
             add(name, -1)
-    for plan in plans:
-        for node in plan.nodes:
-            for name in _reads(node):
-                add(name, 1)
+    for names in new_reads:
+        for name in names:
+            add(name, 1)
     outputs = set(index.graph_outputs)
     for i in sorted(cone, reverse=True):
         if i in removed:
             continue
-        node_outputs = [o for o in original[i].output if o]
+        node_outputs = old.outputs(i)
         for o in node_outputs:
             add(o, 0)
         if any(reads[o] or o in outputs for o in node_outputs):
             continue
         removed.add(i)
-        for name in _reads(original[i]):
+        for name in old.reads(i):
             add(name, -1)
     return removed, reads
 
@@ -496,8 +534,13 @@ def _reads(node: onnx.NodeProto) -> list[str]:
     return names
 
 
-def _stable_topological_sort(entries: list[tuple[tuple[int, int], onnx.NodeProto]], available: set[str]) -> list[onnx.NodeProto]:
-    """Kahn's algorithm, always taking the ready node with the smallest original position."""
+def _stable_topological_sort(
+    entries: list[tuple[tuple[int, int], onnx.NodeProto]], available: set[str], reads: list[list[str]] | None = None
+) -> list[onnx.NodeProto]:
+    """Kahn's algorithm, always taking the ready node with the smallest original position. ``reads``: what
+    each entry's node reads (:func:`_reads`), when already known."""
+    if reads is None:
+        reads = [_reads(node) for _, node in entries]
     producer: dict[str, int] = {}
     for k, (_, node) in enumerate(entries):
         for name in node.output:
@@ -505,8 +548,8 @@ def _stable_topological_sort(entries: list[tuple[tuple[int, int], onnx.NodeProto
                 producer[name] = k
     waiting: list[int] = [0] * len(entries)
     dependants: dict[int, list[int]] = {}
-    for k, (_, node) in enumerate(entries):
-        for name in set(_reads(node)):
+    for k, names in enumerate(reads):
+        for name in set(names):
             source = producer.get(name)
             if source is not None and source != k and name not in available:
                 waiting[k] += 1
