@@ -148,7 +148,7 @@ def check_attributes(dampening: float, weight_decay: float, nesterov: bool, *, s
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # slots: the index holds one per value of the graph
 class TensorSpec:
     """What is known statically about one tensor: its name, shape and ONNX element type.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 
 import numpy as np
 import onnx
@@ -152,11 +153,12 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     graph = model.graph
     producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph)
     specs: dict[str, TensorSpec] = {}
-    _add_specs(specs, graph.input)
-    _add_specs(specs, graph.output)
-    _add_specs(specs, graph.value_info)
+    shapes: dict = {}
+    _add_specs(specs, graph.input, shapes)
+    _add_specs(specs, graph.output, shapes)
+    _add_specs(specs, graph.value_info, shapes)
     if infer_shapes:
-        _add_specs(specs, _inferred_value_infos(model, subgraph_nodes))
+        _add_specs(specs, _inferred_value_infos(model, subgraph_nodes), shapes)
     initializers = {t.name: t for t in graph.initializer}
     for name, tensor in initializers.items():
         specs[name] = TensorSpec(name, tuple(int(d) for d in tensor.dims), tensor.data_type)
@@ -180,13 +182,15 @@ def _sweep_nodes(graph: onnx.GraphProto) -> tuple[dict[str, int], dict[str, list
     consumers: dict[str, list[int]] = {}
     subgraph_reads: set[str] = set()
     subgraph_nodes: list[int] = []
+    # Interned: protobuf hands out a new string at every read, and each table would keep its own copy.
+    intern = sys.intern
     for index, node in enumerate(graph.node):
         for name in node.output:
             if name:
-                producer[name] = index
+                producer[intern(name)] = index
         for name in node.input:
             if name:
-                consumers.setdefault(name, []).append(index)
+                consumers.setdefault(intern(name), []).append(index)
         held = False
         for attribute in node.attribute:
             for sub in _subgraphs(attribute):
@@ -197,19 +201,21 @@ def _sweep_nodes(graph: onnx.GraphProto) -> tuple[dict[str, int], dict[str, list
     return producer, consumers, subgraph_reads, subgraph_nodes
 
 
-def _add_specs(specs: dict[str, TensorSpec], infos) -> None:
+def _add_specs(specs: dict[str, TensorSpec], infos, shapes: dict | None = None) -> None:
     """Add the tensor types of ``infos`` to ``specs``: the first spec with a shape wins (declarations are
-    added before inference)."""
+    added before inference). ``shapes`` shares equal shape tuples between specs."""
+    shapes = {} if shapes is None else shapes
     for info in infos:
-        known = specs.get(info.name)
+        name = sys.intern(info.name)
+        known = specs.get(name)
         if known is not None and known.shape is not None:
             continue
-        spec = _spec_of(info)
+        spec = _spec_of(info, name, shapes)
         if spec is not None:
-            specs[info.name] = spec
+            specs[name] = spec
 
 
-def _spec_of(info: onnx.ValueInfoProto) -> TensorSpec | None:
+def _spec_of(info: onnx.ValueInfoProto, name: str | None = None, shapes: dict | None = None) -> TensorSpec | None:
     if not info.type.HasField("tensor_type"):
         return None
     tensor_type = info.type.tensor_type
@@ -224,7 +230,9 @@ def _spec_of(info: onnx.ValueInfoProto) -> TensorSpec | None:
             else:
                 dims.append(None)
         shape = tuple(dims)
-    return TensorSpec(info.name, shape, tensor_type.elem_type)
+        if shapes is not None:
+            shape = shapes.setdefault(shape, shape)
+    return TensorSpec(info.name if name is None else name, shape, tensor_type.elem_type)
 
 
 def _inferred_value_infos(model: onnx.ModelProto, subgraph_nodes: list[int]) -> list[onnx.ValueInfoProto]:
