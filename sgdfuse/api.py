@@ -180,16 +180,21 @@ def optimize(
         ModelLoadError: ``model`` is a path that cannot be loaded as ONNX.
     """
     tell = progress or (lambda stage: None)
+    # The pass's own objects are dropped when _optimize returns, before the collector runs again.
     with _collector_paused():
-        tell("load")
-        source_model, source, source_dir = _as_model(model)
-        report, plans, index, base = _analyse(
-            source_model, source, verify=verify, steps=steps, seed=seed, tell=tell, allow_rounding=allow_rounding, pins=pins
-        )
-        tell("rewrite")
-        new_model = apply_plans(base, index, plans)
-        _check_output(new_model, source_model, rewrite=(base, index, plans))
-        report.nodes_after = len(new_model.graph.node)
+        return _optimize(model, verify=verify, steps=steps, seed=seed, tell=tell, allow_rounding=allow_rounding, pins=pins)
+
+
+def _optimize(model, *, verify: bool, steps: int, seed: int, tell: Callable[[str], None], allow_rounding: bool, pins: RolePins | None) -> OptimizeResult:
+    tell("load")
+    source_model, source, source_dir = _as_model(model)
+    report, plans, index, base = _analyse(
+        source_model, source, verify=verify, steps=steps, seed=seed, tell=tell, allow_rounding=allow_rounding, pins=pins
+    )
+    tell("rewrite")
+    new_model = apply_plans(base, index, plans)
+    _check_output(new_model, source_model, rewrite=(base, index, plans))
+    report.nodes_after = len(new_model.graph.node)
     return OptimizeResult(new_model, report, source_dir)
 
 
@@ -224,7 +229,8 @@ def inspect(
     ``allow_rounding`` and ``pins`` as for :func:`optimize`."""
     with _collector_paused():
         source_model, source, _ = _as_model(model)
-        report, plans, _, _ = _analyse(source_model, source, verify=verify, steps=steps, seed=seed, allow_rounding=allow_rounding, pins=pins)
+        # Only the report is kept: the index and plans are dropped before the collector runs again.
+        report = _analyse(source_model, source, verify=verify, steps=steps, seed=seed, allow_rounding=allow_rounding, pins=pins)[0]
     report.written = False
     report.nodes_after = report.nodes_before
     return report
