@@ -153,12 +153,12 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     graph = model.graph
     producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph)
     specs: dict[str, TensorSpec] = {}
-    shapes: dict = {}
-    _add_specs(specs, graph.input, shapes)
-    _add_specs(specs, graph.output, shapes)
-    _add_specs(specs, graph.value_info, shapes)
+    types: dict[bytes, tuple | None] = {}
+    _add_specs(specs, graph.input, types)
+    _add_specs(specs, graph.output, types)
+    _add_specs(specs, graph.value_info, types)
     if infer_shapes:
-        _add_specs(specs, _inferred_value_infos(model, subgraph_nodes), shapes)
+        _add_specs(specs, _inferred_value_infos(model, subgraph_nodes), types)
     initializers = {t.name: t for t in graph.initializer}
     for name, tensor in initializers.items():
         specs[name] = TensorSpec(name, tuple(int(d) for d in tensor.dims), tensor.data_type)
@@ -201,24 +201,29 @@ def _sweep_nodes(graph: onnx.GraphProto) -> tuple[dict[str, int], dict[str, list
     return producer, consumers, subgraph_reads, subgraph_nodes
 
 
-def _add_specs(specs: dict[str, TensorSpec], infos, shapes: dict | None = None) -> None:
+def _add_specs(specs: dict[str, TensorSpec], infos, types: dict[bytes, tuple | None]) -> None:
     """Add the tensor types of ``infos`` to ``specs``: the first spec with a shape wins (declarations are
-    added before inference). ``shapes`` shares equal shape tuples between specs."""
-    shapes = {} if shapes is None else shapes
+    added before inference). ``types`` caches each distinct serialised type's (shape, dtype): a training
+    graph has tens of thousands of values but a few dozen types, and equal shapes are then one tuple."""
     for info in infos:
         name = sys.intern(info.name)
         known = specs.get(name)
         if known is not None and known.shape is not None:
             continue
-        spec = _spec_of(info, name, shapes)
-        if spec is not None:
-            specs[name] = spec
+        type_proto = info.type
+        key = type_proto.SerializeToString()
+        if key not in types:
+            types[key] = _type_of(type_proto)
+        found = types[key]
+        if found is not None:
+            specs[name] = TensorSpec(name, found[0], found[1])
 
 
-def _spec_of(info: onnx.ValueInfoProto, name: str | None = None, shapes: dict | None = None) -> TensorSpec | None:
-    if not info.type.HasField("tensor_type"):
+def _type_of(type_proto: onnx.TypeProto) -> tuple[tuple[int | str | None, ...] | None, int] | None:
+    """(shape, dtype) of a tensor type, None for other types."""
+    if not type_proto.HasField("tensor_type"):
         return None
-    tensor_type = info.type.tensor_type
+    tensor_type = type_proto.tensor_type
     shape: tuple[int | str | None, ...] | None = None
     if tensor_type.HasField("shape"):
         dims: list[int | str | None] = []
@@ -230,9 +235,7 @@ def _spec_of(info: onnx.ValueInfoProto, name: str | None = None, shapes: dict | 
             else:
                 dims.append(None)
         shape = tuple(dims)
-        if shapes is not None:
-            shape = shapes.setdefault(shape, shape)
-    return TensorSpec(info.name if name is None else name, shape, tensor_type.elem_type)
+    return shape, tensor_type.elem_type
 
 
 def _inferred_value_infos(model: onnx.ModelProto, subgraph_nodes: list[int]) -> list[onnx.ValueInfoProto]:
