@@ -14,7 +14,7 @@ import dataclasses
 import heapq
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
@@ -82,6 +82,7 @@ class Planner:
         self._taken |= set(index.consumers)
         self._constants: dict[tuple[str, int, bytes], str] = {}
         self._arena = onnx.GraphProto()  # holds every planned node (see _held)
+        self._zeros: dict[int, onnx.TensorProto] = {}
         # How many shared constants of each role exist: their names are numbered in order of creation.
         self._role_counts: dict[str, int] = {}
 
@@ -92,6 +93,13 @@ class Planner:
             counter += 1
         self._taken.add(name)
         return name
+
+    def _zero_value(self, dtype: int) -> onnx.TensorProto:
+        """The ``value`` attribute of a ``ConstantOfShape`` of zeros in ``dtype`` (made once per dtype; the
+        node copies it)."""
+        if dtype not in self._zeros:
+            self._zeros[dtype] = numpy_helper.from_array(np.zeros((1,), dtype=onnx_to_numpy_dtype(dtype)), name="value")
+        return self._zeros[dtype]
 
     def _count_role(self, role: str) -> int:
         """How many shared constants of ``role`` were made before this one (then counts this one)."""
@@ -123,7 +131,7 @@ class Planner:
         low = match.dtype == onnx.TensorProto.BFLOAT16
         work_dtype = onnx.TensorProto.FLOAT if low else match.dtype
         if match.first_step is None:
-            zero = numpy_helper.from_array(np.zeros((1,), dtype=onnx_to_numpy_dtype(work_dtype)), name="value")
+            zero = self._zero_value(work_dtype)
             stat_work = self._fresh(f"{base}/stat_float") if low else stat
             shape = self._static_shape(match, shape, nodes, initializers)
             nodes.append(helper.make_node("ConstantOfShape", [shape], [stat_work], name=self._fresh(f"{base}/ConstantOfShape"), value=zero))
@@ -401,7 +409,7 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
     outputs = set(index.graph_outputs)
     kept_initializers = [
         t for t in model.graph.initializer
-        if not (t.name in read_by_removed and not reads.get(t.name) and t.name not in inputs and t.name not in outputs)
+        if not (t.name in read_by_removed and not reads(t.name) and t.name not in inputs and t.name not in outputs)
     ]
     replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
     gone_values = {o for i in removed for o in old.outputs(i)} - replaced_outputs
@@ -466,9 +474,8 @@ class _OldNodes:
         return names
 
 
-def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new_reads: list[list[str]]) -> tuple[set[int], dict[str, int]]:
-    """The old nodes the plans remove, and the read counts (after the rewrite) of every value the
-    decision looked at.
+def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new_reads: list[list[str]]) -> tuple[set[int], Callable[[str], int]]:
+    """The old nodes the plans remove, and the count of reads of a value after the rewrite.
 
     The fused node now produces each update's outputs: their old producers go. Another node of an update's
     cone goes only if nothing reads its outputs after the rewrite (neither a kept node, a subgraph, a new
@@ -486,32 +493,29 @@ def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new
         node = old.node(i)
         for name in old.reads(i)[len([n for n in node.input if n]):]:
             outer[name] = outer.get(name, 0) + 1
-    reads: dict[str, int] = {}
-
-    def add(name: str, delta: int) -> None:
-        if name not in reads:
-            reads[name] = len(index.consumers.get(name, ())) + outer.get(name, 0)
-        reads[name] += delta
-
+    # Reads after the rewrite = the index's count + these corrections (kept sparse: most names keep theirs).
+    delta: dict[str, int] = {}
     for i in removed:
         for name in old.reads(i):
-            add(name, -1)
+            delta[name] = delta.get(name, 0) - 1
     for names in new_reads:
         for name in names:
-            add(name, 1)
+            delta[name] = delta.get(name, 0) + 1
+    consumers = index.consumers
+
+    def count(name: str) -> int:
+        return len(consumers.get(name, ())) + outer.get(name, 0) + delta.get(name, 0)
+
     outputs = set(index.graph_outputs)
     for i in sorted(cone, reverse=True):
         if i in removed:
             continue
-        node_outputs = old.outputs(i)
-        for o in node_outputs:
-            add(o, 0)
-        if any(reads[o] or o in outputs for o in node_outputs):
+        if any(o in outputs or count(o) for o in old.outputs(i)):
             continue
         removed.add(i)
         for name in old.reads(i):
-            add(name, -1)
-    return removed, reads
+            delta[name] = delta.get(name, 0) - 1
+    return removed, count
 
 
 def _copy_into(target, source, *, skip: set[str]) -> None:

@@ -44,19 +44,24 @@ def cone_traffic(index: GraphIndex, nodes: set[int]) -> int | None:
     """Bytes read and written per step by ``nodes`` of the original graph (None if any size is unknown)."""
     total = 0
     graph_nodes = index.graph.node
+    specs = index.specs  # a value with no spec has dtype 0 (GraphIndex.spec): not a float, no traffic
     for i in nodes:
         node = graph_nodes[i]
         for names in (node.input, node.output):
             for name in names:
                 if not name:
                     continue
-                spec = index.spec(name)
-                if spec.dtype not in _WIDTH:
+                spec = specs.get(name)
+                if spec is None:
+                    continue
+                width = _WIDTH.get(spec.dtype)
+                if width is None:
                     continue  # not a float tensor: no traffic counted
                 count = spec.num_elements()
                 if count is None:
                     return None
-                total += 0 if count <= 1 else count * _WIDTH[spec.dtype]
+                if count > 1:
+                    total += count * width
     return total
 
 
