@@ -92,22 +92,27 @@ def _structure(graph: onnx.GraphProto, wanted: dict[str, tuple[int, int]], found
     defined = {i.name for i in graph.input}
     defined.update(t.name for t in graph.initializer)
     defined.update(s.values.name for s in graph.sparse_initializer)
+    defined.add("")  # an empty input name is an omitted optional input
     for node in graph.node:
-        for name in node.input:
-            if name and name not in defined:
-                return f"{name!r} is read before it is defined"
-        for attribute in node.attribute:
-            for sub in _subgraphs(attribute):
-                missing = _outer_reads(sub) - defined
-                if missing:
-                    return f"{sorted(missing)[0]!r} is read by a subgraph before it is defined"
-        for name in node.output:
-            if name:
-                if name in defined:
-                    return f"{name!r} is defined twice"
-                defined.add(name)
-        if node.output and node.output[0] in wanted:
-            found[wanted[node.output[0]]] = node
+        if not defined.issuperset(node.input):  # set operations: this runs for every node of the graph
+            name = next(n for n in node.input if n not in defined)
+            return f"{name!r} is read before it is defined"
+        if node.attribute:
+            for attribute in node.attribute:
+                for sub in _subgraphs(attribute):
+                    missing = _outer_reads(sub) - defined
+                    if missing:
+                        return f"{sorted(missing)[0]!r} is read by a subgraph before it is defined"
+        outputs = list(node.output)
+        if not outputs:
+            continue
+        named = [name for name in outputs if name]
+        if not defined.isdisjoint(named) or len(set(named)) != len(named):
+            name = next(n for k, n in enumerate(named) if n in defined or n in named[:k])
+            return f"{name!r} is defined twice"
+        defined.update(named)
+        if outputs[0] in wanted:
+            found[wanted[outputs[0]]] = node
     for value in graph.output:
         if value.name not in defined:
             return f"graph output {value.name!r} is not defined"
