@@ -195,10 +195,12 @@ def _read_key(name: str, index: GraphIndex, new_initializers: dict[str, onnx.Ten
         if _small(tensor):
             return ("initializer", name, index.is_input_name(name))
         return ("typed", tensor.data_type, tuple(tensor.dims), index.is_input_name(name))
-    node = index.node(name)
-    if node is not None and node.op_type == "Constant":
-        return f"a new node reads the Constant {name!r}, whose value inference may use"
     spec = index.spec(name)
+    count = spec.num_elements()
+    if count is None or count <= SMALL_CONSTANT_ELEMENTS:  # large values are never shapes (as initializers)
+        node = index.node(name)
+        if node is not None and node.op_type == "Constant":
+            return f"a new node reads the Constant {name!r}, whose value inference may use"
     if not spec.dtype:
         return f"{name!r}, read by a new node, has no known type"
     return ("typed", spec.dtype, spec.shape)
