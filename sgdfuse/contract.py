@@ -148,7 +148,7 @@ def check_attributes(dampening: float, weight_decay: float, nesterov: bool, *, s
         )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # slots: the index holds one per value of the graph
 class TensorSpec:
     """What is known statically about one tensor: its name, shape and ONNX element type.
 
@@ -170,9 +170,14 @@ class TensorSpec:
 
     def num_elements(self) -> int | None:
         """Element count, or None when any dimension is not a known integer."""
-        if not self.is_static:
+        if self.shape is None:
             return None
-        return math.prod(self.shape)  # type: ignore[arg-type]
+        count = 1
+        for d in self.shape:  # one pass: this is asked for every value of every matched update
+            if not isinstance(d, int):
+                return None
+            count *= d
+        return count
 
 
 def check_signature(

@@ -378,8 +378,11 @@ def copy_data_files(model: onnx.ModelProto, source_dir: str, target: str, batch,
         ExternalDataError: a location breaks a rule.
         OutputWriteError: a destination is taken by another file, or a copy failed.
     """
-    stage_data_files(check_model(model, source, base_dir=source_dir), source_dir, target, batch, source=source)
-    return normalised_locations(model, target)
+    tensors = list(external_tensors(model))  # one walk of the model serves the checks and the locations
+    files: dict = {}
+    checked = [check_tensor(tensor, source_dir, source=source, files=files) for tensor in tensors]
+    stage_data_files(checked, source_dir, target, batch, source=source)
+    return _normalised(model, tensors, target)
 
 
 def stage_data_files(checked: list[ExternalData], source_dir: str, target: str, batch, *, source: str = "<model>") -> None:
@@ -417,8 +420,13 @@ def normalised_locations(model: onnx.ModelProto, path: str | os.PathLike = "<mod
         ExternalDataError: a location is empty, absolute or climbs out with ``..`` (see
             :func:`normalise_location`); the model is not written then.
     """
+    return _normalised(model, list(external_tensors(model)), path)
+
+
+def _normalised(model: onnx.ModelProto, tensors: list[onnx.TensorProto], path: str | os.PathLike) -> onnx.ModelProto:
+    """:func:`normalised_locations` with ``tensors`` the model's :func:`external_tensors`."""
     changes = []
-    for tensor in external_tensors(model):
+    for tensor in tensors:
         location, _, _ = _fields(tensor, os.fspath(path))
         if check_location(location, tensor=tensor.name, source=os.fspath(path)) != location:
             changes.append(tensor.name)

@@ -203,15 +203,15 @@ def make_sgd_node(
     attributes.check(subject=name)
     if specialisation is not None:
         specialisation.check(attributes, subject=name)
-    node = helper.make_node(
-        OP_TYPE,
-        list(inputs),
-        list(outputs),
-        name=name,
-        domain=DOMAIN,
-        dampening=float(attributes.dampening),
-        weight_decay=float(attributes.weight_decay),
-        nesterov=int(bool(attributes.nesterov)),
+    node = helper.make_node(OP_TYPE, list(inputs), list(outputs), name=name, domain=DOMAIN)
+    # What helper.make_node(..., dampening=, weight_decay=, nesterov=) writes (attributes in name order),
+    # without its per-value type dispatch: this runs once per fused update.
+    node.attribute.extend(
+        [
+            onnx.AttributeProto(name="dampening", type=onnx.AttributeProto.FLOAT, f=float(attributes.dampening)),
+            onnx.AttributeProto(name="nesterov", type=onnx.AttributeProto.INT, i=int(bool(attributes.nesterov))),
+            onnx.AttributeProto(name="weight_decay", type=onnx.AttributeProto.FLOAT, f=float(attributes.weight_decay)),
+        ]
     )
     if specialisation is not None:
         node.overload = specialisation.overload

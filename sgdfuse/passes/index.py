@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 
 import numpy as np
 import onnx
@@ -40,6 +41,7 @@ class GraphIndex:
             initializers and shape inference.
         subgraph_reads: names read from the outer scope by any subgraph (``If``/``Loop``/``Scan`` bodies):
             such values are used even though no top-level node lists them.
+        subgraph_nodes: indices of the nodes that hold a subgraph attribute, in node order.
     """
 
     graph: onnx.GraphProto
@@ -50,6 +52,7 @@ class GraphIndex:
     graph_outputs: list[str]
     specs: dict[str, TensorSpec]
     subgraph_reads: set[str]
+    subgraph_nodes: list[int] = dataclasses.field(default_factory=list)
     _constants: dict[str, np.ndarray | None] = dataclasses.field(default_factory=dict)
 
     def node(self, value: str) -> onnx.NodeProto | None:
@@ -143,32 +146,19 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     """Index ``model.graph`` in one sweep.
 
     Shapes and dtypes come from the graph's declarations and, when ``infer_shapes``, from ONNX shape
-    inference run on a copy of the model with initializer data stripped (so no weight bytes are copied or
-    read). Inference failures are logged and tolerated: unknown shapes only make the matcher more careful.
+    inference run on the model with initializer data stripped (so no weight bytes are copied or read).
+    Inference failures are logged and tolerated: unknown shapes only make the matcher
+    more careful.
     """
     graph = model.graph
-    producer: dict[str, int] = {}
-    consumers: dict[str, list[int]] = {}
-    subgraph_reads: set[str] = set()
-    for index, node in enumerate(graph.node):
-        for name in node.output:
-            if name:
-                producer[name] = index
-        for name in node.input:
-            if name:
-                consumers.setdefault(name, []).append(index)
-        for attribute in node.attribute:
-            for sub in _subgraphs(attribute):
-                subgraph_reads.update(_outer_reads(sub))
-
+    producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph)
     specs: dict[str, TensorSpec] = {}
-    value_infos = list(graph.input) + list(graph.output) + list(graph.value_info)
+    types: dict[bytes, tuple | None] = {}
+    _add_specs(specs, graph.input, types)
+    _add_specs(specs, graph.output, types)
+    _add_specs(specs, graph.value_info, types)
     if infer_shapes:
-        value_infos.extend(_inferred_value_infos(model))
-    for info in value_infos:
-        spec = _spec_of(info)
-        if spec is not None and (info.name not in specs or specs[info.name].shape is None):
-            specs[info.name] = spec
+        _add_specs(specs, _inferred_value_infos(model, subgraph_nodes), types)
     initializers = {t.name: t for t in graph.initializer}
     for name, tensor in initializers.items():
         specs[name] = TensorSpec(name, tuple(int(d) for d in tensor.dims), tensor.data_type)
@@ -182,13 +172,58 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
         graph_outputs=[o.name for o in graph.output],
         specs=specs,
         subgraph_reads=subgraph_reads,
+        subgraph_nodes=subgraph_nodes,
     )
 
 
-def _spec_of(info: onnx.ValueInfoProto) -> TensorSpec | None:
-    if not info.type.HasField("tensor_type"):
+def _sweep_nodes(graph: onnx.GraphProto) -> tuple[dict[str, int], dict[str, list[int]], set[str], list[int]]:
+    """Producer, consumers, outer-scope reads of subgraphs and the nodes holding subgraphs (GraphIndex)."""
+    producer: dict[str, int] = {}
+    consumers: dict[str, list[int]] = {}
+    subgraph_reads: set[str] = set()
+    subgraph_nodes: list[int] = []
+    # Interned: protobuf hands out a new string at every read, and each table would keep its own copy.
+    intern = sys.intern
+    for index, node in enumerate(graph.node):
+        for name in node.output:
+            if name:
+                producer[intern(name)] = index
+        for name in node.input:
+            if name:
+                consumers.setdefault(intern(name), []).append(index)
+        held = False
+        for attribute in node.attribute:
+            for sub in _subgraphs(attribute):
+                subgraph_reads.update(_outer_reads(sub))
+                held = True
+        if held:
+            subgraph_nodes.append(index)
+    return producer, consumers, subgraph_reads, subgraph_nodes
+
+
+def _add_specs(specs: dict[str, TensorSpec], infos, types: dict[bytes, tuple | None]) -> None:
+    """Add the tensor types of ``infos`` to ``specs``: the first spec with a shape wins (declarations are
+    added before inference). ``types`` caches each distinct serialised type's (shape, dtype): a training
+    graph has tens of thousands of values but a few dozen types, and equal shapes are then one tuple."""
+    for info in infos:
+        name = sys.intern(info.name)
+        known = specs.get(name)
+        if known is not None and known.shape is not None:
+            continue
+        type_proto = info.type
+        key = type_proto.SerializeToString()
+        if key not in types:
+            types[key] = _type_of(type_proto)
+        found = types[key]
+        if found is not None:
+            specs[name] = TensorSpec(name, found[0], found[1])
+
+
+def _type_of(type_proto: onnx.TypeProto) -> tuple[tuple[int | str | None, ...] | None, int] | None:
+    """(shape, dtype) of a tensor type, None for other types."""
+    if not type_proto.HasField("tensor_type"):
         return None
-    tensor_type = info.type.tensor_type
+    tensor_type = type_proto.tensor_type
     shape: tuple[int | str | None, ...] | None = None
     if tensor_type.HasField("shape"):
         dims: list[int | str | None] = []
@@ -200,27 +235,49 @@ def _spec_of(info: onnx.ValueInfoProto) -> TensorSpec | None:
             else:
                 dims.append(None)
         shape = tuple(dims)
-    return TensorSpec(info.name, shape, tensor_type.elem_type)
+    return shape, tensor_type.elem_type
 
 
-def _inferred_value_infos(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
-    # Shape inference needs initializer shapes, not their bytes: infer on a copy without the data.
+def _inferred_value_infos(model: onnx.ModelProto, subgraph_nodes: list[int]) -> list[onnx.ValueInfoProto]:
+    """The value infos ONNX shape inference finds for ``model`` (main graph and every subgraph); empty when
+    it fails. ``subgraph_nodes`` are the main graph's nodes that hold subgraphs (inference keeps the order)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(_stripped(model), check_type=False, strict_mode=False, data_prop=True)
+    except Exception as error:  # inference is advisory; the matcher treats unknown shapes as unproven
+        logger.warning("shape inference failed, continuing with declared shapes only: %s", error)
+        return []
+    same_nodes = len(inferred.graph.node) == len(model.graph.node)  # inference adds and moves no node
+    return _value_infos(inferred, subgraph_nodes if same_nodes else None)
+
+
+def _stripped(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every initializer of more than :data:`SMALL_CONSTANT_ELEMENTS` elements replaced by a
+    dataless one of its type and shape (a copy; ``model`` itself when there is none such)."""
+    # Shape inference needs initializer shapes, not their bytes.
+    if not any(_is_large(t) for t in model.graph.initializer):
+        return model
     stripped = onnx.ModelProto()
     stripped.CopyFrom(model)
     for tensor in stripped.graph.initializer:
         _strip_data(tensor)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(stripped, check_type=False, strict_mode=False, data_prop=True)
-    except Exception as error:  # inference is advisory; the matcher treats unknown shapes as unproven
-        logger.warning("shape inference failed, continuing with declared shapes only: %s", error)
-        return []
+    return stripped
+
+
+def _value_infos(inferred: onnx.ModelProto, subgraph_nodes: list[int] | None) -> list[onnx.ValueInfoProto]:
+    """The value infos of ``inferred``'s main graph, then of its subgraphs; ``subgraph_nodes`` (the main
+    graph's nodes that hold one; None: look at every node) saves a walk over the others."""
     infos = list(inferred.graph.value_info)
     # Value names are unique across scopes (SSA), so the types inferred inside If/Loop bodies join the
     # same table: the matcher reads If branches that select a first step.
-    stack = [inferred.graph]
+    main = inferred.graph.node
+    stack: list[onnx.GraphProto | None] = [None]  # None: the main graph
     while stack:
         graph = stack.pop()
-        for node in graph.node:
+        if graph is None:
+            nodes = main if subgraph_nodes is None else [main[i] for i in subgraph_nodes]
+        else:
+            nodes = graph.node
+        for node in nodes:
             for attribute in node.attribute:
                 for sub in _subgraphs(attribute):
                     infos.extend(sub.value_info)
@@ -229,8 +286,12 @@ def _inferred_value_infos(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
     return infos
 
 
+def _is_large(tensor: onnx.TensorProto) -> bool:
+    return int(np.prod(tensor.dims, dtype=np.int64)) > SMALL_CONSTANT_ELEMENTS
+
+
 def _strip_data(tensor: onnx.TensorProto) -> None:
-    if int(np.prod(tensor.dims, dtype=np.int64)) <= SMALL_CONSTANT_ELEMENTS:
+    if not _is_large(tensor):
         return
     dims, dtype, name = list(tensor.dims), tensor.data_type, tensor.name
     tensor.Clear()

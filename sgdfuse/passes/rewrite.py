@@ -14,10 +14,11 @@ import dataclasses
 import heapq
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
+from google.protobuf import unknown_fields
 from onnx import helper, numpy_helper
 
 from sgdfuse.contract import SgdAttributes
@@ -80,6 +81,10 @@ class Planner:
         self._taken |= {n.name for n in index.graph.node if n.name}
         self._taken |= set(index.consumers)
         self._constants: dict[tuple[str, int, bytes], str] = {}
+        self._arena = onnx.GraphProto()  # holds every planned node (see _held)
+        self._zeros: dict[int, onnx.TensorProto] = {}
+        # How many shared constants of each role exist: their names are numbered in order of creation.
+        self._role_counts: dict[str, int] = {}
 
     def _fresh(self, base: str) -> str:
         name, counter = base, 1
@@ -88,6 +93,19 @@ class Planner:
             counter += 1
         self._taken.add(name)
         return name
+
+    def _zero_value(self, dtype: int) -> onnx.TensorProto:
+        """The ``value`` attribute of a ``ConstantOfShape`` of zeros in ``dtype`` (made once per dtype; the
+        node copies it)."""
+        if dtype not in self._zeros:
+            self._zeros[dtype] = numpy_helper.from_array(np.zeros((1,), dtype=onnx_to_numpy_dtype(dtype)), name="value")
+        return self._zeros[dtype]
+
+    def _count_role(self, role: str) -> int:
+        """How many shared constants of ``role`` were made before this one (then counts this one)."""
+        count = self._role_counts.get(role, 0)
+        self._role_counts[role] = count + 1
+        return count
 
     def plan(self, match: Match) -> Plan:
         """The rewrite of ``match``. Raises :class:`~sgdfuse.errors.AttributeContractError` if the
@@ -113,7 +131,7 @@ class Planner:
         low = match.dtype == onnx.TensorProto.BFLOAT16
         work_dtype = onnx.TensorProto.FLOAT if low else match.dtype
         if match.first_step is None:
-            zero = numpy_helper.from_array(np.zeros((1,), dtype=onnx_to_numpy_dtype(work_dtype)), name="value")
+            zero = self._zero_value(work_dtype)
             stat_work = self._fresh(f"{base}/stat_float") if low else stat
             shape = self._static_shape(match, shape, nodes, initializers)
             nodes.append(helper.make_node("ConstantOfShape", [shape], [stat_work], name=self._fresh(f"{base}/ConstantOfShape"), value=zero))
@@ -173,7 +191,19 @@ class Planner:
                 f"; momentum is the runtime value {momentum}: where it is 0 the buffer output is recomputed "
                 "(If node) as the graph does, since the contract would keep the old buffer"
             )
+        nodes, sgd = self._held(nodes, sgd)
         return Plan(match, nodes, initializers, sgd, gradient, learning_rate, momentum, stat_text)
+
+    def _held(self, nodes: list[onnx.NodeProto], sgd: onnx.NodeProto) -> tuple[list[onnx.NodeProto], onnx.NodeProto]:
+        """``nodes`` copied into the planner's one container, and the copy of ``sgd`` among them. A message of
+        its own costs about twice the memory (protobuf gives each its own arena): 10,000 plans hold 20,000
+        nodes."""
+        held = []
+        for node in nodes:
+            copy = self._arena.node.add()
+            copy.CopyFrom(node)
+            held.append(copy)
+        return held, held[next(k for k, node in enumerate(nodes) if node is sgd)]
 
     def specialisation(self, match: Match, learning_rate: str, momentum: str) -> Specialisation | None:
         """The specialised body the fused node of ``match`` can call (sgdfuse.fused_op.Specialisation), with
@@ -188,7 +218,7 @@ class Planner:
             return None
         parameters_rank = len(match.shape) if match.shape is not None else None
         for name in (learning_rate, momentum):
-            known = name in self.index.producer or name in self.index.initializers or name in self.index.graph_inputs
+            known = name in self.index.producer or name in self.index.initializers or self.index.is_input_name(name)
             # A name the plan made is a rank-0 initializer or a Reshape to rank 0 (_scalar).
             shape = self.index.spec(name).shape if known else ()
             if shape is None or (len(shape) > 0 and (parameters_rank is None or len(shape) > parameters_rank)):
@@ -216,7 +246,7 @@ class Planner:
         array = np.array(dims, dtype=np.int64)
         key = ("stat_shape", onnx.TensorProto.INT64, array.tobytes())
         if key not in self._constants:
-            name = self._fresh(f"sgdfuse/stat_shape_{len([k for k in self._constants if k[0] == 'stat_shape'])}")
+            name = self._fresh(f"sgdfuse/stat_shape_{self._count_role('stat_shape')}")
             self._constants[key] = name
             initializers.append(numpy_helper.from_array(array, name=name))
         return self._constants[key]
@@ -301,7 +331,7 @@ class Planner:
             array = np.array(poly.constant_value if not poly.is_zero else 0.0, dtype=np.float64).astype(np.float32).astype(np_dtype)
             key = (role, dtype, array.tobytes())
             if key not in self._constants:
-                name = self._fresh(f"sgdfuse/{role}_{len([k for k in self._constants if k[0] == role])}")
+                name = self._fresh(f"sgdfuse/{role}_{self._count_role(role)}")
                 self._constants[key] = name
                 initializers.append(numpy_helper.from_array(array, name=name))
             return self._constants[key]
@@ -355,76 +385,162 @@ def describe_scalar(poly: Poly) -> str | float:
 
 
 def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]) -> onnx.ModelProto:
-    """A new model with ``plans`` applied; ``model`` is not modified.
+    """A new model with ``plans`` applied; ``model`` is not modified. ``index`` is ``build_index(model)``.
+
+    The work is proportional to the graph's size only where the output must be written anyway (each kept
+    node is copied once); which old nodes go is decided from the index's reader lists, looking at the
+    updates' nodes and their readers only.
 
     Raises:
         ValueError: the model's default-domain opset is below 15 (the SGD function body needs it); callers
             check :data:`sgdfuse.fused_op.MIN_OPSET` first.
     """
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
     if not plans:
+        result = onnx.ModelProto()
+        result.CopyFrom(model)
         return result
-    graph = result.graph
-    original = list(graph.node)
-
-    # The fused node now produces the update's outputs: their old producers go; the rest of the cone goes
-    # only if nothing else reads it.
-    replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
-    cone = set().union(*(plan.match.nodes for plan in plans))
-    removed: set[int] = {i for i in cone if any(o in replaced_outputs for o in original[i].output)}
-
-    reads: dict[str, int] = {}
-    node_reads = [_reads(node) for node in original]
-    for i, names in enumerate(node_reads):
-        if i in removed:
-            continue
-        for name in names:
-            reads[name] = reads.get(name, 0) + 1
-    for plan in plans:
-        for node in plan.nodes:
-            for name in _reads(node):
-                reads[name] = reads.get(name, 0) + 1
-    outputs = {o.name for o in graph.output}
-    for i in sorted(cone, reverse=True):
-        if i in removed:
-            continue
-        if any(reads.get(o, 0) or o in outputs for o in original[i].output if o):
-            continue
-        removed.add(i)
-        for name in node_reads[i]:
-            reads[name] -= 1
+    old = _OldNodes(model.graph.node, index.subgraph_nodes)
+    new_reads = [_reads(node) for plan in plans for node in plan.nodes]
+    removed, reads = _removed_nodes(old, index, plans, new_reads)
 
     # Scalars only the removed nodes read go with them; every other initializer stays.
-    read_by_removed = {name for i in removed for name in node_reads[i]}
-    inputs = {i.name for i in graph.input}
+    read_by_removed = {name for i in removed for name in old.reads(i)}
+    inputs = set(index.graph_inputs)
+    outputs = set(index.graph_outputs)
     kept_initializers = [
-        t for t in graph.initializer if not (t.name in read_by_removed and not reads.get(t.name) and t.name not in inputs and t.name not in outputs)
+        t for t in model.graph.initializer
+        if not (t.name in read_by_removed and not reads(t.name) and t.name not in inputs and t.name not in outputs)
     ]
-    new_initializers = [t for plan in plans for t in plan.initializers]
-    del graph.initializer[:]
-    graph.initializer.extend(kept_initializers + new_initializers)
-
-    gone_values = {o for i in removed for o in original[i].output} - replaced_outputs
-    kept_info = [vi for vi in graph.value_info if vi.name not in gone_values]
-    del graph.value_info[:]
-    graph.value_info.extend(kept_info)
+    replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
+    gone_values = {o for i in removed for o in old.outputs(i)} - replaced_outputs
 
     # Order: every kept node at its old position, each plan's nodes at the position of its update's last
     # node, then a stable topological sort (a reader of a fused output placed earlier moves after it).
-    entries: list[tuple[tuple[int, int], onnx.NodeProto]] = []
-    for i, node in enumerate(original):
-        if i not in removed:
-            entries.append(((i, 0), node))
+    kept = [i for i in range(len(old)) if i not in removed]
+    entries: list[tuple[tuple[int, int], onnx.NodeProto]] = [((i, 0), old.node(i)) for i in kept]
+    entry_reads = [old.reads(i) for i in kept] + new_reads
     for plan in plans:
-        anchor = max(plan.match.nodes) if plan.match.nodes else len(original)
+        anchor = max(plan.match.nodes) if plan.match.nodes else len(old)
         for j, node in enumerate(plan.nodes):
             entries.append(((anchor, 1 + j), node))
-    ordered = _stable_topological_sort(entries, available=inputs | {t.name for t in graph.initializer})
-    del graph.node[:]
+    available = inputs | {t.name for t in kept_initializers} | {t.name for plan in plans for t in plan.initializers}
+    ordered = _stable_topological_sort(entries, available=available, reads=entry_reads)
+
+    # The new model is built field by field: the old node list is never copied whole (only the kept nodes).
+    result = onnx.ModelProto()
+    _copy_into(result, model, skip={"graph"})
+    graph = result.graph
+    _copy_into(graph, model.graph, skip={"node", "initializer", "value_info"})
     graph.node.extend(ordered)
+    graph.initializer.extend(kept_initializers)
+    graph.initializer.extend(t for plan in plans for t in plan.initializers)
+    graph.value_info.extend(vi for vi in model.graph.value_info if vi.name not in gone_values)
     ensure_sgd_function(result)
     return result
+
+
+class _OldNodes:
+    """The nodes of the graph being rewritten, by position, each fetched and its reads listed once."""
+
+    def __init__(self, nodes, subgraph_nodes: list[int]) -> None:
+        self._nodes = nodes
+        self._with_subgraphs = set(subgraph_nodes)
+        self._node: dict[int, onnx.NodeProto] = {}
+        self._reads: dict[int, list[str]] = {}
+        self._outputs: dict[int, list[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def node(self, i: int) -> onnx.NodeProto:
+        node = self._node.get(i)
+        if node is None:
+            node = self._node[i] = self._nodes[i]
+        return node
+
+    def outputs(self, i: int) -> list[str]:
+        """The names node ``i`` outputs (empty slots left out)."""
+        names = self._outputs.get(i)
+        if names is None:
+            names = self._outputs[i] = [n for n in self.node(i).output if n]
+        return names
+
+    def reads(self, i: int) -> list[str]:
+        """What node ``i`` reads (:func:`_reads`): its inputs, and what its subgraphs read from outside."""
+        names = self._reads.get(i)
+        if names is None:
+            node = self.node(i)
+            names = self._reads[i] = _reads(node) if i in self._with_subgraphs else [n for n in node.input if n]
+        return names
+
+
+def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new_reads: list[list[str]]) -> tuple[set[int], Callable[[str], int]]:
+    """The old nodes the plans remove, and the count of reads of a value after the rewrite.
+
+    The fused node now produces each update's outputs: their old producers go. Another node of an update's
+    cone goes only if nothing reads its outputs after the rewrite (neither a kept node, a subgraph, a new
+    node nor the graph's outputs); cone nodes are visited last to first, so a chain of helpers goes whole.
+    A value's read count starts from the index (one per input slot of every node, plus one per subgraph
+    that reads it from the outer scope) and is corrected for the removed and the new nodes (``new_reads``:
+    what each new node reads).
+    """
+    replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
+    cone = set().union(*(plan.match.nodes for plan in plans))
+    removed: set[int] = {i for i in cone if not replaced_outputs.isdisjoint(old.outputs(i))}
+
+    outer: dict[str, int] = {}
+    for i in index.subgraph_nodes:
+        node = old.node(i)
+        for name in old.reads(i)[len([n for n in node.input if n]):]:
+            outer[name] = outer.get(name, 0) + 1
+    # Reads after the rewrite = the index's count + these corrections (kept sparse: most names keep theirs).
+    delta: dict[str, int] = {}
+    for i in removed:
+        for name in old.reads(i):
+            delta[name] = delta.get(name, 0) - 1
+    for names in new_reads:
+        for name in names:
+            delta[name] = delta.get(name, 0) + 1
+    consumers = index.consumers
+
+    def count(name: str) -> int:
+        return len(consumers.get(name, ())) + outer.get(name, 0) + delta.get(name, 0)
+
+    outputs = set(index.graph_outputs)
+    for i in sorted(cone, reverse=True):
+        if i in removed:
+            continue
+        if any(o in outputs or count(o) for o in old.outputs(i)):
+            continue
+        removed.add(i)
+        for name in old.reads(i):
+            delta[name] = delta.get(name, 0) - 1
+    return removed, count
+
+
+def _copy_into(target, source, *, skip: set[str]) -> None:
+    """Copy every field of ``source`` but ``skip`` into the empty message ``target`` of the same type. A
+    message with fields this ``onnx`` does not know (unknown fields) is copied whole and the skipped fields
+    cleared, so nothing of it is lost."""
+    if len(unknown_fields.UnknownFieldSet(source)):
+        target.CopyFrom(source)
+        for name in skip:
+            target.ClearField(name)
+        return
+    for field, value in source.ListFields():
+        if field.name not in skip:
+            _set_field(target, field, value)
+
+
+def _set_field(target, field, value) -> None:
+    # ``is_repeated`` is the newer protobuf's name for ``label == LABEL_REPEATED`` (removed there).
+    repeated = field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED
+    if repeated:
+        getattr(target, field.name).extend(value)
+    elif field.type == field.TYPE_MESSAGE:
+        getattr(target, field.name).CopyFrom(value)
+    else:
+        setattr(target, field.name, value)
 
 
 def _reads(node: onnx.NodeProto) -> list[str]:
@@ -435,8 +551,13 @@ def _reads(node: onnx.NodeProto) -> list[str]:
     return names
 
 
-def _stable_topological_sort(entries: list[tuple[tuple[int, int], onnx.NodeProto]], available: set[str]) -> list[onnx.NodeProto]:
-    """Kahn's algorithm, always taking the ready node with the smallest original position."""
+def _stable_topological_sort(
+    entries: list[tuple[tuple[int, int], onnx.NodeProto]], available: set[str], reads: list[list[str]] | None = None
+) -> list[onnx.NodeProto]:
+    """Kahn's algorithm, always taking the ready node with the smallest original position. ``reads``: what
+    each entry's node reads (:func:`_reads`), when already known."""
+    if reads is None:
+        reads = [_reads(node) for _, node in entries]
     producer: dict[str, int] = {}
     for k, (_, node) in enumerate(entries):
         for name in node.output:
@@ -444,8 +565,8 @@ def _stable_topological_sort(entries: list[tuple[tuple[int, int], onnx.NodeProto
                 producer[name] = k
     waiting: list[int] = [0] * len(entries)
     dependants: dict[int, list[int]] = {}
-    for k, (_, node) in enumerate(entries):
-        for name in set(_reads(node)):
+    for k, names in enumerate(reads):
+        for name in set(names):
             source = producer.get(name)
             if source is not None and source != k and name not in available:
                 waiting[k] += 1

@@ -32,8 +32,10 @@ SGD_TENSOR_PASSES = 7
 def tensor_bytes(index: GraphIndex, value: str) -> int | None:
     """Bytes of a float tensor with a static shape; 0 for scalars (one element); None when unknown."""
     spec = index.spec(value)
+    if spec.dtype not in _WIDTH:
+        return None
     count = spec.num_elements()
-    if count is None or spec.dtype not in _WIDTH:
+    if count is None:
         return None
     return 0 if count <= 1 else count * _WIDTH[spec.dtype]
 
@@ -41,17 +43,25 @@ def tensor_bytes(index: GraphIndex, value: str) -> int | None:
 def cone_traffic(index: GraphIndex, nodes: set[int]) -> int | None:
     """Bytes read and written per step by ``nodes`` of the original graph (None if any size is unknown)."""
     total = 0
+    graph_nodes = index.graph.node
+    specs = index.specs  # a value with no spec has dtype 0 (GraphIndex.spec): not a float, no traffic
     for i in nodes:
-        node = index.graph.node[i]
-        for name in [*node.input, *node.output]:
-            if not name:
-                continue
-            size = tensor_bytes(index, name)
-            if size is None:
-                if index.spec(name).dtype in _WIDTH:
+        node = graph_nodes[i]
+        for names in (node.input, node.output):
+            for name in names:
+                if not name:
+                    continue
+                spec = specs.get(name)
+                if spec is None:
+                    continue
+                width = _WIDTH.get(spec.dtype)
+                if width is None:
+                    continue  # not a float tensor: no traffic counted
+                count = spec.num_elements()
+                if count is None:
                     return None
-                continue
-            total += size
+                if count > 1:
+                    total += count * width
     return total
 
 

@@ -1,0 +1,290 @@
+"""The output guard at the cost of what the rewrite changed (docs/design.md, "Performance").
+
+``optimize`` never returns a model that ``onnx.checker`` (full check) rejects because of sgdfuse. Running the
+checker on the whole output costs as much as a load and a save again; this module proves the same verdict
+from the parts that changed, and says why when it cannot (the caller then runs the full check):
+
+1. Versions: every opset import and every model-local function of the input are kept; only the
+   ``ai.sgdfuse`` import and its SGD functions are added; the IR version is kept or raised within 4 to 12,
+   whose changes only add to what is valid.
+2. Structure, over the whole output graph in one pass: every value is defined once (single assignment),
+   every value a node or a subgraph reads is defined before it, every graph output is defined. This is what
+   removing and reordering nodes can break.
+3. The new nodes, by class: plans whose nodes are the same up to names, reading values of the same types
+   (and the same small constants), are one class; one plan per class goes into a small model (its nodes,
+   the functions they call, typed graph inputs for the values they read) that must pass the full check.
+4. Every value a new node produces in place of an old one (the update's outputs) gets exactly the type the
+   input's shape inference gave it, so the unchanged nodes reading it see what they saw in the input.
+
+Unchanged nodes then read values of unchanged types in a valid order, so the checker's verdict on them is
+the input's: whatever it rejects was already in the input, and sgdfuse made nothing invalid.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import onnx
+from onnx import helper
+
+from sgdfuse.fused_op import DOMAIN, OP_TYPE
+from sgdfuse.passes.index import SMALL_CONSTANT_ELEMENTS, GraphIndex, _outer_reads, _subgraphs
+
+__all__ = ["unproven"]
+
+logger = logging.getLogger(__name__)
+
+
+def unproven(output: onnx.ModelProto, source: onnx.ModelProto, index: GraphIndex, plans: Sequence) -> str | None:
+    """Why the rewrite of ``source`` into ``output`` is not proven to keep ``onnx.checker`` (full check)
+    from finding anything new, or None when it is (steps 1-4 of this module's description).
+
+    Args:
+        output: the rewritten model (:func:`sgdfuse.passes.rewrite.apply_plans` of ``plans``).
+        source: the model the plans were applied to; ``index`` is its :class:`GraphIndex`.
+        plans: the applied :class:`~sgdfuse.passes.rewrite.Plan` s.
+
+    Returns:
+        None, or a short reason (for the log) why the caller must run the full check instead.
+    """
+    reason = _versions(output, source)
+    if reason:
+        return reason
+    # The new nodes as the output holds them (by their first output, a name defined once there).
+    wanted = {node.output[0]: (i, j) for i, plan in enumerate(plans) for j, node in enumerate(plan.nodes) if node.output}
+    found: dict[tuple[int, int], onnx.NodeProto] = {}
+    reason = _structure(output.graph, wanted, found)
+    if reason:
+        return reason
+    if len(found) != sum(len(plan.nodes) for plan in plans):
+        return "a planned node is not in the output"
+    nodes = [[found[(i, j)] for j in range(len(plan.nodes))] for i, plan in enumerate(plans)]
+    names = {t.name for plan in plans for t in plan.initializers}
+    new_initializers = {t.name: t for t in output.graph.initializer if t.name in names}
+    if len(new_initializers) != len(names):
+        return "a planned initializer is not in the output"
+    return _new_nodes(output, index, nodes, new_initializers)
+
+
+def _versions(output: onnx.ModelProto, source: onnx.ModelProto) -> str | None:
+    # IR versions 4 to 12 only add types, fields and message kinds and relax rules (the version history in
+    # onnx.proto): what passes at one passes at a later one. The rewrite raises it to 8 or 10 at most.
+    if output.ir_version != source.ir_version and not (4 <= source.ir_version < output.ir_version <= 12):
+        return f"the IR version changed ({source.ir_version} to {output.ir_version})"
+    before = [(o.domain, o.version) for o in source.opset_import]
+    after = [(o.domain, o.version) for o in output.opset_import]
+    if after[: len(before)] != before or any(domain != DOMAIN for domain, _ in after[len(before) :]):
+        return "an opset import other than ai.sgdfuse changed"
+    kept = len(source.functions)
+    if len(output.functions) < kept or any(
+        (f.domain, f.name, f.overload) != (g.domain, g.name, g.overload) for f, g in zip(source.functions, output.functions)
+    ):
+        return "the model-local functions of the input changed"
+    if any((f.domain, f.name) != (DOMAIN, OP_TYPE) for f in output.functions[kept:]):
+        return "a function other than ai.sgdfuse::SGD was added"
+    return None
+
+
+def _structure(graph: onnx.GraphProto, wanted: dict[str, tuple[int, int]], found: dict) -> str | None:
+    """Single assignment and definition before use over the whole graph (one pass), collecting into
+    ``found`` the nodes whose first output is a key of ``wanted`` (under its value)."""
+    defined = {i.name for i in graph.input}
+    defined.update(t.name for t in graph.initializer)
+    defined.update(s.values.name for s in graph.sparse_initializer)
+    defined.add("")  # an empty input name is an omitted optional input
+    for node in graph.node:
+        if not defined.issuperset(node.input):  # set operations: this runs for every node of the graph
+            name = next(n for n in node.input if n not in defined)
+            return f"{name!r} is read before it is defined"
+        if node.attribute:
+            for attribute in node.attribute:
+                for sub in _subgraphs(attribute):
+                    missing = _outer_reads(sub) - defined
+                    if missing:
+                        return f"{sorted(missing)[0]!r} is read by a subgraph before it is defined"
+        outputs = list(node.output)
+        if not outputs:
+            continue
+        named = [name for name in outputs if name]
+        if not defined.isdisjoint(named) or len(set(named)) != len(named):
+            name = next(n for k, n in enumerate(named) if n in defined or n in named[:k])
+            return f"{name!r} is defined twice"
+        defined.update(named)
+        if outputs[0] in wanted:
+            found[wanted[outputs[0]]] = node
+    for value in graph.output:
+        if value.name not in defined:
+            return f"graph output {value.name!r} is not defined"
+    return None
+
+
+def _new_nodes(output: onnx.ModelProto, index: GraphIndex, plans: list[list[onnx.NodeProto]], new_initializers: dict[str, onnx.TensorProto]) -> str | None:
+    """Steps 3 and 4: one plan (its new nodes, in order) per class checked in a small model."""
+    classes: dict[tuple, list[onnx.NodeProto]] = {}
+    for nodes in plans:
+        key = _class_key(nodes, index, new_initializers)
+        if isinstance(key, str):
+            return key
+        classes.setdefault(key, nodes)
+    representatives = list(classes.values())
+    small, replaced = _small_model(output, index, representatives, new_initializers)
+    try:
+        onnx.checker.check_model(small, full_check=True)
+        inferred = onnx.shape_inference.infer_shapes(small, check_type=True, strict_mode=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        text = str(error).strip()
+        return f"the rewritten nodes fail the check ({text.splitlines()[0] if text else type(error).__name__})"
+    types = {info.name: _type_of(info) for info in inferred.graph.value_info if info.name in replaced}
+    for name in replaced:
+        spec = index.spec(name)
+        if types.get(name) != (spec.dtype, spec.shape):
+            return f"{name!r} is typed {types.get(name)} after the rewrite, {(spec.dtype, spec.shape)} before"
+    logger.debug("output check: %d plans in %d classes", len(plans), len(representatives))
+    return None
+
+
+def _class_key(nodes: list[onnx.NodeProto], index: GraphIndex, new_initializers: dict[str, onnx.TensorProto]) -> tuple | str:
+    """What the checker sees of one plan's ``nodes``, with names replaced by their order of appearance: two
+    plans with one key get one verdict. A reason string when a value read cannot be typed here."""
+    ids: dict[str, int] = {}
+    key: list = []  # flat: this runs once per fused update
+    outer: list[str] = []
+    for node in nodes:
+        key.append(node.domain)
+        key.append(node.op_type)
+        key.append(node.overload)
+        for name in node.input:
+            key.append(ids.setdefault(name, len(ids)) if name else -1)
+        key.append(None)  # input/output separator
+        for name in node.output:
+            key.append(ids.setdefault(name, len(ids)) if name else -1)
+        key.append(None)
+        for attribute in node.attribute:
+            # A subgraph keeps its names in these bytes: plans with one only share a class by name.
+            key.append(attribute.SerializeToString())
+            if attribute.type in _GRAPH_TYPES:
+                for sub in _subgraphs(attribute):
+                    outer.extend(sorted(_outer_reads(sub)))
+        key.append(None)
+    produced = {name for node in nodes for name in node.output}
+    for name in [*ids, *outer]:
+        if name in produced:
+            if name in index.producer:  # an old value the plan now produces: its type must not change
+                spec = index.spec(name)
+                if not spec.dtype:
+                    return f"{name!r}, which the rewrite produces anew, had no known type"
+                key.append(("replaced", ids[name], spec.dtype, spec.shape))
+            continue
+        typed = _read_key(name, index, new_initializers)
+        if isinstance(typed, str):
+            return typed
+        key.append((ids.get(name, name), typed))
+    return tuple(key)
+
+
+_GRAPH_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+
+
+def _read_key(name: str, index: GraphIndex, new_initializers: dict[str, onnx.TensorProto]) -> tuple | str:
+    """How the small model provides the value ``name`` a new node reads (a class-key part)."""
+    if name in new_initializers:
+        return ("new initializer", name)  # one tensor per name in the whole output
+    tensor = index.initializers.get(name)
+    if tensor is not None:
+        if _small(tensor):
+            return ("initializer", name, index.is_input_name(name))
+        return ("typed", tensor.data_type, tuple(tensor.dims), index.is_input_name(name))
+    spec = index.spec(name)
+    count = spec.num_elements()
+    if count is None or count <= SMALL_CONSTANT_ELEMENTS:  # large values are never shapes (as initializers)
+        node = index.node(name)
+        if node is not None and node.op_type == "Constant":
+            return f"a new node reads the Constant {name!r}, whose value inference may use"
+    if not spec.dtype:
+        return f"{name!r}, read by a new node, has no known type"
+    return ("typed", spec.dtype, spec.shape)
+
+
+def _small(tensor: onnx.TensorProto) -> bool:
+    count = 1
+    for d in tensor.dims:
+        count *= d
+    return count <= SMALL_CONSTANT_ELEMENTS and tensor.data_location != onnx.TensorProto.EXTERNAL
+
+
+def _small_model(output: onnx.ModelProto, index: GraphIndex, plans: list[list[onnx.NodeProto]], new_initializers: dict[str, onnx.TensorProto]) -> tuple[onnx.ModelProto, list[str]]:
+    """The representatives' nodes in a model of their own: the values they read are graph inputs of their
+    types (initializers for small constants: inference may read their values), and each value they produce
+    in place of an old one is passed through an ``Identity`` to a graph output of the old type (the checker
+    wants a shape there), so that its own inferred type shows in ``value_info``. Returns the model and those replaced names."""
+    nodes: list[onnx.NodeProto] = []
+    produced: set[str] = set()
+    for plan_nodes in plans:
+        nodes.extend(plan_nodes)
+        produced.update(n for node in plan_nodes for n in node.output if n)
+    reads: dict[str, None] = {}
+    for node in nodes:
+        for name in node.input:
+            if name and name not in produced:
+                reads.setdefault(name)
+        for attribute in node.attribute:
+            for sub in _subgraphs(attribute):
+                for name in sorted(_outer_reads(sub)):
+                    if name not in produced:
+                        reads.setdefault(name)
+    inputs: list[onnx.ValueInfoProto] = []
+    initializers: list[onnx.TensorProto] = []
+    for name in reads:
+        tensor = new_initializers.get(name) or index.initializers.get(name)
+        if tensor is not None and (name in new_initializers or _small(tensor)):
+            initializers.append(tensor)
+            if not index.is_input_name(name) or name in new_initializers:
+                continue
+        spec = index.spec(name)
+        shape = None if spec.shape is None else list(spec.shape)
+        inputs.append(helper.make_tensor_value_info(name, spec.dtype, shape))
+    replaced = sorted(name for name in produced if name in index.producer)
+    outputs = []
+    for k, name in enumerate(replaced):
+        shown = f"sgdfuse_check/{k}"
+        while shown in produced or shown in reads:
+            shown += "_"
+        nodes.append(helper.make_node("Identity", [name], [shown]))
+        spec = index.spec(name)
+        outputs.append(helper.make_tensor_value_info(shown, spec.dtype, None if spec.shape is None else list(spec.shape)))
+    graph = helper.make_graph(nodes, "sgdfuse_rewritten_nodes", inputs, outputs, initializer=initializers)
+    model = helper.make_model(graph, opset_imports=list(output.opset_import), ir_version=output.ir_version)
+    model.functions.extend(_called_functions(output, nodes))
+    return model, replaced
+
+
+def _called_functions(output: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> list[onnx.FunctionProto]:
+    """The model-local functions ``nodes`` call, directly or through other functions, in model order."""
+    by_key = {(f.domain, f.name, f.overload): f for f in output.functions}
+    wanted: set[tuple[str, str, str]] = set()
+    stack = [(n.domain, n.op_type, n.overload) for n in nodes]
+    while stack:
+        key = stack.pop()
+        if key in by_key and key not in wanted:
+            wanted.add(key)
+            stack.extend((n.domain, n.op_type, n.overload) for n in by_key[key].node)
+    return [f for f in output.functions if (f.domain, f.name, f.overload) in wanted]
+
+
+def _type_of(info: onnx.ValueInfoProto) -> tuple[int, tuple | None] | None:
+    """(dtype, shape) in :class:`~sgdfuse.contract.TensorSpec` terms, or None for a non-tensor type."""
+    if not info.type.HasField("tensor_type"):
+        return None
+    tensor_type = info.type.tensor_type
+    if not tensor_type.HasField("shape"):
+        return (tensor_type.elem_type, None)
+    dims: list[int | str | None] = []
+    for dim in tensor_type.shape.dim:
+        if dim.HasField("dim_value"):
+            dims.append(int(dim.dim_value))
+        elif dim.HasField("dim_param"):
+            dims.append(dim.dim_param)
+        else:
+            dims.append(None)
+    return (tensor_type.elem_type, tuple(dims))
