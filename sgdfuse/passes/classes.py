@@ -59,6 +59,9 @@ capture: a cluster holding one is solved directly."""
 MAX_REGION = 512
 """A cluster with more values than this is solved directly (no class would share its cost)."""
 
+_NAMED_DTYPES = frozenset({0, onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE})
+"""Dtypes of values whose names the matcher may read (state, gradients; 0: unknown)."""
+
 MAX_WALK = 20_000
 """A region with more values than this stops per-class matching altogether (the whole graph is solved
 directly): clustering needs every region whole, and walking many such regions would cost more than solving."""
@@ -148,15 +151,16 @@ class _Walker:
     def region(self, output: str) -> tuple[list[str], set[str], bool]:
         """Values of ``output``'s region in walk order (depth first, inputs in order), those only listed as
         operands of a leaf's producer (not entered), and whether the region must be solved directly: it holds
-        a node of :data:`DIRECT_OPS` or one with a subgraph, it is larger than :data:`MAX_REGION`, or the
-        output (past copies) comes out of an op the walk does not enter (the matcher then looks behind that
-        op for an update it passes through)."""
+        a node of :data:`DIRECT_OPS` or one with a subgraph, or it is larger than :data:`MAX_REGION`.
+
+        Raises:
+            _TooLarge: the region has more than :data:`MAX_WALK` values."""
         listed = {output}
         walked = {output}
         order = [output]
         fringe: set[str] = set()
         stack = [output]
-        direct = self._behind_copies_not_entered(output)
+        direct = False
         step = self.step
         while stack:
             _, inputs, makes_direct, operands = step(stack.pop())
@@ -207,7 +211,9 @@ class _Walker:
             cached = self._below[roots] = sorted(seen)
         return cached
 
-    def _behind_copies_not_entered(self, output: str) -> bool:
+    def behind_copies_not_entered(self, output: str) -> bool:
+        """True when ``output``, past ``Identity``/``Cast``/``CastLike`` copies, comes out of an op the walk does
+        not enter (the matcher then looks behind that op for an update it passes through)."""
         value, seen = output, set()
         while value not in seen:
             seen.add(value)
@@ -288,15 +294,30 @@ def clusters_of(
     appearances: dict[str, list[str]] = {}
     # An operand of a leaf's producer matters to the matcher only when it is (a copy of) a graph output's value.
     output_copies = set().union(*(walker.copies(o) for o in outputs)) if outputs else set()
-    for o in outputs:
+    # Later outputs first: a parameter update's region holds its buffer output's, whose own region then adds
+    # nothing (every value reachable from a value of a region is in it) and is not walked again.
+    walked: set[str] = set()
+    contained: set[str] = set()
+    for o in reversed(outputs):
+        if walker.behind_copies_not_entered(o):
+            direct.add(o)
+        if o in walked and walker.index.spec(o).num_elements() != 1:
+            # A tensor links its reader's region with its own, so both land in one cluster anyway.
+            regions[o], fringes[o] = [o], set()
+            contained.add(o)
+            appearances[o].append(o)
+            continue
         values, fringe, must = walker.region(o)
         regions[o] = values
         fringes[o] = fringe
         if must:
             direct.add(o)
         for value in values:
-            if value in fringe and not (walker.copies(value) & output_copies):
-                continue
+            if value in fringe:
+                if not (walker.copies(value) & output_copies):
+                    continue
+            else:
+                walked.add(value)
             appearances.setdefault(value, []).append(o)
 
     parent = {o: o for o in outputs}
@@ -332,7 +353,7 @@ def clusters_of(
 
     # Outputs computed from shared values alone (a learning-rate schedule lr*0.99): the matcher may pair them
     # with any cluster whose region holds their form's leaves, so they go along as keyed extras.
-    loose = [o for o, values in regions.items() if _loose(walker, values, fringes[o], shared)]
+    loose = [o for o, values in regions.items() if o not in contained and _loose(walker, values, fringes[o], shared)]
     loose_leaves = {o: form_leaves(o) for o in loose}
 
     clusters: list[Cluster] = []
@@ -453,8 +474,10 @@ def _key(
         value = values[position]
         before = bisect.bisect_left(shared_names, value) if shared_names else 0
         is_output = value in outputs
-        if not is_output and is_constant(value):
-            # A small constant folds into a coefficient: it is never a leaf whose name the matcher reads.
+        facts = structure[position][0]
+        if not is_output and (facts[0] not in _NAMED_DTYPES or (facts[2][0] == "initializer" or facts[2][:2] == ("node", "Constant")) and is_constant(value)):
+            # A value that is not a float tensor (a shape, a condition) is never state or a gradient, and a
+            # small constant folds into a coefficient: the matcher reads no fact from their names.
             names[position] = (rank, before)
             continue
         flags, previous, named_next = name_facts(value, is_output)
