@@ -587,22 +587,25 @@ def _topological(nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
 
 class _Probes:
     """``Identity`` copies of values as slice outputs (a graph input or initializer cannot always be one),
-    one per value however many SGD nodes read it (a shared learning rate)."""
+    one per value however many SGD nodes read it (a shared learning rate), or with ``shared`` False one per call."""
 
-    def __init__(self, taken: set[str], base: Iterable[str] | Mapping[str, object] = ()) -> None:
+    def __init__(self, taken: set[str], base: Iterable[str] | Mapping[str, object] = (), *, shared: bool = True) -> None:
         self.taken = taken
         self.base = base
+        self.shared = shared
         self.nodes: list[onnx.NodeProto] = []
         self._made: dict[str, str] = {}
+        self._next: dict[str, int] = {}
 
     def __call__(self, value: str, tag: str) -> str:
-        if value in self._made:
+        if self.shared and value in self._made:
             return self._made[value]
         base = name = f"sgdfuse_probe/{tag}/{value}"
-        counter = 1
+        counter = self._next.get(base, 1)  # unshared probes of one value: no rescan of the names taken
         while name in self.taken or name in self.base:
             name = f"{base}_{counter}"
             counter += 1
+        self._next[base] = counter
         self.taken.add(name)
         self.nodes.append(helper.make_node("Identity", [value], [name]))
         self._made[value] = name
@@ -1092,42 +1095,62 @@ def _slice_class_key(model, index: GraphIndex, plan, shared, evidence: Mapping[s
 
     digest = hashlib.sha256()
     for parts in (slices.original, slices.fused):
-        described: list = [[(o.domain, o.version) for o in parts.opset_import], parts.function_opset]
-        for name in parts.inputs:
-            spec = index.spec(name)
-            described.append(("input", rename(name), spec.dtype, spec.shape))
-        for tensor in parts.needed_initializers:
-            anonymous = onnx.TensorProto()
-            anonymous.CopyFrom(tensor)
-            anonymous.name = ""
-            anonymous.doc_string = ""
-            described.append(("initializer", rename(tensor.name), anonymous.SerializeToString(deterministic=True)))
-        for node in parts.nodes:
-            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-                return None
-            described.append((
-                node.op_type, node.domain, node.overload, [rename(n) for n in node.input], [rename(n) for n in node.output],
-                [a.SerializeToString(deterministic=True) for a in node.attribute],
-            ))
-        described.append(("outputs", [rename(n) for n in parts.outputs]))
+        described = _describe_parts(parts, index.spec, rename)
+        if described is None:
+            return None
         digest.update(repr(described).encode())
     described = [
         [(rename(spec.name), spec.dtype, spec.shape, spec.role) for spec in slices.inputs],
         [rename(name) for name in slices.original_outputs],
         [rename(name) for name in slices.fused_outputs],
     ]
-    for view in slices.views:
-        described.append([
-            sorted((rename(k), v) for k, v in view.outputs.items()),
-            sorted((rename(k), rename(v)) for k, v in view.original_state.items()),
-            sorted((rename(k), rename(v)) for k, v in view.fused_state.items()),
-            sorted((rename(k), v) for k, v in view.roles.items()),
-            [rename(n) for n in (view.parameters, view.accum, view.gradient, view.learning_rate, view.momentum)],
-            view.gradient_side, repr(view.dampening), repr(view.weight_decay), view.nesterov, view.dtype,
-        ])
+    described.extend(_describe_view(view, rename) for view in slices.views)
     digest.update(repr(described).encode())
     return digest.digest()
 
+
+def _describe_view(view: _UpdateView, rename) -> list:
+    """What is compared for one update and how, with value names replaced by ``rename``."""
+    return [
+        sorted((rename(k), v) for k, v in view.outputs.items()),
+        sorted((rename(k), rename(v)) for k, v in view.original_state.items()),
+        sorted((rename(k), rename(v)) for k, v in view.fused_state.items()),
+        sorted((rename(k), v) for k, v in view.roles.items()),
+        [rename(n) for n in (view.parameters, view.accum, view.gradient, view.learning_rate, view.momentum)],
+        view.gradient_side, repr(view.dampening), repr(view.weight_decay), view.nesterov, view.dtype,
+    ]
+
+
+def _describe_parts(parts: _Parts, spec_of, rename) -> list | None:
+    """What a slice computes, with every value name replaced by ``rename`` (its order of first appearance):
+    opsets, input dtypes and shapes, initializers (dtype, dims, bytes; names and doc strings left out), each
+    node's operator, domain, overload, renamed inputs and outputs and attributes, the outputs. None when a
+    node has a subgraph (its outer reads would need renaming too). Shared by :func:`_slice_class_key` and
+    :func:`check_models`' classes of groups."""
+    described: list = [[(o.domain, o.version) for o in parts.opset_import], parts.function_opset]
+    for name in parts.inputs:
+        spec = spec_of(name)
+        described.append(("input", rename(name), spec.dtype, spec.shape))
+    for tensor in parts.needed_initializers:
+        described.append(("initializer", rename(tensor.name), _anonymous_bytes(tensor)))
+    for node in parts.nodes:
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            return None
+        described.append((
+            node.op_type, node.domain, node.overload, [rename(n) for n in node.input], [rename(n) for n in node.output],
+            [a.SerializeToString(deterministic=True) for a in node.attribute],
+        ))
+    described.append(("outputs", [rename(n) for n in parts.outputs]))
+    return described
+
+
+def _anonymous_bytes(tensor: onnx.TensorProto) -> bytes:
+    """``tensor`` serialised without its name and doc string (what its value is, not what it is called)."""
+    anonymous = onnx.TensorProto()
+    anonymous.CopyFrom(tensor)
+    anonymous.name = ""
+    anonymous.doc_string = ""
+    return anonymous.SerializeToString(deterministic=True)
 
 def _verify_each(
     model: onnx.ModelProto,
@@ -1265,6 +1288,9 @@ class ModelCheck:
             "passed", "message"}``.
         runs: what was run (precision and size).
         note: what could not be run and why, or "".
+        groups: independent groups of outputs the models were cut into (:func:`check_models`).
+        groups_run: how many of them were run; each other one has the results of a run member of its class,
+            named by the ``verified_as`` of its entries in ``outputs`` and ``in_place`` ("" where run).
     """
 
     steps: int
@@ -1274,6 +1300,8 @@ class ModelCheck:
     in_place: list[dict] = dataclasses.field(default_factory=list)
     runs: list[str] = dataclasses.field(default_factory=list)
     note: str = ""
+    groups: int = 0
+    groups_run: int = 0
 
 
 def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: int = 3, seed: int = 0) -> ModelCheck:
@@ -1298,49 +1326,371 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
 
     from sgdfuse.passes.index import build_index
 
-    index = build_index(original)
+    # Specs of graph inputs are declared; shape inference of the whole model is only needed when the
+    # matcher has to pair the original's state (_original_pairs builds it then).
+    index = build_index(original, infer_shapes=False)
     probe_fused, views = _fused_views(fused, set(original_inputs))
     original_pairs = _original_pairs(index, original, views)
     for view in views:
         view.original_state = {s: original_pairs[s] for s in view.roles if s in original_pairs}
-    inputs = _check_inputs(index, original_inputs, views, probe_fused)
-    update_outputs = {name: (view, role) for view in views for name, role in view.outputs.items()}
+    inputs = {spec.name: spec for spec in _check_inputs(index, original_inputs, views, probe_fused)}
+    fused_pairs = dict(original_pairs)
+    for view in views:
+        fused_pairs.update(view.fused_state)
+    sides = (_Side.of(original), _Side.of(probe_fused))
+    groups = _check_groups(sides, views, original_pairs, fused_pairs, inputs)
 
-    pairs, note, _ = _make_pairs(original, probe_fused)
     output_tallies = {name: _Tally() for name in outputs}
     state_tallies = {(k, s): _Tally() for k, view in enumerate(views) for s in view.roles}
-    runs: list[str] = []
-    notes = [note] if note else []
-    fused_names = [o.name for o in probe_fused.graph.output]
-    for pair in pairs:
-        for size in _sizes(inputs):
-            try:
-                _check_schedule(pair, index, inputs, views, outputs, fused_names, original_pairs, update_outputs, output_tallies,
-                                state_tallies, steps=steps, size=size, seed=seed)
-            except _RunError as error:
-                if error.side == "original model":
-                    notes.append(f"{_run_label(pair.label, size)}: {error} (skipped)")
-                    continue
-                for tally in output_tallies.values():
-                    tally.fail(f"{_run_label(pair.label, size)}: {error}")
-                continue
-            runs.append(_run_label(pair.label, size))
-    if not runs and not any(not t.passed for t in output_tallies.values()):
-        raise ValueError("the original model cannot run at any size tried: " + "; ".join(notes))
+    runner = _GroupRunner(index, sides, views, inputs, original_pairs, output_tallies, state_tallies, steps=steps, seed=seed)
+    verified_as = _run_groups(index, sides, groups, views, inputs, original_pairs, fused_pairs, runner, seed=seed)
+    if not runner.runs and not any(not t.passed for t in output_tallies.values()):
+        raise ValueError("the original model cannot run at any size tried: " + "; ".join(runner.notes))
 
+    update_outputs = {name for view in views for name in view.outputs}
     listed = [
         {"name": name, "kind": "fused update" if name in update_outputs else "exact", "max_abs_error": t.max_abs,
-         "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message}
+         "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message, "verified_as": verified_as.get(name, "")}
         for name, t in output_tallies.items()
     ]
     in_place = [
         {"name": s, "kind": "in place", "original": views[k].original_state.get(s, s), "fused": views[k].fused_state.get(s, s),
-         "max_abs_error": t.max_abs, "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message}
+         "max_abs_error": t.max_abs, "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message,
+         "verified_as": verified_as.get((k, s), "")}
         for (k, s), t in state_tallies.items()
     ]
     passed = all(entry["passed"] for entry in listed + in_place)
     state_pairs = {o: s for s, o in original_pairs.items()}
-    return ModelCheck(steps, passed, listed, state_pairs, in_place, runs, "; ".join(notes))
+    classes = f"; {len(groups)} independent groups of outputs, {runner.groups_run} run" + (
+        f", the others verified as a run member of their class" if runner.groups_run < len(groups) else "")
+    logger.info("check: %s", classes[2:])
+    return ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups), runner.groups_run)
+
+
+# ------------------------------------------------------------------------------ check_models: groups
+
+CHECK_CHUNK_NODES = 3000
+"""About this many nodes (per side) go into one model that :func:`check_models` runs: groups are packed into
+models of this size, so session building (faster than linear in the nodes of a model) stays linear overall."""
+
+SHARED_CONE_LIMIT = 8
+"""A node computed from at most this many nodes (counted with repetition, itself included) that reads no
+carried state is copied into every group that needs it instead of joining them: a learning rate computed
+once (``Neg → Reshape → Gather`` of a fed ``lr``) and read by every update does not make one group of them."""
+
+
+class _UnionFind:
+    def __init__(self) -> None:
+        self.parent: dict = {}
+
+    def find(self, item):
+        parent = self.parent
+        root = item
+        while parent.get(root, root) != root:
+            root = parent[root]
+        while item != root:
+            parent[item], item = root, parent.get(item, item)
+        return root
+
+    def union(self, a, b) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[ra] = rb
+
+
+@dataclasses.dataclass
+class _Side:
+    """One model of :func:`check_models` as groups are cut from it: its nodes, what each reads, producers,
+    initializers, fed inputs and outputs."""
+
+    model: onnx.ModelProto
+    nodes: list[onnx.NodeProto]
+    reads: list[list[str]]
+    producer: dict[str, int]
+    initializers: dict[str, onnx.TensorProto]
+    inputs: dict[str, onnx.ValueInfoProto]
+    outputs: list[str]
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> "_Side":
+        graph = model.graph
+        nodes = list(graph.node)
+        initializers = {t.name: t for t in graph.initializer}
+        return cls(
+            model, nodes, [_node_reads(node) for node in nodes], {o: k for k, node in enumerate(nodes) for o in node.output if o},
+            initializers, {i.name: i for i in graph.input if i.name not in initializers}, [o.name for o in graph.output],
+        )
+
+    def cone(self, outputs: Iterable[str]) -> list[int]:
+        """Indices (in graph order) of the nodes that compute ``outputs``."""
+        found: set[int] = set()
+        stack = [self.producer[o] for o in outputs if o in self.producer]
+        while stack:
+            k = stack.pop()
+            if k in found:
+                continue
+            found.add(k)
+            stack.extend(j for name in self.reads[k] if (j := self.producer.get(name)) is not None and j not in found)
+        return sorted(found)
+
+    def parts(self, cone: Sequence[int], outputs: list[str], function_opset: int | None) -> _Parts:
+        """The :class:`_Parts` of a model of the nodes ``cone`` with ``outputs``: its inputs are the fed
+        graph inputs they read, its initializers the graph's they read."""
+        produced = {o for k in cone for o in self.nodes[k].output if o}
+        initializers: list[onnx.TensorProto] = []
+        inputs: list[str] = []
+        listed: set[str] = set()
+        for name in [n for k in cone for n in self.reads[k]] + outputs:
+            if name in produced or name in listed:
+                continue
+            listed.add(name)
+            if name in self.initializers:
+                initializers.append(self.initializers[name])
+            elif name in self.inputs:
+                inputs.append(name)
+        return _Parts([self.nodes[k] for k in cone], [], outputs, list(self.model.opset_import), function_opset, initializers, inputs)
+
+
+@dataclasses.dataclass
+class _Group:
+    """Outputs of :func:`check_models` that are computed, compared and carried together and independently
+    of every other group's: the original outputs, the fused model's (with its probes), the updates (indices
+    of views) and the carried states among them; then the two slices and the group's canonical names."""
+
+    original_outputs: list[str] = dataclasses.field(default_factory=list)
+    fused_outputs: list[str] = dataclasses.field(default_factory=list)
+    views: list[int] = dataclasses.field(default_factory=list)
+    states: list[str] = dataclasses.field(default_factory=list)
+    cones: tuple[list[int], list[int]] = ([], [])
+    names: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _shared_nodes(side: _Side, carried: set[str]) -> list[bool]:
+    """Per node: is it copied into the groups that read it (:data:`SHARED_CONE_LIMIT`)? The nodes it is
+    computed from are then copied too (their cones are smaller still)."""
+    bound: list[int] = []
+    over = SHARED_CONE_LIMIT + 1
+    for k, node in enumerate(side.nodes):
+        reads = side.reads[k]
+        if carried.intersection(reads) or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            bound.append(over)
+            continue
+        total = 1
+        for name in reads:
+            j = side.producer.get(name)
+            if j is not None:
+                total += bound[j] if j < k else over  # a producer listed later (unsorted graph): not copied
+        bound.append(min(total, over))
+    return [b <= SHARED_CONE_LIMIT for b in bound]
+
+
+def _check_groups(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], original_pairs: Mapping[str, str],
+                  fused_pairs: Mapping[str, str], inputs: Mapping[str, _Input]) -> list[_Group]:
+    """The outputs of both models partitioned into independent groups.
+
+    Two outputs are in one group when a node that is not copied (:func:`_shared_nodes`) lies on both their
+    cones in either model, when they belong to one update (its outputs, what it writes in place, its probes),
+    or when one is the next value of a state that the other's cone reads (either side's pairing): so a group's
+    nodes compute its outputs from fed inputs and its own carried state alone, and a model of one group, or of
+    several, computes at every step what the whole model computes for them given the same feeds."""
+    carried = set(original_pairs) | set(fused_pairs)
+    uf = _UnionFind()
+    for tag, side in enumerate(sides):
+        shared = _shared_nodes(side, carried)
+        outputs = set(side.outputs)
+        for k, node in enumerate(side.nodes):
+            if shared[k]:
+                continue
+            for name in side.reads[k]:
+                j = side.producer.get(name)
+                if j is not None and not shared[j]:
+                    uf.union((tag, k), (tag, j))
+                elif name in carried:
+                    uf.union((tag, k), name)
+            for name in node.output:
+                if name in outputs:
+                    uf.union((tag, k), name)
+    for pairs in (original_pairs, fused_pairs):
+        for state, output in pairs.items():
+            uf.union(state, output)
+    for view in views:
+        members = [*view.outputs, *view.fused_state.values(), *view.original_state.values(), *view.roles,
+                   view.gradient, view.learning_rate, view.momentum]
+        for name in members[1:]:
+            uf.union(members[0], name)
+    groups: dict[object, _Group] = {}
+    for name in sides[0].outputs:
+        groups.setdefault(uf.find(name), _Group()).original_outputs.append(name)
+    for name in sides[1].outputs:
+        groups.setdefault(uf.find(name), _Group()).fused_outputs.append(name)
+    for k, view in enumerate(views):
+        groups.setdefault(uf.find(view.parameters), _Group()).views.append(k)
+    for name in inputs:  # graph input order
+        if name in carried:
+            groups.setdefault(uf.find(name), _Group()).states.append(name)
+    result = list(groups.values())
+    for group in result:
+        group.cones = (sides[0].cone(group.original_outputs), sides[1].cone(group.fused_outputs))
+    return result
+
+
+def _group_key(index: GraphIndex, sides: tuple[_Side, _Side], group: _Group, views: Sequence[_UpdateView],
+               inputs: Mapping[str, _Input], original_pairs: Mapping[str, str], fused_pairs: Mapping[str, str]) -> bytes | None:
+    """A digest of ``group``'s two slices and of what is fed, compared and carried, every value name replaced
+    by its order of first appearance (:func:`_describe_parts`, :func:`_describe_view`): groups with equal
+    digests are equal up to one renaming of values. ``group.names`` is set to that renaming. None when a
+    slice has a subgraph."""
+    names: dict[str, str] = {}
+
+    def rename(name: str) -> str:
+        return names.setdefault(name, f"v{len(names)}") if name else ""
+
+    digest = hashlib.sha256()
+    fed: list[str] = []
+    for side, cone, outputs in zip(sides, group.cones, (group.original_outputs, group.fused_outputs)):
+        parts = side.parts(cone, outputs, None)
+        described = _describe_parts(parts, index.spec, rename)
+        if described is None:
+            return None
+        fed.extend(parts.inputs)
+        digest.update(repr(described).encode())
+    described = [
+        [(rename(name), inputs[name].dtype, inputs[name].shape, inputs[name].role) for name in dict.fromkeys(fed)],
+        [(rename(s), rename(original_pairs.get(s, "")), rename(fused_pairs.get(s, ""))) for s in group.states],
+    ]
+    described.extend(_describe_view(views[k], rename) for k in group.views)
+    digest.update(repr(described).encode())
+    group.names = names
+    return digest.digest()
+
+
+class _GroupRunner:
+    """Runs groups of :func:`check_models` packed into models of about :data:`CHECK_CHUNK_NODES` nodes,
+    into the shared tallies."""
+
+    def __init__(self, index, sides, views, inputs, original_pairs, output_tallies, state_tallies, *, steps: int, seed: int) -> None:
+        self.index, self.sides, self.views, self.inputs = index, sides, views, inputs
+        self.original_pairs = original_pairs
+        self.output_tallies, self.state_tallies = output_tallies, state_tallies
+        self.steps, self.seed = steps, seed
+        self.runs: dict[str, None] = {}
+        self.notes: list[str] = []
+        self.groups_run = 0
+        self._chunks = 0
+
+    def run(self, groups: Sequence[_Group]) -> None:
+        """Run ``groups``, packed into models of about :data:`CHECK_CHUNK_NODES` nodes."""
+        chunk: list[_Group] = []
+        size = 0
+        for group in groups:
+            if chunk and size + max(len(group.cones[0]), len(group.cones[1])) > CHECK_CHUNK_NODES:
+                self._run_chunk(chunk)
+                chunk, size = [], 0
+            chunk.append(group)
+            size += max(len(group.cones[0]), len(group.cones[1]))
+        if chunk:
+            self._run_chunk(chunk)
+
+    def _model(self, tag: int, chunk: Sequence[_Group]) -> tuple[onnx.ModelProto, list[str]]:
+        side = self.sides[tag]
+        cone = sorted(set().union(*(group.cones[tag] for group in chunk)))
+        outputs = [name for group in chunk for name in (group.original_outputs if tag == 0 else group.fused_outputs)]
+        parts = side.parts(cone, outputs, None)
+        graph = helper.make_graph(
+            parts.nodes, "sgdfuse_check_group", [side.inputs[name] for name in parts.inputs],
+            [helper.make_empty_tensor_value_info(name) for name in outputs], initializer=parts.needed_initializers,
+        )
+        model = helper.make_model(graph, opset_imports=parts.opset_import)
+        model.ir_version = side.model.ir_version
+        model.functions.extend(side.model.functions)
+        return model, parts.inputs
+
+    def _run_chunk(self, chunk: Sequence[_Group]) -> None:
+        self.groups_run += len(chunk)
+        self._chunks += 1
+        (original, original_fed), (fused, fused_fed) = self._model(0, chunk), self._model(1, chunk)
+        views = [(k, self.views[k]) for group in chunk for k in group.views]
+        states = {s for group in chunk for s in group.states}
+        original_pairs = {s: o for s, o in self.original_pairs.items() if s in states}
+        inputs = [self.inputs[name] for name in dict.fromkeys(original_fed + fused_fed)]
+        outputs = [name for group in chunk for name in group.original_outputs]
+        fused_names = [name for group in chunk for name in group.fused_outputs]
+        pairs, note, _ = _make_pairs(original, fused)
+        if note and note not in self.notes:
+            self.notes.append(note)
+        seed = self.seed + self._chunks - 1
+        for pair in pairs:
+            for size in _sizes(inputs):
+                label = _run_label(pair.label, size)
+                try:
+                    _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, self.output_tallies,
+                                    self.state_tallies, steps=self.steps, size=size, seed=seed)
+                except _RunError as error:
+                    if error.side == "original model":
+                        text = f"{label}: {error} (skipped)"
+                        if text not in self.notes:
+                            self.notes.append(text)
+                        continue
+                    for name in outputs:
+                        self.output_tallies[name].fail(f"{label}: {error}")
+                    for k, view in views:
+                        for state in view.roles:
+                            self.state_tallies[(k, state)].fail(f"{label}: {error}")
+                    continue
+                self.runs.setdefault(label)
+
+
+def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_pairs, fused_pairs, runner: _GroupRunner, *, seed: int) -> dict:
+    """Run every group, or from :data:`CLASS_MIN_PLANS` groups on, per class of groups equal up to value
+    names (:func:`_group_key`) its first member and a seeded sample of :data:`CLASS_SAMPLE` others; a class
+    whose run members all passed gives every other member their results (returned: output name or (view
+    index, state) → the representative's), a class with a failure has every member run."""
+    if len(groups) < CLASS_MIN_PLANS:
+        runner.run(groups)
+        return {}
+    classes: dict[object, list[int]] = {}
+    for g, group in enumerate(groups):
+        key = _group_key(index, sides, group, views, inputs, original_pairs, fused_pairs)
+        classes.setdefault(("own", g) if key is None else key, []).append(g)
+    sampler = random.Random(seed)
+    chosen: set[int] = set()
+    for members in classes.values():
+        chosen.add(members[0])
+        chosen.update(sampler.sample(members[1:], min(CLASS_SAMPLE, len(members) - 1)))
+    runner.run([groups[g] for g in sorted(chosen)])
+    logger.info("check: %d groups in %d classes, %d run", len(groups), len(classes), len(chosen))
+    verified_as: dict = {}
+    unrun: list[int] = []
+    for members in classes.values():
+        ran = [groups[g] for g in members if g in chosen]
+        if all(_group_passed(group, runner) for group in ran):
+            for g in members:
+                if g not in chosen:
+                    _copy_results(groups[members[0]], groups[g], runner, verified_as)
+        else:
+            unrun.extend(g for g in members if g not in chosen)
+    runner.run([groups[g] for g in sorted(unrun)])
+    return verified_as
+
+
+def _group_passed(group: _Group, runner: _GroupRunner) -> bool:
+    return all(runner.output_tallies[name].passed for name in group.original_outputs) and all(
+        runner.state_tallies[(k, s)].passed for k in group.views for s in runner.views[k].roles
+    )
+
+
+def _copy_results(first: _Group, member: _Group, runner: _GroupRunner, verified_as: dict) -> None:
+    """``member`` gets ``first``'s results, value for value through the two groups' canonical names."""
+    by_name = {canonical: name for name, canonical in first.names.items()}
+    for name in member.original_outputs:
+        source = by_name[member.names[name]]
+        runner.output_tallies[name] = runner.output_tallies[source]
+        verified_as[name] = source
+    for k, j in zip(member.views, first.views):
+        for state in runner.views[k].roles:
+            source = by_name[member.names[state]]
+            runner.state_tallies[(k, state)] = runner.state_tallies[(j, source)]
+            verified_as[(k, state)] = source
 
 
 def _fused_views(fused: onnx.ModelProto, graph_inputs: set[str]) -> tuple[onnx.ModelProto, list[_UpdateView]]:
@@ -1356,7 +1706,8 @@ def _fused_views(fused: onnx.ModelProto, graph_inputs: set[str]) -> tuple[onnx.M
     taken = set(producers) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
     declared = {o.name for o in graph.output}
     input_types = {i.name: i.type.tensor_type.elem_type for i in graph.input}
-    probe = _Probes(taken)
+    # One probe per SGD node, not per value: a probe read by every update would make one group of them all.
+    probe = _Probes(taken, shared=False)
     views: list[_UpdateView] = []
     for node in list(graph.node):
         if not (node.domain == DOMAIN and node.op_type == OP_TYPE):
@@ -1439,14 +1790,16 @@ def _check_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_Upda
     return inputs
 
 
-def _check_schedule(pair, index, inputs, views, outputs, fused_names, original_pairs, update_outputs, output_tallies, state_tallies,
+def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, output_tallies, state_tallies,
                     *, steps: int, size: int | None, seed: int) -> None:
-    """One precision at one size of :func:`check_models`: the lockstep run (every output), the in-place run
-    (state writes), then the extreme-value steps from the lockstep state."""
+    """One precision at one size of a model of :func:`check_models` groups: the lockstep run (every output),
+    the in-place run (state writes), then the extreme-value steps from the lockstep state. ``views`` are
+    ``(index, view)`` pairs; ``state_tallies`` is keyed by ``(index, state)``."""
     convert = _lifted_array if pair.lifted else (lambda array: array)
     label = _run_label(pair.label, size)
+    update_outputs = {name for _, view in views for name in view.outputs}
     fused_pairs = dict(original_pairs)
-    for view in views:
+    for _, view in views:
         fused_pairs.update(view.fused_state)
     state_names = set(original_pairs) | set(fused_pairs)
     kinds = _schedule(steps)
@@ -1484,13 +1837,13 @@ def _check_schedule(pair, index, inputs, views, outputs, fused_names, original_p
             for name in outputs:
                 if name not in update_outputs:
                     output_tallies[name].compare(f"{step_label}", original_out[name], fused_out[name], 0.0)
-            for view in views:
+            for _, view in views:
                 bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=pair.lifted)
                 for name, role in view.outputs.items():
                     if name in output_tallies:
                         output_tallies[name].compare(step_label, original_out[name], fused_out[name], bounds[role])
         else:
-            for k, view in enumerate(views):
+            for k, view in views:
                 bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=pair.lifted)
                 for state, role in view.roles.items():
                     original_next = view.original_state.get(state)
