@@ -1121,25 +1121,32 @@ def _describe_view(view: _UpdateView, rename) -> list:
     ]
 
 
-def _describe_parts(parts: _Parts, spec_of, rename) -> list | None:
+def _describe_parts(parts: _Parts, spec_of, rename, cache: dict | None = None) -> list | None:
     """What a slice computes, with every value name replaced by ``rename`` (its order of first appearance):
     opsets, input dtypes and shapes, initializers (dtype, dims, bytes; names and doc strings left out), each
     node's operator, domain, overload, renamed inputs and outputs and attributes, the outputs. None when a
     node has a subgraph (its outer reads would need renaming too). Shared by :func:`_slice_class_key` and
-    :func:`check_models`' classes of groups."""
+    :func:`check_models`' classes of groups. ``cache`` (keyed by object id: only for protos that outlive
+    it) keeps each node's and initializer's description for the next slice that has it."""
+    cache = {} if cache is None else cache
     described: list = [[(o.domain, o.version) for o in parts.opset_import], parts.function_opset]
     for name in parts.inputs:
         spec = spec_of(name)
         described.append(("input", rename(name), spec.dtype, spec.shape))
     for tensor in parts.needed_initializers:
-        described.append(("initializer", rename(tensor.name), _anonymous_bytes(tensor)))
+        value = cache.get(id(tensor))
+        if value is None:
+            value = cache[id(tensor)] = _anonymous_bytes(tensor)
+        described.append(("initializer", rename(tensor.name), value))
     for node in parts.nodes:
-        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-            return None
-        described.append((
-            node.op_type, node.domain, node.overload, [rename(n) for n in node.input], [rename(n) for n in node.output],
-            [a.SerializeToString(deterministic=True) for a in node.attribute],
-        ))
+        what = cache.get(id(node))
+        if what is None:
+            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+                return None
+            what = cache[id(node)] = (
+                node.op_type, node.domain, node.overload, [a.SerializeToString(deterministic=True) for a in node.attribute],
+            )
+        described.append((what, [rename(n) for n in node.input], [rename(n) for n in node.output]))
     described.append(("outputs", [rename(n) for n in parts.outputs]))
     return described
 
@@ -1535,7 +1542,8 @@ def _check_groups(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], orig
 
 
 def _group_key(index: GraphIndex, sides: tuple[_Side, _Side], group: _Group, views: Sequence[_UpdateView],
-               inputs: Mapping[str, _Input], original_pairs: Mapping[str, str], fused_pairs: Mapping[str, str]) -> bytes | None:
+               inputs: Mapping[str, _Input], original_pairs: Mapping[str, str], fused_pairs: Mapping[str, str],
+               cache: dict | None = None) -> bytes | None:
     """A digest of ``group``'s two slices and of what is fed, compared and carried, every value name replaced
     by its order of first appearance (:func:`_describe_parts`, :func:`_describe_view`): groups with equal
     digests are equal up to one renaming of values. ``group.names`` is set to that renaming. None when a
@@ -1549,7 +1557,7 @@ def _group_key(index: GraphIndex, sides: tuple[_Side, _Side], group: _Group, vie
     fed: list[str] = []
     for side, cone, outputs in zip(sides, group.cones, (group.original_outputs, group.fused_outputs)):
         parts = side.parts(cone, outputs, None)
-        described = _describe_parts(parts, index.spec, rename)
+        described = _describe_parts(parts, index.spec, rename, cache)
         if described is None:
             return None
         fed.extend(parts.inputs)
@@ -1649,8 +1657,9 @@ def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_
         runner.run(groups)
         return {}
     classes: dict[object, list[int]] = {}
+    cache: dict = {}  # the sides' protos outlive it
     for g, group in enumerate(groups):
-        key = _group_key(index, sides, group, views, inputs, original_pairs, fused_pairs)
+        key = _group_key(index, sides, group, views, inputs, original_pairs, fused_pairs, cache)
         classes.setdefault(("own", g) if key is None else key, []).append(g)
     sampler = random.Random(seed)
     chosen: set[int] = set()
