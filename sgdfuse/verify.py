@@ -106,6 +106,7 @@ after.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -1351,6 +1352,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
     state_tallies = {(k, s): _Tally() for k, view in enumerate(views) for s in view.roles}
     runner = _GroupRunner(index, sides, views, inputs, original_pairs, output_tallies, state_tallies, steps=steps, seed=seed)
     verified_as = _run_groups(index, sides, groups, views, inputs, original_pairs, fused_pairs, runner, seed=seed)
+    _fail_inconsistent_overloads(fused, views, output_tallies, state_tallies)
     if not runner.runs and not any(not t.passed for t in output_tallies.values()):
         raise ValueError("the original model cannot run at any size tried: " + "; ".join(runner.notes))
 
@@ -1372,6 +1374,24 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         f", the others verified as a run member of their class" if runner.groups_run < len(groups) else "")
     logger.info("check: %s", classes[2:])
     return ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups), runner.groups_run)
+
+
+def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_UpdateView], output_tallies, state_tallies) -> None:
+    """Fail the outputs and state writes of every SGD node whose specialised body (its ``overload``, what
+    onnxruntime runs) assumes other attributes than the node has (what the lowered GE op reads): the numbers
+    of such a node prove nothing about the device."""
+    nodes = [node for node in fused.graph.node if node.domain == DOMAIN and node.op_type == OP_TYPE]
+    for node, (k, view) in zip(nodes, enumerate(views)):
+        problem = _overload_problem(node)
+        if not problem:
+            continue
+        for name in view.outputs:
+            if name in output_tallies:
+                output_tallies[name] = copy.copy(output_tallies[name])  # results may be shared within a class
+                output_tallies[name].fail(problem)
+        for state in view.roles:
+            state_tallies[(k, state)] = copy.copy(state_tallies[(k, state)])
+            state_tallies[(k, state)].fail(problem)
 
 
 # ------------------------------------------------------------------------------ check_models: groups
