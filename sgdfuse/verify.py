@@ -136,6 +136,8 @@ __all__ = [
     "ModelCheck",
     "verify_plans",
     "check_models",
+    "independent_models",
+    "CHECK_CHUNK_NODES",
     "error_bound",
     "error_bound_values",
     "coefficient_bound",
@@ -1396,7 +1398,7 @@ def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_Update
 
 # ------------------------------------------------------------------------------ check_models: groups
 
-CHECK_CHUNK_NODES = 3000
+CHECK_CHUNK_NODES = 1000
 """About this many nodes (per side) go into one model that :func:`check_models` runs: groups are packed into
 models of this size, so session building (faster than linear in the nodes of a model) stays linear overall."""
 
@@ -1620,18 +1622,9 @@ class _GroupRunner:
             self._run_chunk(chunk)
 
     def _model(self, tag: int, chunk: Sequence[_Group]) -> tuple[onnx.ModelProto, list[str]]:
-        side = self.sides[tag]
         cone = sorted(set().union(*(group.cones[tag] for group in chunk)))
         outputs = [name for group in chunk for name in (group.original_outputs if tag == 0 else group.fused_outputs)]
-        parts = side.parts(cone, outputs, None)
-        graph = helper.make_graph(
-            parts.nodes, "sgdfuse_check_group", [side.inputs[name] for name in parts.inputs],
-            [helper.make_empty_tensor_value_info(name) for name in outputs], initializer=parts.needed_initializers,
-        )
-        model = helper.make_model(graph, opset_imports=parts.opset_import)
-        model.ir_version = side.model.ir_version
-        model.functions.extend(side.model.functions)
-        return model, parts.inputs
+        return _side_model(self.sides[tag], cone, outputs)
 
     def _run_chunk(self, chunk: Sequence[_Group]) -> None:
         self.groups_run += len(chunk)
@@ -1666,6 +1659,66 @@ class _GroupRunner:
                             self.state_tallies[(k, state)].fail(f"{label}: {error}")
                     continue
                 self.runs.setdefault(label)
+
+
+def _side_model(side: _Side, cone: Sequence[int], outputs: list[str]) -> tuple[onnx.ModelProto, list[str]]:
+    """A model of ``side``'s nodes ``cone`` (graph order) computing ``outputs``, with the graph's opsets,
+    IR version and functions; and its fed inputs."""
+    parts = side.parts(cone, outputs, None)
+    graph = helper.make_graph(
+        parts.nodes, "sgdfuse_part", [side.inputs[name] for name in parts.inputs],
+        [helper.make_empty_tensor_value_info(name) for name in outputs], initializer=parts.needed_initializers,
+    )
+    model = helper.make_model(graph, opset_imports=parts.opset_import)
+    model.ir_version = side.model.ir_version
+    model.functions.extend(side.model.functions)
+    return model, parts.inputs
+
+
+def independent_models(model: onnx.ModelProto, *, max_nodes: int = CHECK_CHUNK_NODES) -> list[onnx.ModelProto]:
+    """``model`` cut into models of about ``max_nodes`` nodes each (more for one group that is larger) that
+    together compute every graph output of ``model`` once, each from the graph inputs it reads.
+
+    Outputs are grouped as :func:`check_models` groups them (outputs whose cones share a node that is not
+    copied, :data:`SHARED_CONE_LIMIT`, are in one model; small shared nodes are copied into each model that
+    reads them), so that onnxruntime, whose session building grows faster than linearly with the nodes of a
+    model, builds several small sessions in linear time. Every model computes its outputs with the nodes
+    ``model`` computes them with, in the same order: for the same feeds, the same numbers.
+
+    Args:
+        model: an ONNX model whose nodes are in graph (topological) order.
+        max_nodes: nodes per model, about.
+    """
+    side = _Side.of(model)
+    shared = _shared_nodes(side, set())
+    uf = _UnionFind()
+    outputs = set(side.outputs)
+    for k, node in enumerate(side.nodes):
+        if shared[k]:
+            continue
+        for name in side.reads[k]:
+            j = side.producer.get(name)
+            if j is not None and not shared[j]:
+                uf.union(k, j)
+        for name in node.output:
+            if name in outputs:
+                uf.union(k, name)
+    groups: dict[object, list[str]] = {}
+    for name in side.outputs:
+        groups.setdefault(uf.find(name), []).append(name)
+    models: list[onnx.ModelProto] = []
+    cone: set[int] = set()
+    chunk: list[str] = []
+    for names in groups.values():
+        own = side.cone(names)
+        if chunk and len(cone) + len(own) > max_nodes:
+            models.append(_side_model(side, sorted(cone), chunk)[0])
+            cone, chunk = set(), []
+        cone.update(own)
+        chunk.extend(names)
+    if chunk or not models:
+        models.append(_side_model(side, sorted(cone), chunk)[0])
+    return models
 
 
 def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_pairs, fused_pairs, runner: _GroupRunner, *, seed: int) -> dict:
