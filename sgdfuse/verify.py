@@ -1398,7 +1398,7 @@ def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_Update
 
 # ------------------------------------------------------------------------------ check_models: groups
 
-CHECK_CHUNK_NODES = 1000
+CHECK_CHUNK_NODES = 400
 """About this many nodes (per side) go into one model that :func:`check_models` runs: groups are packed into
 models of this size, so session building (faster than linear in the nodes of a model) stays linear overall."""
 
