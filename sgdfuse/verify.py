@@ -92,7 +92,10 @@ most (forms x dtypes x shapes x hyper-parameters), so what is run stops growing 
 keying costs one single-plan slice per plan (about 2 ms).
 Per batch of :data:`BATCH_UPDATES` updates: four onnxruntime sessions (original and fused, native and
 lifted), each run ``sizes × (steps + 4)`` times (sizes is 1 for static shapes, 2 with symbolic dimensions);
-:func:`check_models` runs its lockstep and in-place schedules in the same four sessions. Linear in the number
+:func:`check_models` cuts both models into independent groups of outputs (:func:`_check_groups`), packs them
+into models of about :data:`CHECK_CHUNK_NODES` nodes and runs its lockstep and in-place schedules in four
+sessions per packed model; from :data:`CLASS_MIN_PLANS` groups on, per class of groups equal up to value names
+(:func:`_group_key`) only the first and a sample (docs/design.md, "Verification"). Linear in the number
 of updates. Session creation dominated the old two-session check, and the fused slice's (its SGD function's
 ``If`` branches, five per update) most of all; the fused side now runs :func:`sgdfuse.lift.specialise` d (the
 SGD body inlined per node, its ``If`` s on attributes resolved, unused outputs dropped: the same arithmetic,
