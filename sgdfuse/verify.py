@@ -1837,12 +1837,14 @@ def _original_pairs(index: GraphIndex, original: onnx.ModelProto, views: Sequenc
     pairs = _name_evidence(index.graph_outputs, [i for i in index.graph_inputs if i not in index.initializers])
     wanted = [s for view in views for s in view.roles if s not in pairs]
     if wanted:
+        from sgdfuse.passes.index import build_index
         from sgdfuse.passes.linear import Normaliser
         from sgdfuse.passes.sgd_match import find_updates, guarded_outputs
 
         try:
-            matches, _ = find_updates(index, Normaliser(index))
-            guards = guarded_outputs(index)
+            matcher_index = build_index(original)  # with shape inference: the matcher reads inferred shapes
+            matches, _ = find_updates(matcher_index, Normaliser(matcher_index))
+            guards = guarded_outputs(matcher_index)
         except Exception as error:  # the matcher is advisory here: names and the fused pairing remain
             logger.info("matching the original for its state pairs failed: %s", error)
             matches, guards = [], {}
