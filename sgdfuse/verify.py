@@ -521,8 +521,16 @@ def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
     return reads
 
 
+_NO_SUBGRAPHS = frozenset({("", op) for op in ("Add", "Sub", "Mul", "Div", "Neg", "Cast", "CastLike", "Identity", "Where",
+                                                 "Constant", "ConstantOfShape", "Reshape", "Gather", "Equal", "Relu", "MatMul",
+                                                 "Transpose", "Sqrt", "Abs", "Not", "Shape", "Expand")})
+"""Standard ops that never hold a subgraph: their reads are their inputs (no walk over their attributes)."""
+
+
 def _node_reads(node: onnx.NodeProto) -> list[str]:
     names = [name for name in node.input if name]
+    if (node.domain, node.op_type) in _NO_SUBGRAPHS:
+        return names
     for attribute in node.attribute:
         subs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
         for sub in subs:
@@ -1094,14 +1102,11 @@ def _slice_class_key(model, index: GraphIndex, plan, shared, evidence: Mapping[s
         slices = _build_slices(model, index, [plan], shared, evidence, models=False)
     except Exception:  # the plan is run alone, where its error is reported
         return None
-    names: dict[str, str] = {}
-
-    def rename(name: str) -> str:
-        return names.setdefault(name, f"v{len(names)}") if name else ""
-
+    names: dict[str, int] = {}
+    rename = _renamer(names)
     digest = hashlib.sha256()
     for parts in (slices.original, slices.fused):
-        described = _describe_parts(parts, index.spec, rename)
+        described = _describe_parts(parts, index.spec, names)
         if described is None:
             return None
         digest.update(repr(described).encode())
@@ -1127,14 +1132,17 @@ def _describe_view(view: _UpdateView, rename) -> list:
     ]
 
 
-def _describe_parts(parts: _Parts, spec_of, rename, cache: dict | None = None) -> list | None:
-    """What a slice computes, with every value name replaced by ``rename`` (its order of first appearance):
+def _describe_parts(parts: _Parts, spec_of, names: dict[str, int], cache: dict | None = None) -> list | None:
+    """What a slice computes, with every value name replaced by its number in ``names`` (its order of first
+    appearance, :func:`_renamer`; "" is -1):
     opsets, input dtypes and shapes, initializers (dtype, dims, bytes; names and doc strings left out), each
     node's operator, domain, overload, renamed inputs and outputs and attributes, the outputs. None when a
     node has a subgraph (its outer reads would need renaming too). Shared by :func:`_slice_class_key` and
     :func:`check_models`' classes of groups. ``cache`` (keyed by object id: only for protos that outlive
     it) keeps each node's and initializer's description for the next slice that has it."""
+    interned = cache is not None
     cache = {} if cache is None else cache
+    rename = _renamer(names)
     described: list = [[(o.domain, o.version) for o in parts.opset_import], parts.function_opset]
     for name in parts.inputs:
         spec = spec_of(name)
@@ -1142,19 +1150,47 @@ def _describe_parts(parts: _Parts, spec_of, rename, cache: dict | None = None) -
     for tensor in parts.needed_initializers:
         value = cache.get(id(tensor))
         if value is None:
-            value = cache[id(tensor)] = _anonymous_bytes(tensor)
+            value = cache[id(tensor)] = _intern(cache, ("initializer", _anonymous_bytes(tensor))) if interned else _anonymous_bytes(tensor)
         described.append(("initializer", rename(tensor.name), value))
     for node in parts.nodes:
-        what = cache.get(id(node))
-        if what is None:
-            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        entry = cache.get(id(node))
+        if entry is None:
+            attributes = node.attribute
+            if attributes and (node.domain, node.op_type) not in _NO_SUBGRAPHS and any(
+                a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in attributes
+            ):
                 return None
-            what = cache[id(node)] = (
-                node.op_type, node.domain, node.overload, [a.SerializeToString(deterministic=True) for a in node.attribute],
-            )
-        described.append((what, [rename(n) for n in node.input], [rename(n) for n in node.output]))
+            what = (node.op_type, node.domain, node.overload, tuple(a.SerializeToString(deterministic=True) for a in attributes) if attributes else ())
+            entry = cache[id(node)] = (_intern(cache, what) if interned else what, tuple(node.input) + ("",) + tuple(node.output))
+        what, values = entry
+        renamed = []
+        for name in values:  # inputs, "" (-1), outputs: the numbers of first appearance, inline
+            number = names.get(name)
+            if number is None:
+                number = names[name] = len(names) if name else -1
+            renamed.append(number)
+        described.append((what, renamed))
     described.append(("outputs", [rename(n) for n in parts.outputs]))
     return described
+
+
+def _renamer(names: dict[str, int]):
+    """``name → its number``: the order in which names are first seen (``names`` is filled), "" → -1."""
+
+    def rename(name: str) -> int:
+        number = names.get(name)
+        if number is None:
+            number = names[name] = len(names) if name else -1
+        return number
+
+    return rename
+
+
+def _intern(cache: dict, content: tuple) -> int:
+    """A number standing for ``content`` in every description made with ``cache``: equal numbers for equal
+    contents, distinct numbers for distinct ones (a dictionary of the contents themselves, no hash is trusted)."""
+    table = cache.setdefault("interned", {})
+    return table.setdefault(content, len(table))
 
 
 def _anonymous_bytes(tensor: onnx.TensorProto) -> bytes:
@@ -1417,12 +1453,14 @@ class _UnionFind:
 
     def find(self, item):
         parent = self.parent
-        root = item
-        while parent.get(root, root) != root:
-            root = parent[root]
-        while item != root:
-            parent[item], item = root, parent.get(item, item)
-        return root
+        above = parent.get(item)
+        while above is not None:  # path halving: every other item on the way points past its parent
+            further = parent.get(above)
+            if further is None:
+                return above
+            parent[item] = further
+            item, above = further, parent.get(further)
+        return item
 
     def union(self, a, b) -> None:
         ra, rb = self.find(a), self.find(b)
@@ -1432,12 +1470,13 @@ class _UnionFind:
 
 @dataclasses.dataclass
 class _Side:
-    """One model of :func:`check_models` as groups are cut from it: its nodes, what each reads, producers,
-    initializers, fed inputs and outputs."""
+    """One model of :func:`check_models` as groups are cut from it: its nodes, what each reads and writes,
+    producers, initializers, fed inputs and outputs."""
 
     model: onnx.ModelProto
     nodes: list[onnx.NodeProto]
     reads: list[list[str]]
+    writes: list[list[str]]
     producer: dict[str, int]
     initializers: dict[str, onnx.TensorProto]
     inputs: dict[str, onnx.ValueInfoProto]
@@ -1448,8 +1487,9 @@ class _Side:
         graph = model.graph
         nodes = list(graph.node)
         initializers = {t.name: t for t in graph.initializer}
+        writes = [[o for o in node.output if o] for node in nodes]
         return cls(
-            model, nodes, [_node_reads(node) for node in nodes], {o: k for k, node in enumerate(nodes) for o in node.output if o},
+            model, nodes, [_node_reads(node) for node in nodes], writes, {o: k for k, names in enumerate(writes) for o in names},
             initializers, {i.name: i for i in graph.input if i.name not in initializers}, [o.name for o in graph.output],
         )
 
@@ -1468,7 +1508,7 @@ class _Side:
     def parts(self, cone: Sequence[int], outputs: list[str], function_opset: int | None) -> _Parts:
         """The :class:`_Parts` of a model of the nodes ``cone`` with ``outputs``: its inputs are the fed
         graph inputs they read, its initializers the graph's they read."""
-        produced = {o for k in cone for o in self.nodes[k].output if o}
+        produced = {o for k in cone for o in self.writes[k]}
         initializers: list[onnx.TensorProto] = []
         inputs: list[str] = []
         listed: set[str] = set()
@@ -1494,7 +1534,7 @@ class _Group:
     views: list[int] = dataclasses.field(default_factory=list)
     states: list[str] = dataclasses.field(default_factory=list)
     cones: tuple[list[int], list[int]] = ([], [])
-    names: dict[str, str] = dataclasses.field(default_factory=dict)
+    names: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _shared_nodes(side: _Side, carried: set[str]) -> list[bool]:
@@ -1527,21 +1567,24 @@ def _check_groups(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], orig
     several, computes at every step what the whole model computes for them given the same feeds."""
     carried = set(original_pairs) | set(fused_pairs)
     uf = _UnionFind()
-    for tag, side in enumerate(sides):
+    offset = 0  # nodes are numbered across both sides; values go by name
+    for side in sides:
         shared = _shared_nodes(side, carried)
         outputs = set(side.outputs)
+        producer = side.producer
         for k, node in enumerate(side.nodes):
             if shared[k]:
                 continue
             for name in side.reads[k]:
-                j = side.producer.get(name)
+                j = producer.get(name)
                 if j is not None and not shared[j]:
-                    uf.union((tag, k), (tag, j))
+                    uf.union(offset + k, offset + j)
                 elif name in carried:
-                    uf.union((tag, k), name)
+                    uf.union(offset + k, name)
             for name in node.output:
                 if name in outputs:
-                    uf.union((tag, k), name)
+                    uf.union(offset + k, name)
+        offset += len(side.nodes)
     for pairs in (original_pairs, fused_pairs):
         for state, output in pairs.items():
             uf.union(state, output)
@@ -1573,16 +1616,13 @@ def _group_key(index: GraphIndex, sides: tuple[_Side, _Side], group: _Group, vie
     by its order of first appearance (:func:`_describe_parts`, :func:`_describe_view`): groups with equal
     digests are equal up to one renaming of values. ``group.names`` is set to that renaming. None when a
     slice has a subgraph."""
-    names: dict[str, str] = {}
-
-    def rename(name: str) -> str:
-        return names.setdefault(name, f"v{len(names)}") if name else ""
-
+    names: dict[str, int] = {}
+    rename = _renamer(names)
     digest = hashlib.sha256()
     fed: list[str] = []
     for side, cone, outputs in zip(sides, group.cones, (group.original_outputs, group.fused_outputs)):
         parts = side.parts(cone, outputs, None)
-        described = _describe_parts(parts, index.spec, rename, cache)
+        described = _describe_parts(parts, index.spec, names, cache)
         if described is None:
             return None
         fed.extend(parts.inputs)
