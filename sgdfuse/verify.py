@@ -122,6 +122,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from sgdfuse.contract import TensorSpec
 from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, Specialisation, function_opset, read_sgd_attributes, sgd_functions_for
 from sgdfuse.lift import FLOAT_TYPES, lift_to_double, missing_kernels, specialise
 from sgdfuse.passes.index import GraphIndex
@@ -1373,20 +1374,16 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
     if original_inputs != fused_inputs or outputs != [o.name for o in fused.graph.output]:
         raise ValueError("the two models differ in their graph inputs or outputs; they are not an original and its fused form")
 
-    from sgdfuse.passes.index import build_index
-
-    # Specs of graph inputs are declared; shape inference of the whole model is only needed when the
-    # matcher has to pair the original's state (_original_pairs builds it then).
-    index = build_index(original, infer_shapes=False)
-    probe_fused, views = _fused_views(fused, set(original_inputs))
+    index = _declarations(original)
+    sides = (_Side.of(original), _Side.of(fused))
+    views = _fused_views(sides[1], set(original_inputs))
     original_pairs = _original_pairs(index, original, views)
     for view in views:
         view.original_state = {s: original_pairs[s] for s in view.roles if s in original_pairs}
-    inputs = {spec.name: spec for spec in _check_inputs(index, original_inputs, views, probe_fused)}
+    inputs = {spec.name: spec for spec in _check_inputs(index, original_inputs, views, sides[1].nodes)}
     fused_pairs = dict(original_pairs)
     for view in views:
         fused_pairs.update(view.fused_state)
-    sides = (_Side.of(original), _Side.of(probe_fused))
     groups = _check_groups(sides, views, original_pairs, fused_pairs, inputs)
 
     output_tallies = {name: _Tally() for name in outputs}
@@ -1492,6 +1489,15 @@ class _Side:
             model, nodes, [_node_reads(node) for node in nodes], writes, {o: k for k, names in enumerate(writes) for o in names},
             initializers, {i.name: i for i in graph.input if i.name not in initializers}, [o.name for o in graph.output],
         )
+
+    def extend(self, nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> None:
+        """Add ``nodes`` (after every other) and ``outputs`` (values to compute) to this side."""
+        for node in nodes:
+            self.producer.update((o, len(self.nodes)) for o in node.output if o)
+            self.nodes.append(node)
+            self.reads.append(_node_reads(node))
+            self.writes.append([o for o in node.output if o])
+        self.outputs.extend(outputs)
 
     def cone(self, outputs: Iterable[str]) -> list[int]:
         """Indices (in graph order) of the nodes that compute ``outputs``."""
@@ -1818,23 +1824,23 @@ def _copy_results(first: _Group, member: _Group, runner: _GroupRunner, verified_
             verified_as[(k, state)] = source
 
 
-def _fused_views(fused: onnx.ModelProto, graph_inputs: set[str]) -> tuple[onnx.ModelProto, list[_UpdateView]]:
-    """A copy of ``fused`` whose SGD nodes' inputs are probed as outputs, and one view per SGD node."""
-    model = onnx.ModelProto()
-    model.CopyFrom(fused)
-    graph = model.graph
-    producers = {o: node for node in graph.node for o in node.output if o}
+def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
+    """One view per SGD node of the fused model's ``side``, which gets the probes of the SGD nodes' inputs
+    as nodes and outputs, and their outputs that the graph does not declare (the model is not copied)."""
+    graph = side.model.graph
+    producers = {o: side.nodes[k] for o, k in side.producer.items()}
     readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in _node_reads(node):
+    for node, reads in zip(side.nodes, side.reads):
+        for name in reads:
             readers.setdefault(name, []).append(node)
     taken = set(producers) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    declared = {o.name for o in graph.output}
+    declared = set(side.outputs)
     input_types = {i.name: i.type.tensor_type.elem_type for i in graph.input}
     # One probe per SGD node, not per value: a probe read by every update would make one group of them all.
     probe = _Probes(taken, shared=False)
     views: list[_UpdateView] = []
-    for node in list(graph.node):
+    added: list[str] = []
+    for node in list(side.nodes):
         if not (node.domain == DOMAIN and node.op_type == OP_TYPE):
             continue
         parameters = _trace_to_state(node.input[0], producers)
@@ -1851,7 +1857,7 @@ def _fused_views(fused: onnx.ModelProto, graph_inputs: set[str]) -> tuple[onnx.M
         attributes = read_sgd_attributes(node)
         for value in (parameters_out, buffer_out):
             if value not in declared:
-                graph.output.append(helper.make_empty_tensor_value_info(value))
+                added.append(value)
                 declared.add(value)
         names = {tag: probe(node.input[k], tag) for k, tag in ((1, "gradient"), (2, "learning_rate"), (4, "momentum"))}
         dtype = input_types.get(parameters, onnx.TensorProto.FLOAT)
@@ -1865,10 +1871,29 @@ def _fused_views(fused: onnx.ModelProto, graph_inputs: set[str]) -> tuple[onnx.M
                 dtype=dtype if dtype in _UNIT_ROUNDOFF else onnx.TensorProto.FLOAT,
             )
         )
-    graph.node.extend(probe.nodes)
-    for node in probe.nodes:
-        graph.output.append(helper.make_empty_tensor_value_info(node.output[0]))
-    return model, views
+    side.extend(probe.nodes, added + [node.output[0] for node in probe.nodes])
+    return views
+
+
+def _declarations(model: onnx.ModelProto) -> GraphIndex:
+    """A :class:`GraphIndex` of ``model``'s declarations alone: inputs, outputs, initializers and the specs
+    they declare (no producers or consumers: :func:`check_models` walks nodes in its :class:`_Side` s, and
+    builds a full index only when the matcher has to pair the original's state)."""
+    graph = model.graph
+    specs: dict[str, TensorSpec] = {}
+    for info in list(graph.input) + list(graph.output):
+        tensor_type = info.type.tensor_type
+        if not info.type.HasField("tensor_type") or info.name in specs:
+            continue
+        shape = None
+        if tensor_type.HasField("shape"):
+            shape = tuple(int(d.dim_value) if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param") else None
+                          for d in tensor_type.shape.dim)
+        specs[info.name] = TensorSpec(info.name, shape, tensor_type.elem_type)
+    initializers = {t.name: t for t in graph.initializer}
+    for name, tensor in initializers.items():
+        specs[name] = TensorSpec(name, tuple(int(d) for d in tensor.dims), tensor.data_type)
+    return GraphIndex(graph, {}, {}, initializers, [i.name for i in graph.input], [o.name for o in graph.output], specs, set())
 
 
 def _original_pairs(index: GraphIndex, original: onnx.ModelProto, views: Sequence[_UpdateView]) -> dict[str, str]:
@@ -1900,11 +1925,10 @@ def _original_pairs(index: GraphIndex, original: onnx.ModelProto, views: Sequenc
     return pairs
 
 
-def _check_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_UpdateView], fused: onnx.ModelProto) -> list[_Input]:
+def _check_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_UpdateView], nodes: Sequence[onnx.NodeProto]) -> list[_Input]:
     """The fed inputs of a whole model, with roles: SGD-updated state, what the SGD nodes' gradients and
     coefficients are computed from (in the fused model), other state (by name), and the rest."""
     roles = {s: ("parameters" if role == "w" else "accum") for view in views for s, role in view.roles.items()}
-    nodes = list(fused.graph.node)
     gradient_sources = _sources([view.gradient for view in views], nodes)
     coefficient_sources = _sources([v for view in views for v in (view.learning_rate, view.momentum)], nodes)
     inputs = []
