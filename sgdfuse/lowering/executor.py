@@ -98,7 +98,7 @@ def _attr(value) -> object:
 def _tensor(tensor) -> np.ndarray:
     dtype = numpy_dtype(tensor.desc.dtype)
     shape = tuple(tensor.desc.shape.dim)
-    return np.frombuffer(tensor.data, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape).copy()
+    return np.frombuffer(tensor.data, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape)  # astype copies
 
 
 def _decode(op, position: int) -> Op:
