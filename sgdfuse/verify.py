@@ -1435,8 +1435,14 @@ def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_Update
     onnxruntime runs) assumes other attributes than the node has (what the lowered GE op reads): the numbers
     of such a node prove nothing about the device."""
     nodes = [node for node in fused.graph.node if node.domain == DOMAIN and node.op_type == OP_TYPE]
+    problems: dict[tuple, str] = {}  # per overload and attributes: a few hundred kinds of node at most
     for node, (k, view) in zip(nodes, enumerate(views)):
-        problem = _overload_problem(node)
+        kind = (node.overload, tuple(a.SerializeToString(deterministic=True) for a in node.attribute))
+        problem = problems.get(kind)
+        if problem is None:
+            problem = problems[kind] = _overload_problem(node)
+        elif problem:
+            problem = _overload_problem(node)  # the message names this node
         if not problem:
             continue
         for name in view.outputs:
@@ -1840,16 +1846,40 @@ def _copy_results(first: _Group, member: _Group, runner: _GroupRunner, verified_
             verified_as[(k, state)] = source
 
 
+class _Producers(Mapping):
+    """value name → the node of ``side`` that outputs it (a view of ``side.producer``, no table built)."""
+
+    def __init__(self, side: _Side) -> None:
+        self.side = side
+
+    def __getitem__(self, name: str) -> onnx.NodeProto:
+        return self.side.nodes[self.side.producer[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.side.producer
+
+    def __iter__(self):
+        return iter(self.side.producer)
+
+    def __len__(self) -> int:
+        return len(self.side.producer)
+
+
 def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
     """One view per SGD node of the fused model's ``side``, which gets the probes of the SGD nodes' inputs
     as nodes and outputs, and their outputs that the graph does not declare (the model is not copied)."""
     graph = side.model.graph
-    producers = {o: side.nodes[k] for o, k in side.producer.items()}
+    producers = _Producers(side)
+    # Readers of the SGD nodes' outputs and of what their readers output (a runtime momentum's If, a guard)
+    # are all that is looked up: two sweeps, no table of every value's readers.
+    wanted = {o for node in side.nodes if node.domain == DOMAIN and node.op_type == OP_TYPE for o in node.output if o}
+    wanted.update(o for node, reads in zip(side.nodes, side.reads) if not wanted.isdisjoint(reads) for o in node.output if o)
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node, reads in zip(side.nodes, side.reads):
         for name in reads:
-            readers.setdefault(name, []).append(node)
-    taken = set(producers) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
+            if name in wanted:
+                readers.setdefault(name, []).append(node)
+    taken = set(side.producer) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
     declared = set(side.outputs)
     input_types = {i.name: i.type.tensor_type.elem_type for i in graph.input}
     # One probe per SGD node, not per value: a probe read by every update would make one group of them all.
