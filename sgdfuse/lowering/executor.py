@@ -73,7 +73,7 @@ class Op:
     type: str
     inputs: list[tuple[str, int] | None]
     controls: list[str]
-    attrs: dict[str, object]
+    attrs: Mapping[str, object]
     output_dtypes: list[np.dtype | None]
     output_shapes: list[list[int]]
     position: int
@@ -101,6 +101,33 @@ def _tensor(tensor) -> np.ndarray:
     return np.frombuffer(tensor.data, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape)  # astype copies
 
 
+class _Attributes(Mapping):
+    """An op's attributes as Python values, each decoded when first read (most are never read by a kernel:
+    decoding them all was most of the cost of running a large graph)."""
+
+    __slots__ = ("_proto", "_decoded")
+
+    def __init__(self, proto) -> None:
+        self._proto = proto
+        self._decoded: dict[str, object] = {}
+
+    def __getitem__(self, key: str) -> object:
+        try:
+            return self._decoded[key]
+        except KeyError:
+            pass
+        if key not in self._proto:
+            raise KeyError(key)
+        value = self._decoded[key] = _attr(self._proto[key])
+        return value
+
+    def __iter__(self):
+        return iter(self._proto)
+
+    def __len__(self) -> int:
+        return len(self._proto)
+
+
 def _decode(op, position: int) -> Op:
     inputs: list[tuple[str, int] | None] = []
     controls: list[str] = []
@@ -118,7 +145,7 @@ def _decode(op, position: int) -> Op:
         type=op.type,
         inputs=inputs,
         controls=controls,
-        attrs={key: _attr(value) for key, value in op.attr.items()},
+        attrs=_Attributes(op.attr),
         output_dtypes=[numpy_dtype(d.dtype) if d.dtype else None for d in op.output_desc],
         output_shapes=[list(d.shape.dim) for d in op.output_desc],
         position=position,
