@@ -2,7 +2,8 @@
 
 Two entry points share one design: :func:`verify_plans` (``sgdfuse optimize``, before a rewrite is applied)
 runs the matched slice of the original graph beside the fused slice; :func:`check_models` (``sgdfuse
-check``) runs two whole models. Slices of up to :data:`BATCH_UPDATES` updates are batched into one model
+check``) runs two whole models, cut into independent groups of outputs (one per class of identical groups
+from :data:`CLASS_MIN_PLANS` groups on; docs/design.md, "Verification"). Slices of up to :data:`BATCH_UPDATES` updates are batched into one model
 per side, so the cost is a fixed number of onnxruntime sessions per batch, linear in the number of updates.
 
 What is run
