@@ -1394,28 +1394,28 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         state_tallies = {(k, s): _Tally() for k, view in enumerate(views) for s in view.roles}
         runner = _GroupRunner(index, sides, views, inputs, original_pairs, output_tallies, state_tallies, steps=steps, seed=seed)
         verified_as = _run_groups(index, sides, groups, views, inputs, original_pairs, fused_pairs, runner, seed=seed)
-    _fail_inconsistent_overloads(fused, views, output_tallies, state_tallies)
-    if not runner.runs and not any(not t.passed for t in output_tallies.values()):
-        raise ValueError("the original model cannot run at any size tried: " + "; ".join(runner.notes))
+        _fail_inconsistent_overloads(fused, views, output_tallies, state_tallies)
+        if not runner.runs and not any(not t.passed for t in output_tallies.values()):
+            raise ValueError("the original model cannot run at any size tried: " + "; ".join(runner.notes))
 
-    update_outputs = {name for view in views for name in view.outputs}
-    listed = [
-        {"name": name, "kind": "fused update" if name in update_outputs else "exact", "max_abs_error": t.max_abs,
-         "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message, "verified_as": verified_as.get(name, "")}
-        for name, t in output_tallies.items()
-    ]
-    in_place = [
-        {"name": s, "kind": "in place", "original": views[k].original_state.get(s, s), "fused": views[k].fused_state.get(s, s),
-         "max_abs_error": t.max_abs, "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message,
-         "verified_as": verified_as.get((k, s), "")}
-        for (k, s), t in state_tallies.items()
-    ]
-    passed = all(entry["passed"] for entry in listed + in_place)
-    state_pairs = {o: s for s, o in original_pairs.items()}
-    classes = f"; {len(groups)} independent groups of outputs, {runner.groups_run} run" + (
-        f", the others verified as a run member of their class" if runner.groups_run < len(groups) else "")
-    logger.info("check: %s", classes[2:])
-    return ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups), runner.groups_run)
+        update_outputs = {name for view in views for name in view.outputs}
+        listed = [
+            {"name": name, "kind": "fused update" if name in update_outputs else "exact", "max_abs_error": t.max_abs,
+             "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message, "verified_as": verified_as.get(name, "")}
+            for name, t in output_tallies.items()
+        ]
+        in_place = [
+            {"name": s, "kind": "in place", "original": views[k].original_state.get(s, s), "fused": views[k].fused_state.get(s, s),
+             "max_abs_error": t.max_abs, "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message,
+             "verified_as": verified_as.get((k, s), "")}
+            for (k, s), t in state_tallies.items()
+        ]
+        passed = all(entry["passed"] for entry in listed + in_place)
+        state_pairs = {o: s for s, o in original_pairs.items()}
+        classes = f"; {len(groups)} independent groups of outputs, {runner.groups_run} run" + (
+            f", the others verified as a run member of their class" if runner.groups_run < len(groups) else "")
+        logger.info("check: %s", classes[2:])
+        return ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups), runner.groups_run)
 
 
 @contextlib.contextmanager
