@@ -6,7 +6,8 @@ The models are built here: N momentum-SGD updates ``buf' = 0.9*buf + g; p' = p -
 tensors, each with its own names, all reading one learning rate computed in the graph from a fed ``lr``
 (``Neg`` then ``Neg``: a node shared by every update, which must not make one group of them). The fused model
 comes from ``sgdfuse.optimize``; the wrong ones are made here by editing one SGD node of it, never the first
-of its class.
+of its class. The parts ``sgdfuse lower`` runs onnxruntime on (``independent_models``) are compared with one
+session of the whole model.
 """
 
 from __future__ import annotations
@@ -134,3 +135,28 @@ def test_one_update_writing_another_buffer_in_place_is_caught(models):
     result = check_models(original, wrong, steps=3)
     assert not result.passed
     assert f"p{WRONG}_out" in _failed(result)
+
+
+def test_independent_models_compute_every_output_as_the_whole_model_does(models):
+    """``sgdfuse lower`` runs onnxruntime on these parts: together they must give every output of the model,
+    once, bit for bit what one session of the whole model gives (run here with onnxruntime directly)."""
+    import onnxruntime as ort
+
+    from sgdfuse.verify import independent_models
+
+    original, _ = models
+    parts = independent_models(original, max_nodes=40)
+    assert len(parts) > 1
+    computed = [o.name for part in parts for o in part.graph.output]
+    assert sorted(computed) == sorted(o.name for o in original.graph.output)
+    feeds = graphs.random_feeds(original, seed=3)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    whole = ort.InferenceSession(original.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    expected = dict(zip([o.name for o in whole.get_outputs()], whole.run(None, feeds)))
+    for part in parts:
+        session = ort.InferenceSession(part.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        names = [o.name for o in session.get_outputs()]
+        values = session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})
+        for name, value in zip(names, values):
+            assert value.tobytes() == expected[name].tobytes(), name
