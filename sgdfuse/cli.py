@@ -438,7 +438,11 @@ def check_command(
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise SgdfuseError(f"{original} / {fused}: onnxruntime cannot run the models: {first_line}") from error
     _out.print(_check_table(result, f"{original.name} vs {fused.name}: {steps} chained steps", verbose))
-    _out.print(f"Ran: {', '.join(result.runs)}", markup=False)
+    grouped = ""
+    if result.groups_run < result.groups:
+        grouped = (f"; {result.groups} independent groups of outputs, {result.groups_run} run, each other one verified as a run "
+                   "group identical to it up to value names")
+    _out.print(f"Ran: {', '.join(result.runs)}{grouped}", markup=False)
     if result.note:
         _out.print(f"Note: {result.note}", markup=False)
     if not result.passed:

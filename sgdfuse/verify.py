@@ -2,7 +2,8 @@
 
 Two entry points share one design: :func:`verify_plans` (``sgdfuse optimize``, before a rewrite is applied)
 runs the matched slice of the original graph beside the fused slice; :func:`check_models` (``sgdfuse
-check``) runs two whole models. Slices of up to :data:`BATCH_UPDATES` updates are batched into one model
+check``) runs two whole models, cut into independent groups of outputs (one per class of identical groups
+from :data:`CLASS_MIN_PLANS` groups on; docs/design.md, "Verification"). Slices of up to :data:`BATCH_UPDATES` updates are batched into one model
 per side, so the cost is a fixed number of onnxruntime sessions per batch, linear in the number of updates.
 
 What is run
@@ -92,7 +93,10 @@ most (forms x dtypes x shapes x hyper-parameters), so what is run stops growing 
 keying costs one single-plan slice per plan (about 2 ms).
 Per batch of :data:`BATCH_UPDATES` updates: four onnxruntime sessions (original and fused, native and
 lifted), each run ``sizes × (steps + 4)`` times (sizes is 1 for static shapes, 2 with symbolic dimensions);
-:func:`check_models` runs its lockstep and in-place schedules in the same four sessions. Linear in the number
+:func:`check_models` cuts both models into independent groups of outputs (:func:`_check_groups`), packs them
+into models of about :data:`CHECK_CHUNK_NODES` nodes and runs its lockstep and in-place schedules in four
+sessions per packed model; from :data:`CLASS_MIN_PLANS` groups on, per class of groups equal up to value names
+(:func:`_group_key`) only the first and a sample (docs/design.md, "Verification"). Linear in the number
 of updates. Session creation dominated the old two-session check, and the fused slice's (its SGD function's
 ``If`` branches, five per update) most of all; the fused side now runs :func:`sgdfuse.lift.specialise` d (the
 SGD body inlined per node, its ``If`` s on attributes resolved, unused outputs dropped: the same arithmetic,
@@ -106,8 +110,11 @@ after.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import functools
+import gc
 import hashlib
 import heapq
 import logging
@@ -118,6 +125,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from sgdfuse.contract import TensorSpec
 from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, Specialisation, function_opset, read_sgd_attributes, sgd_functions_for
 from sgdfuse.lift import FLOAT_TYPES, lift_to_double, missing_kernels, specialise
 from sgdfuse.passes.index import GraphIndex
@@ -135,6 +143,8 @@ __all__ = [
     "ModelCheck",
     "verify_plans",
     "check_models",
+    "independent_models",
+    "CHECK_CHUNK_NODES",
     "error_bound",
     "error_bound_values",
     "coefficient_bound",
@@ -515,8 +525,16 @@ def _subgraph_reads(graph: onnx.GraphProto) -> set[str]:
     return reads
 
 
+_NO_SUBGRAPHS = frozenset({("", op) for op in ("Add", "Sub", "Mul", "Div", "Neg", "Cast", "CastLike", "Identity", "Where",
+                                                 "Constant", "ConstantOfShape", "Reshape", "Gather", "Equal", "Relu", "MatMul",
+                                                 "Transpose", "Sqrt", "Abs", "Not", "Shape", "Expand")})
+"""Standard ops that never hold a subgraph: their reads are their inputs (no walk over their attributes)."""
+
+
 def _node_reads(node: onnx.NodeProto) -> list[str]:
     names = [name for name in node.input if name]
+    if (node.domain, node.op_type) in _NO_SUBGRAPHS:
+        return names
     for attribute in node.attribute:
         subs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
         for sub in subs:
@@ -587,22 +605,25 @@ def _topological(nodes: Sequence[onnx.NodeProto]) -> list[onnx.NodeProto]:
 
 class _Probes:
     """``Identity`` copies of values as slice outputs (a graph input or initializer cannot always be one),
-    one per value however many SGD nodes read it (a shared learning rate)."""
+    one per value however many SGD nodes read it (a shared learning rate), or with ``shared`` False one per call."""
 
-    def __init__(self, taken: set[str], base: Iterable[str] | Mapping[str, object] = ()) -> None:
+    def __init__(self, taken: set[str], base: Iterable[str] | Mapping[str, object] = (), *, shared: bool = True) -> None:
         self.taken = taken
         self.base = base
+        self.shared = shared
         self.nodes: list[onnx.NodeProto] = []
         self._made: dict[str, str] = {}
+        self._next: dict[str, int] = {}
 
     def __call__(self, value: str, tag: str) -> str:
-        if value in self._made:
+        if self.shared and value in self._made:
             return self._made[value]
         base = name = f"sgdfuse_probe/{tag}/{value}"
-        counter = 1
+        counter = self._next.get(base, 1)  # unshared probes of one value: no rescan of the names taken
         while name in self.taken or name in self.base:
             name = f"{base}_{counter}"
             counter += 1
+        self._next[base] = counter
         self.taken.add(name)
         self.nodes.append(helper.make_node("Identity", [value], [name]))
         self._made[value] = name
@@ -1120,49 +1141,104 @@ def _slice_class_key(model, index: GraphIndex, plan, shared, evidence: Mapping[s
         slices = _build_slices(model, index, [plan], shared, evidence, models=False)
     except Exception:  # the plan is run alone, where its error is reported
         return None
-    names: dict[str, str] = {}
-
-    def rename(name: str) -> str:
-        return names.setdefault(name, f"v{len(names)}") if name else ""
-
+    names: dict[str, int] = {}
+    rename = _renamer(names)
     digest = hashlib.sha256()
     for parts in (slices.original, slices.fused):
-        described: list = [[(o.domain, o.version) for o in parts.opset_import], parts.function_opset]
-        for name in parts.inputs:
-            spec = index.spec(name)
-            described.append(("input", rename(name), spec.dtype, spec.shape))
-        for tensor in parts.needed_initializers:
-            anonymous = onnx.TensorProto()
-            anonymous.CopyFrom(tensor)
-            anonymous.name = ""
-            anonymous.doc_string = ""
-            described.append(("initializer", rename(tensor.name), anonymous.SerializeToString(deterministic=True)))
-        for node in parts.nodes:
-            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-                return None
-            described.append((
-                node.op_type, node.domain, node.overload, [rename(n) for n in node.input], [rename(n) for n in node.output],
-                [a.SerializeToString(deterministic=True) for a in node.attribute],
-            ))
-        described.append(("outputs", [rename(n) for n in parts.outputs]))
+        described = _describe_parts(parts, index.spec, names)
+        if described is None:
+            return None
         digest.update(repr(described).encode())
     described = [
         [(rename(spec.name), spec.dtype, spec.shape, spec.role) for spec in slices.inputs],
         [rename(name) for name in slices.original_outputs],
         [rename(name) for name in slices.fused_outputs],
     ]
-    for view in slices.views:
-        described.append([
-            sorted((rename(k), v) for k, v in view.outputs.items()),
-            sorted((rename(k), rename(v)) for k, v in view.original_state.items()),
-            sorted((rename(k), rename(v)) for k, v in view.fused_state.items()),
-            sorted((rename(k), v) for k, v in view.roles.items()),
-            [rename(n) for n in (view.parameters, view.accum, view.gradient, view.learning_rate, view.momentum)],
-            view.gradient_side, repr(view.dampening), repr(view.weight_decay), view.nesterov, view.dtype,
-        ])
+    described.extend(_describe_view(view, rename) for view in slices.views)
     digest.update(repr(described).encode())
     return digest.digest()
 
+
+def _describe_view(view: _UpdateView, rename) -> list:
+    """What is compared for one update and how, with value names replaced by ``rename``."""
+    return [
+        sorted((rename(k), v) for k, v in view.outputs.items()),
+        sorted((rename(k), rename(v)) for k, v in view.original_state.items()),
+        sorted((rename(k), rename(v)) for k, v in view.fused_state.items()),
+        sorted((rename(k), v) for k, v in view.roles.items()),
+        [rename(n) for n in (view.parameters, view.accum, view.gradient, view.learning_rate, view.momentum)],
+        view.gradient_side, repr(view.dampening), repr(view.weight_decay), view.nesterov, view.dtype,
+    ]
+
+
+def _describe_parts(parts: _Parts, spec_of, names: dict[str, int], cache: dict | None = None) -> list | None:
+    """What a slice computes, with every value name replaced by its number in ``names`` (its order of first
+    appearance, :func:`_renamer`; "" is -1):
+    opsets, input dtypes and shapes, initializers (dtype, dims, bytes; names and doc strings left out), each
+    node's operator, domain, overload, renamed inputs and outputs and attributes, the outputs. None when a
+    node has a subgraph (its outer reads would need renaming too). Shared by :func:`_slice_class_key` and
+    :func:`check_models`' classes of groups. ``cache`` (keyed by object id: only for protos that outlive
+    it) keeps each node's and initializer's description for the next slice that has it."""
+    interned = cache is not None
+    cache = {} if cache is None else cache
+    rename = _renamer(names)
+    described: list = [[(o.domain, o.version) for o in parts.opset_import], parts.function_opset]
+    for name in parts.inputs:
+        spec = spec_of(name)
+        described.append(("input", rename(name), spec.dtype, spec.shape))
+    for tensor in parts.needed_initializers:
+        value = cache.get(id(tensor))
+        if value is None:
+            value = cache[id(tensor)] = _intern(cache, ("initializer", _anonymous_bytes(tensor))) if interned else _anonymous_bytes(tensor)
+        described.append(("initializer", rename(tensor.name), value))
+    for node in parts.nodes:
+        entry = cache.get(id(node))
+        if entry is None:
+            attributes = node.attribute
+            if attributes and (node.domain, node.op_type) not in _NO_SUBGRAPHS and any(
+                a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in attributes
+            ):
+                return None
+            what = (node.op_type, node.domain, node.overload, tuple(a.SerializeToString(deterministic=True) for a in attributes) if attributes else ())
+            entry = cache[id(node)] = (_intern(cache, what) if interned else what, tuple(node.input) + ("",) + tuple(node.output))
+        what, values = entry
+        renamed = []
+        for name in values:  # inputs, "" (-1), outputs: the numbers of first appearance, inline
+            number = names.get(name)
+            if number is None:
+                number = names[name] = len(names) if name else -1
+            renamed.append(number)
+        described.append((what, renamed))
+    described.append(("outputs", [rename(n) for n in parts.outputs]))
+    return described
+
+
+def _renamer(names: dict[str, int]):
+    """``name → its number``: the order in which names are first seen (``names`` is filled), "" → -1."""
+
+    def rename(name: str) -> int:
+        number = names.get(name)
+        if number is None:
+            number = names[name] = len(names) if name else -1
+        return number
+
+    return rename
+
+
+def _intern(cache: dict, content: tuple) -> int:
+    """A number standing for ``content`` in every description made with ``cache``: equal numbers for equal
+    contents, distinct numbers for distinct ones (a dictionary of the contents themselves, no hash is trusted)."""
+    table = cache.setdefault("interned", {})
+    return table.setdefault(content, len(table))
+
+
+def _anonymous_bytes(tensor: onnx.TensorProto) -> bytes:
+    """``tensor`` serialised without its name and doc string (what its value is, not what it is called)."""
+    anonymous = onnx.TensorProto()
+    anonymous.CopyFrom(tensor)
+    anonymous.name = ""
+    anonymous.doc_string = ""
+    return anonymous.SerializeToString(deterministic=True)
 
 def _verify_each(
     model: onnx.ModelProto,
@@ -1300,6 +1376,9 @@ class ModelCheck:
             "passed", "message"}``.
         runs: what was run (precision and size).
         note: what could not be run and why, or "".
+        groups: independent groups of outputs the models were cut into (:func:`check_models`).
+        groups_run: how many of them were run; each other one has the results of a run member of its class,
+            named by the ``verified_as`` of its entries in ``outputs`` and ``in_place`` ("" where run).
     """
 
     steps: int
@@ -1309,6 +1388,8 @@ class ModelCheck:
     in_place: list[dict] = dataclasses.field(default_factory=list)
     runs: list[str] = dataclasses.field(default_factory=list)
     note: str = ""
+    groups: int = 0
+    groups_run: int = 0
 
 
 def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: int = 3, seed: int = 0) -> ModelCheck:
@@ -1331,69 +1412,517 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
     if original_inputs != fused_inputs or outputs != [o.name for o in fused.graph.output]:
         raise ValueError("the two models differ in their graph inputs or outputs; they are not an original and its fused form")
 
-    from sgdfuse.passes.index import build_index
+    with _collector_paused():  # millions of small containers, no cycles among them
+        index = _declarations(original)
+        sides = (_Side.of(original), _Side.of(fused))
+        views = _fused_views(sides[1], set(original_inputs))
+        original_pairs = _original_pairs(index, original, views)
+        for view in views:
+            view.original_state = {s: original_pairs[s] for s in view.roles if s in original_pairs}
+        inputs = {spec.name: spec for spec in _check_inputs(index, original_inputs, views, sides[1].nodes)}
+        fused_pairs = dict(original_pairs)
+        for view in views:
+            fused_pairs.update(view.fused_state)
+        groups = _check_groups(sides, views, original_pairs, fused_pairs, inputs)
 
-    index = build_index(original)
-    probe_fused, views = _fused_views(fused, set(original_inputs))
-    original_pairs = _original_pairs(index, original, views)
-    for view in views:
-        view.original_state = {s: original_pairs[s] for s in view.roles if s in original_pairs}
-    inputs = _check_inputs(index, original_inputs, views, probe_fused)
-    update_outputs = {name: (view, role) for view in views for name, role in view.outputs.items()}
+        output_tallies = {name: _Tally() for name in outputs}
+        state_tallies = {(k, s): _Tally() for k, view in enumerate(views) for s in view.roles}
+        runner = _GroupRunner(index, sides, views, inputs, original_pairs, output_tallies, state_tallies, steps=steps, seed=seed)
+        verified_as = _run_groups(index, sides, groups, views, inputs, original_pairs, fused_pairs, runner, seed=seed)
+        _fail_inconsistent_overloads(fused, views, output_tallies, state_tallies)
+        if not runner.runs and not any(not t.passed for t in output_tallies.values()):
+            raise ValueError("the original model cannot run at any size tried: " + "; ".join(runner.notes))
 
-    pairs, note, _ = _make_pairs(original, probe_fused)
-    output_tallies = {name: _Tally() for name in outputs}
-    state_tallies = {(k, s): _Tally() for k, view in enumerate(views) for s in view.roles}
-    runs: list[str] = []
-    notes = [note] if note else []
-    fused_names = [o.name for o in probe_fused.graph.output]
-    for pair in pairs:
-        for size in _sizes(inputs):
-            try:
-                _check_schedule(pair, index, inputs, views, outputs, fused_names, original_pairs, update_outputs, output_tallies,
-                                state_tallies, steps=steps, size=size, seed=seed)
-            except _RunError as error:
-                if error.side == "original model":
-                    notes.append(f"{_run_label(pair.label, size)}: {error} (skipped)")
-                    continue
-                for tally in output_tallies.values():
-                    tally.fail(f"{_run_label(pair.label, size)}: {error}")
+        update_outputs = {name for view in views for name in view.outputs}
+        listed = [
+            {"name": name, "kind": "fused update" if name in update_outputs else "exact", "max_abs_error": t.max_abs,
+             "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message, "verified_as": verified_as.get(name, "")}
+            for name, t in output_tallies.items()
+        ]
+        in_place = [
+            {"name": s, "kind": "in place", "original": views[k].original_state.get(s, s), "fused": views[k].fused_state.get(s, s),
+             "max_abs_error": t.max_abs, "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message,
+             "verified_as": verified_as.get((k, s), "")}
+            for (k, s), t in state_tallies.items()
+        ]
+        passed = all(entry["passed"] for entry in listed + in_place)
+        state_pairs = {o: s for s, o in original_pairs.items()}
+        classes = f"; {len(groups)} independent groups of outputs, {runner.groups_run} run" + (
+            f", the others verified as a run member of their class" if runner.groups_run < len(groups) else "")
+        logger.info("check: %s", classes[2:])
+        return ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups), runner.groups_run)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off inside (as it was after): its full passes over a heap of a
+    few million small containers made the grouping of a 50,000-update check grow faster than linearly."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_UpdateView], output_tallies, state_tallies) -> None:
+    """Fail the outputs and state writes of every SGD node whose specialised body (its ``overload``, what
+    onnxruntime runs) assumes other attributes than the node has (what the lowered GE op reads): the numbers
+    of such a node prove nothing about the device."""
+    nodes = [node for node in fused.graph.node if node.domain == DOMAIN and node.op_type == OP_TYPE]
+    problems: dict[tuple, str] = {}  # per overload and attributes: a few hundred kinds of node at most
+    for node, (k, view) in zip(nodes, enumerate(views)):
+        kind = (node.overload, tuple(a.SerializeToString(deterministic=True) for a in node.attribute))
+        problem = problems.get(kind)
+        if problem is None:
+            problem = problems[kind] = _overload_problem(node)
+        elif problem:
+            problem = _overload_problem(node)  # the message names this node
+        if not problem:
+            continue
+        for name in view.outputs:
+            if name in output_tallies:
+                output_tallies[name] = copy.copy(output_tallies[name])  # results may be shared within a class
+                output_tallies[name].fail(problem)
+        for state in view.roles:
+            state_tallies[(k, state)] = copy.copy(state_tallies[(k, state)])
+            state_tallies[(k, state)].fail(problem)
+
+
+# ------------------------------------------------------------------------------ check_models: groups
+
+CHECK_CHUNK_NODES = 400
+"""About this many nodes (per side) go into one model that :func:`check_models` runs: groups are packed into
+models of this size, so session building (faster than linear in the nodes of a model) stays linear overall."""
+
+SHARED_CONE_LIMIT = 8
+"""A node computed from at most this many nodes (counted with repetition, itself included) that reads no
+carried state is copied into every group that needs it instead of joining them: a learning rate computed
+once (``Neg → Reshape → Gather`` of a fed ``lr``) and read by every update does not make one group of them."""
+
+
+class _UnionFind:
+    def __init__(self) -> None:
+        self.parent: dict = {}
+
+    def find(self, item):
+        parent = self.parent
+        above = parent.get(item)
+        while above is not None:  # path halving: every other item on the way points past its parent
+            further = parent.get(above)
+            if further is None:
+                return above
+            parent[item] = further
+            item, above = further, parent.get(further)
+        return item
+
+    def union(self, a, b) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[ra] = rb
+
+
+@dataclasses.dataclass
+class _Side:
+    """One model of :func:`check_models` as groups are cut from it: its nodes, what each reads and writes,
+    producers, initializers, fed inputs and outputs."""
+
+    model: onnx.ModelProto
+    nodes: list[onnx.NodeProto]
+    reads: list[list[str]]
+    writes: list[list[str]]
+    producer: dict[str, int]
+    initializers: dict[str, onnx.TensorProto]
+    inputs: dict[str, onnx.ValueInfoProto]
+    outputs: list[str]
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> "_Side":
+        graph = model.graph
+        nodes = list(graph.node)
+        initializers = {t.name: t for t in graph.initializer}
+        writes = [[o for o in node.output if o] for node in nodes]
+        return cls(
+            model, nodes, [_node_reads(node) for node in nodes], writes, {o: k for k, names in enumerate(writes) for o in names},
+            initializers, {i.name: i for i in graph.input if i.name not in initializers}, [o.name for o in graph.output],
+        )
+
+    def extend(self, nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> None:
+        """Add ``nodes`` (after every other) and ``outputs`` (values to compute) to this side."""
+        for node in nodes:
+            self.producer.update((o, len(self.nodes)) for o in node.output if o)
+            self.nodes.append(node)
+            self.reads.append(_node_reads(node))
+            self.writes.append([o for o in node.output if o])
+        self.outputs.extend(outputs)
+
+    def cone(self, outputs: Iterable[str]) -> list[int]:
+        """Indices (in graph order) of the nodes that compute ``outputs``."""
+        found: set[int] = set()
+        stack = [self.producer[o] for o in outputs if o in self.producer]
+        while stack:
+            k = stack.pop()
+            if k in found:
                 continue
-            runs.append(_run_label(pair.label, size))
-    if not runs and not any(not t.passed for t in output_tallies.values()):
-        raise ValueError("the original model cannot run at any size tried: " + "; ".join(notes))
+            found.add(k)
+            stack.extend(j for name in self.reads[k] if (j := self.producer.get(name)) is not None and j not in found)
+        return sorted(found)
 
-    listed = [
-        {"name": name, "kind": "fused update" if name in update_outputs else "exact", "max_abs_error": t.max_abs,
-         "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message}
-        for name, t in output_tallies.items()
+    def parts(self, cone: Sequence[int], outputs: list[str], function_opset: int | None) -> _Parts:
+        """The :class:`_Parts` of a model of the nodes ``cone`` with ``outputs``: its inputs are the fed
+        graph inputs they read, its initializers the graph's they read."""
+        produced = {o for k in cone for o in self.writes[k]}
+        initializers: list[onnx.TensorProto] = []
+        inputs: list[str] = []
+        listed: set[str] = set()
+        for name in [n for k in cone for n in self.reads[k]] + outputs:
+            if name in produced or name in listed:
+                continue
+            listed.add(name)
+            if name in self.initializers:
+                initializers.append(self.initializers[name])
+            elif name in self.inputs:
+                inputs.append(name)
+        return _Parts([self.nodes[k] for k in cone], [], outputs, list(self.model.opset_import), function_opset, initializers, inputs)
+
+
+@dataclasses.dataclass
+class _Group:
+    """Outputs of :func:`check_models` that are computed, compared and carried together and independently
+    of every other group's: the original outputs, the fused model's (with its probes), the updates (indices
+    of views) and the carried states among them; then the two slices and the group's canonical names."""
+
+    original_outputs: list[str] = dataclasses.field(default_factory=list)
+    fused_outputs: list[str] = dataclasses.field(default_factory=list)
+    views: list[int] = dataclasses.field(default_factory=list)
+    states: list[str] = dataclasses.field(default_factory=list)
+    cones: tuple[list[int], list[int]] = ([], [])
+    names: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _shared_nodes(side: _Side, carried: set[str]) -> list[bool]:
+    """Per node: is it copied into the groups that read it (:data:`SHARED_CONE_LIMIT`)? The nodes it is
+    computed from are then copied too (their cones are smaller still)."""
+    bound: list[int] = []
+    over = SHARED_CONE_LIMIT + 1
+    for k, node in enumerate(side.nodes):
+        reads = side.reads[k]
+        if carried.intersection(reads) or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            bound.append(over)
+            continue
+        total = 1
+        for name in reads:
+            j = side.producer.get(name)
+            if j is not None:
+                total += bound[j] if j < k else over  # a producer listed later (unsorted graph): not copied
+        bound.append(min(total, over))
+    return [b <= SHARED_CONE_LIMIT for b in bound]
+
+
+def _check_groups(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], original_pairs: Mapping[str, str],
+                  fused_pairs: Mapping[str, str], inputs: Mapping[str, _Input]) -> list[_Group]:
+    """The outputs of both models partitioned into independent groups.
+
+    Two outputs are in one group when a node that is not copied (:func:`_shared_nodes`) lies on both their
+    cones in either model, when they belong to one update (its outputs, what it writes in place, its probes),
+    or when one is the next value of a state that the other's cone reads (either side's pairing): so a group's
+    nodes compute its outputs from fed inputs and its own carried state alone, and a model of one group, or of
+    several, computes at every step what the whole model computes for them given the same feeds."""
+    carried = set(original_pairs) | set(fused_pairs)
+    uf = _UnionFind()
+    offset = 0  # nodes are numbered across both sides; values go by name
+    for side in sides:
+        shared = _shared_nodes(side, carried)
+        outputs = set(side.outputs)
+        producer = side.producer
+        for k, node in enumerate(side.nodes):
+            if shared[k]:
+                continue
+            for name in side.reads[k]:
+                j = producer.get(name)
+                if j is not None and not shared[j]:
+                    uf.union(offset + k, offset + j)
+                elif name in carried:
+                    uf.union(offset + k, name)
+            for name in node.output:
+                if name in outputs:
+                    uf.union(offset + k, name)
+        offset += len(side.nodes)
+    for pairs in (original_pairs, fused_pairs):
+        for state, output in pairs.items():
+            uf.union(state, output)
+    for view in views:
+        members = [*view.outputs, *view.fused_state.values(), *view.original_state.values(), *view.roles,
+                   view.gradient, view.learning_rate, view.momentum]
+        for name in members[1:]:
+            uf.union(members[0], name)
+    groups: dict[object, _Group] = {}
+    for name in sides[0].outputs:
+        groups.setdefault(uf.find(name), _Group()).original_outputs.append(name)
+    for name in sides[1].outputs:
+        groups.setdefault(uf.find(name), _Group()).fused_outputs.append(name)
+    for k, view in enumerate(views):
+        groups.setdefault(uf.find(view.parameters), _Group()).views.append(k)
+    for name in inputs:  # graph input order
+        if name in carried:
+            groups.setdefault(uf.find(name), _Group()).states.append(name)
+    result = list(groups.values())
+    for group in result:
+        group.cones = (sides[0].cone(group.original_outputs), sides[1].cone(group.fused_outputs))
+    return result
+
+
+def _group_key(index: GraphIndex, sides: tuple[_Side, _Side], group: _Group, views: Sequence[_UpdateView],
+               inputs: Mapping[str, _Input], original_pairs: Mapping[str, str], fused_pairs: Mapping[str, str],
+               cache: dict | None = None) -> bytes | None:
+    """A digest of ``group``'s two slices and of what is fed, compared and carried, every value name replaced
+    by its order of first appearance (:func:`_describe_parts`, :func:`_describe_view`): groups with equal
+    digests are equal up to one renaming of values. ``group.names`` is set to that renaming. None when a
+    slice has a subgraph."""
+    names: dict[str, int] = {}
+    rename = _renamer(names)
+    digest = hashlib.sha256()
+    fed: list[str] = []
+    for side, cone, outputs in zip(sides, group.cones, (group.original_outputs, group.fused_outputs)):
+        parts = side.parts(cone, outputs, None)
+        described = _describe_parts(parts, index.spec, names, cache)
+        if described is None:
+            return None
+        fed.extend(parts.inputs)
+        digest.update(repr(described).encode())
+    described = [
+        [(rename(name), inputs[name].dtype, inputs[name].shape, inputs[name].role) for name in dict.fromkeys(fed)],
+        [(rename(s), rename(original_pairs.get(s, "")), rename(fused_pairs.get(s, ""))) for s in group.states],
     ]
-    in_place = [
-        {"name": s, "kind": "in place", "original": views[k].original_state.get(s, s), "fused": views[k].fused_state.get(s, s),
-         "max_abs_error": t.max_abs, "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message}
-        for (k, s), t in state_tallies.items()
-    ]
-    passed = all(entry["passed"] for entry in listed + in_place)
-    state_pairs = {o: s for s, o in original_pairs.items()}
-    return ModelCheck(steps, passed, listed, state_pairs, in_place, runs, "; ".join(notes))
+    described.extend(_describe_view(views[k], rename) for k in group.views)
+    digest.update(repr(described).encode())
+    group.names = names
+    return digest.digest()
 
 
-def _fused_views(fused: onnx.ModelProto, graph_inputs: set[str]) -> tuple[onnx.ModelProto, list[_UpdateView]]:
-    """A copy of ``fused`` whose SGD nodes' inputs are probed as outputs, and one view per SGD node."""
-    model = onnx.ModelProto()
-    model.CopyFrom(fused)
-    graph = model.graph
-    producers = {o: node for node in graph.node for o in node.output if o}
+class _GroupRunner:
+    """Runs groups of :func:`check_models` packed into models of about :data:`CHECK_CHUNK_NODES` nodes,
+    into the shared tallies."""
+
+    def __init__(self, index, sides, views, inputs, original_pairs, output_tallies, state_tallies, *, steps: int, seed: int) -> None:
+        self.index, self.sides, self.views, self.inputs = index, sides, views, inputs
+        self.original_pairs = original_pairs
+        self.output_tallies, self.state_tallies = output_tallies, state_tallies
+        self.steps, self.seed = steps, seed
+        self.runs: dict[str, None] = {}
+        self.notes: list[str] = []
+        self.groups_run = 0
+        self._chunks = 0
+
+    def run(self, groups: Sequence[_Group]) -> None:
+        """Run ``groups``, packed into models of about :data:`CHECK_CHUNK_NODES` nodes."""
+        chunk: list[_Group] = []
+        size = 0
+        for group in groups:
+            if chunk and size + max(len(group.cones[0]), len(group.cones[1])) > CHECK_CHUNK_NODES:
+                self._run_chunk(chunk)
+                chunk, size = [], 0
+            chunk.append(group)
+            size += max(len(group.cones[0]), len(group.cones[1]))
+        if chunk:
+            self._run_chunk(chunk)
+
+    def _model(self, tag: int, chunk: Sequence[_Group]) -> tuple[onnx.ModelProto, list[str]]:
+        cone = sorted(set().union(*(group.cones[tag] for group in chunk)))
+        outputs = [name for group in chunk for name in (group.original_outputs if tag == 0 else group.fused_outputs)]
+        return _side_model(self.sides[tag], cone, outputs)
+
+    def _run_chunk(self, chunk: Sequence[_Group]) -> None:
+        self.groups_run += len(chunk)
+        self._chunks += 1
+        (original, original_fed), (fused, fused_fed) = self._model(0, chunk), self._model(1, chunk)
+        views = [(k, self.views[k]) for group in chunk for k in group.views]
+        states = {s for group in chunk for s in group.states}
+        original_pairs = {s: o for s, o in self.original_pairs.items() if s in states}
+        inputs = [self.inputs[name] for name in dict.fromkeys(original_fed + fused_fed)]
+        outputs = [name for group in chunk for name in group.original_outputs]
+        fused_names = [name for group in chunk for name in group.fused_outputs]
+        pairs, note, _ = _make_pairs(original, fused)
+        if note and note not in self.notes:
+            self.notes.append(note)
+        seed = self.seed + self._chunks - 1
+        for pair in pairs:
+            for size in _sizes(inputs):
+                label = _run_label(pair.label, size)
+                try:
+                    _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, self.output_tallies,
+                                    self.state_tallies, steps=self.steps, size=size, seed=seed)
+                except _RunError as error:
+                    if error.side == "original model":
+                        text = f"{label}: {error} (skipped)"
+                        if text not in self.notes:
+                            self.notes.append(text)
+                        continue
+                    for name in outputs:
+                        self.output_tallies[name].fail(f"{label}: {error}")
+                    for k, view in views:
+                        for state in view.roles:
+                            self.state_tallies[(k, state)].fail(f"{label}: {error}")
+                    continue
+                self.runs.setdefault(label)
+
+
+def _side_model(side: _Side, cone: Sequence[int], outputs: list[str]) -> tuple[onnx.ModelProto, list[str]]:
+    """A model of ``side``'s nodes ``cone`` (graph order) computing ``outputs``, with the graph's opsets,
+    IR version and functions; and its fed inputs."""
+    parts = side.parts(cone, outputs, None)
+    graph = helper.make_graph(
+        parts.nodes, "sgdfuse_part", [side.inputs[name] for name in parts.inputs],
+        [helper.make_empty_tensor_value_info(name) for name in outputs], initializer=parts.needed_initializers,
+    )
+    model = helper.make_model(graph, opset_imports=parts.opset_import)
+    model.ir_version = side.model.ir_version
+    model.functions.extend(side.model.functions)
+    return model, parts.inputs
+
+
+def independent_models(model: onnx.ModelProto, *, max_nodes: int = CHECK_CHUNK_NODES) -> list[onnx.ModelProto]:
+    """``model`` cut into models of about ``max_nodes`` nodes each (more for one group that is larger) that
+    together compute every graph output of ``model`` once, each from the graph inputs it reads.
+
+    Outputs are grouped as :func:`check_models` groups them (outputs whose cones share a node that is not
+    copied, :data:`SHARED_CONE_LIMIT`, are in one model; small shared nodes are copied into each model that
+    reads them), so that onnxruntime, whose session building grows faster than linearly with the nodes of a
+    model, builds several small sessions in linear time. Every model computes its outputs with the nodes
+    ``model`` computes them with, in the same order: for the same feeds, the same numbers.
+
+    Args:
+        model: an ONNX model whose nodes are in graph (topological) order.
+        max_nodes: nodes per model, about.
+    """
+    side = _Side.of(model)
+    shared = _shared_nodes(side, set())
+    uf = _UnionFind()
+    outputs = set(side.outputs)
+    for k, node in enumerate(side.nodes):
+        if shared[k]:
+            continue
+        for name in side.reads[k]:
+            j = side.producer.get(name)
+            if j is not None and not shared[j]:
+                uf.union(k, j)
+        for name in node.output:
+            if name in outputs:
+                uf.union(k, name)
+    groups: dict[object, list[str]] = {}
+    for name in side.outputs:
+        groups.setdefault(uf.find(name), []).append(name)
+    models: list[onnx.ModelProto] = []
+    cone: set[int] = set()
+    chunk: list[str] = []
+    for names in groups.values():
+        own = side.cone(names)
+        if chunk and len(cone) + len(own) > max_nodes:
+            models.append(_side_model(side, sorted(cone), chunk)[0])
+            cone, chunk = set(), []
+        cone.update(own)
+        chunk.extend(names)
+    if chunk or not models:
+        models.append(_side_model(side, sorted(cone), chunk)[0])
+    return models
+
+
+def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_pairs, fused_pairs, runner: _GroupRunner, *, seed: int) -> dict:
+    """Run every group, or from :data:`CLASS_MIN_PLANS` groups on, per class of groups equal up to value
+    names (:func:`_group_key`) its first member and a seeded sample of :data:`CLASS_SAMPLE` others; a class
+    whose run members all passed gives every other member their results (returned: output name or (view
+    index, state) → the representative's), a class with a failure has every member run."""
+    if len(groups) < CLASS_MIN_PLANS:
+        runner.run(groups)
+        return {}
+    classes: dict[object, list[int]] = {}
+    cache: dict = {}  # the sides' protos outlive it
+    for g, group in enumerate(groups):
+        key = _group_key(index, sides, group, views, inputs, original_pairs, fused_pairs, cache)
+        classes.setdefault(("own", g) if key is None else key, []).append(g)
+    sampler = random.Random(seed)
+    chosen: set[int] = set()
+    for members in classes.values():
+        chosen.add(members[0])
+        chosen.update(sampler.sample(members[1:], min(CLASS_SAMPLE, len(members) - 1)))
+    runner.run([groups[g] for g in sorted(chosen)])
+    logger.info("check: %d groups in %d classes, %d run", len(groups), len(classes), len(chosen))
+    verified_as: dict = {}
+    unrun: list[int] = []
+    for members in classes.values():
+        ran = [groups[g] for g in members if g in chosen]
+        if all(_group_passed(group, runner) for group in ran):
+            for g in members:
+                if g not in chosen:
+                    _copy_results(groups[members[0]], groups[g], runner, verified_as)
+        else:
+            unrun.extend(g for g in members if g not in chosen)
+    runner.run([groups[g] for g in sorted(unrun)])
+    return verified_as
+
+
+def _group_passed(group: _Group, runner: _GroupRunner) -> bool:
+    return all(runner.output_tallies[name].passed for name in group.original_outputs) and all(
+        runner.state_tallies[(k, s)].passed for k in group.views for s in runner.views[k].roles
+    )
+
+
+def _copy_results(first: _Group, member: _Group, runner: _GroupRunner, verified_as: dict) -> None:
+    """``member`` gets ``first``'s results, value for value through the two groups' canonical names."""
+    by_name = {canonical: name for name, canonical in first.names.items()}
+    for name in member.original_outputs:
+        source = by_name[member.names[name]]
+        runner.output_tallies[name] = runner.output_tallies[source]
+        verified_as[name] = source
+    for k, j in zip(member.views, first.views):
+        for state in runner.views[k].roles:
+            source = by_name[member.names[state]]
+            runner.state_tallies[(k, state)] = runner.state_tallies[(j, source)]
+            verified_as[(k, state)] = source
+
+
+class _Producers(Mapping):
+    """value name → the node of ``side`` that outputs it (a view of ``side.producer``, no table built)."""
+
+    def __init__(self, side: _Side) -> None:
+        self.side = side
+
+    def __getitem__(self, name: str) -> onnx.NodeProto:
+        return self.side.nodes[self.side.producer[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.side.producer
+
+    def __iter__(self):
+        return iter(self.side.producer)
+
+    def __len__(self) -> int:
+        return len(self.side.producer)
+
+
+def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
+    """One view per SGD node of the fused model's ``side``, which gets the probes of the SGD nodes' inputs
+    as nodes and outputs, and their outputs that the graph does not declare (the model is not copied)."""
+    graph = side.model.graph
+    producers = _Producers(side)
+    # Readers of the SGD nodes' outputs and of what their readers output (a runtime momentum's If, a guard)
+    # are all that is looked up: two sweeps, no table of every value's readers.
+    wanted = {o for node in side.nodes if node.domain == DOMAIN and node.op_type == OP_TYPE for o in node.output if o}
+    wanted.update(o for node, reads in zip(side.nodes, side.reads) if not wanted.isdisjoint(reads) for o in node.output if o)
     readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in _node_reads(node):
-            readers.setdefault(name, []).append(node)
-    taken = set(producers) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    declared = {o.name for o in graph.output}
+    for node, reads in zip(side.nodes, side.reads):
+        for name in reads:
+            if name in wanted:
+                readers.setdefault(name, []).append(node)
+    taken = set(side.producer) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    declared = set(side.outputs)
     input_types = {i.name: i.type.tensor_type.elem_type for i in graph.input}
-    probe = _Probes(taken)
+    # One probe per SGD node, not per value: a probe read by every update would make one group of them all.
+    probe = _Probes(taken, shared=False)
     views: list[_UpdateView] = []
-    for node in list(graph.node):
+    added: list[str] = []
+    for node in list(side.nodes):
         if not (node.domain == DOMAIN and node.op_type == OP_TYPE):
             continue
         parameters = _trace_to_state(node.input[0], producers)
@@ -1410,7 +1939,7 @@ def _fused_views(fused: onnx.ModelProto, graph_inputs: set[str]) -> tuple[onnx.M
         attributes = read_sgd_attributes(node)
         for value in (parameters_out, buffer_out):
             if value not in declared:
-                graph.output.append(helper.make_empty_tensor_value_info(value))
+                added.append(value)
                 declared.add(value)
         names = {tag: probe(node.input[k], tag) for k, tag in ((1, "gradient"), (2, "learning_rate"), (4, "momentum"))}
         dtype = input_types.get(parameters, onnx.TensorProto.FLOAT)
@@ -1424,10 +1953,29 @@ def _fused_views(fused: onnx.ModelProto, graph_inputs: set[str]) -> tuple[onnx.M
                 dtype=dtype if dtype in _UNIT_ROUNDOFF else onnx.TensorProto.FLOAT,
             )
         )
-    graph.node.extend(probe.nodes)
-    for node in probe.nodes:
-        graph.output.append(helper.make_empty_tensor_value_info(node.output[0]))
-    return model, views
+    side.extend(probe.nodes, added + [node.output[0] for node in probe.nodes])
+    return views
+
+
+def _declarations(model: onnx.ModelProto) -> GraphIndex:
+    """A :class:`GraphIndex` of ``model``'s declarations alone: inputs, outputs, initializers and the specs
+    they declare (no producers or consumers: :func:`check_models` walks nodes in its :class:`_Side` s, and
+    builds a full index only when the matcher has to pair the original's state)."""
+    graph = model.graph
+    specs: dict[str, TensorSpec] = {}
+    for info in list(graph.input) + list(graph.output):
+        tensor_type = info.type.tensor_type
+        if not info.type.HasField("tensor_type") or info.name in specs:
+            continue
+        shape = None
+        if tensor_type.HasField("shape"):
+            shape = tuple(int(d.dim_value) if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param") else None
+                          for d in tensor_type.shape.dim)
+        specs[info.name] = TensorSpec(info.name, shape, tensor_type.elem_type)
+    initializers = {t.name: t for t in graph.initializer}
+    for name, tensor in initializers.items():
+        specs[name] = TensorSpec(name, tuple(int(d) for d in tensor.dims), tensor.data_type)
+    return GraphIndex(graph, {}, {}, initializers, [i.name for i in graph.input], [o.name for o in graph.output], specs, set())
 
 
 def _original_pairs(index: GraphIndex, original: onnx.ModelProto, views: Sequence[_UpdateView]) -> dict[str, str]:
@@ -1436,12 +1984,14 @@ def _original_pairs(index: GraphIndex, original: onnx.ModelProto, views: Sequenc
     pairs = _name_evidence(index.graph_outputs, [i for i in index.graph_inputs if i not in index.initializers])
     wanted = [s for view in views for s in view.roles if s not in pairs]
     if wanted:
+        from sgdfuse.passes.index import build_index
         from sgdfuse.passes.linear import Normaliser
         from sgdfuse.passes.sgd_match import find_updates, guarded_outputs
 
         try:
-            matches, _ = find_updates(index, Normaliser(index))
-            guards = guarded_outputs(index)
+            matcher_index = build_index(original)  # with shape inference: the matcher reads inferred shapes
+            matches, _ = find_updates(matcher_index, Normaliser(matcher_index))
+            guards = guarded_outputs(matcher_index)
         except Exception as error:  # the matcher is advisory here: names and the fused pairing remain
             logger.info("matching the original for its state pairs failed: %s", error)
             matches, guards = [], {}
@@ -1457,11 +2007,10 @@ def _original_pairs(index: GraphIndex, original: onnx.ModelProto, views: Sequenc
     return pairs
 
 
-def _check_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_UpdateView], fused: onnx.ModelProto) -> list[_Input]:
+def _check_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_UpdateView], nodes: Sequence[onnx.NodeProto]) -> list[_Input]:
     """The fed inputs of a whole model, with roles: SGD-updated state, what the SGD nodes' gradients and
     coefficients are computed from (in the fused model), other state (by name), and the rest."""
     roles = {s: ("parameters" if role == "w" else "accum") for view in views for s, role in view.roles.items()}
-    nodes = list(fused.graph.node)
     gradient_sources = _sources([view.gradient for view in views], nodes)
     coefficient_sources = _sources([v for view in views for v in (view.learning_rate, view.momentum)], nodes)
     inputs = []
@@ -1474,14 +2023,16 @@ def _check_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_Upda
     return inputs
 
 
-def _check_schedule(pair, index, inputs, views, outputs, fused_names, original_pairs, update_outputs, output_tallies, state_tallies,
+def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, output_tallies, state_tallies,
                     *, steps: int, size: int | None, seed: int) -> None:
-    """One precision at one size of :func:`check_models`: the lockstep run (every output), the in-place run
-    (state writes), then the extreme-value steps from the lockstep state."""
+    """One precision at one size of a model of :func:`check_models` groups: the lockstep run (every output),
+    the in-place run (state writes), then the extreme-value steps from the lockstep state. ``views`` are
+    ``(index, view)`` pairs; ``state_tallies`` is keyed by ``(index, state)``."""
     convert = _lifted_array if pair.lifted else (lambda array: array)
     label = _run_label(pair.label, size)
+    update_outputs = {name for _, view in views for name in view.outputs}
     fused_pairs = dict(original_pairs)
-    for view in views:
+    for _, view in views:
         fused_pairs.update(view.fused_state)
     state_names = set(original_pairs) | set(fused_pairs)
     kinds = _schedule(steps)
@@ -1519,13 +2070,13 @@ def _check_schedule(pair, index, inputs, views, outputs, fused_names, original_p
             for name in outputs:
                 if name not in update_outputs:
                     output_tallies[name].compare(f"{step_label}", original_out[name], fused_out[name], 0.0)
-            for view in views:
+            for _, view in views:
                 bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=pair.lifted)
                 for name, role in view.outputs.items():
                     if name in output_tallies:
                         output_tallies[name].compare(step_label, original_out[name], fused_out[name], bounds[role])
         else:
-            for k, view in enumerate(views):
+            for k, view in views:
                 bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=pair.lifted)
                 for state, role in view.roles.items():
                     original_next = view.original_state.get(state)

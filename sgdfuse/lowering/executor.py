@@ -42,7 +42,7 @@ from sgdfuse.lowering import ge_ir
 from sgdfuse.lowering.alias import keeps_layout, may_alias
 from sgdfuse.runtime import onnx_to_numpy_dtype
 
-__all__ = ["ExecutorError", "GEExecutor", "GEModelRunner", "KERNELS", "kernel", "numpy_dtype"]
+__all__ = ["ExecutorError", "GEExecutor", "GEModelRunner", "KERNELS", "RunPlan", "kernel", "numpy_dtype"]
 
 WRITERS = frozenset({"SGD", "Assign"})
 
@@ -73,7 +73,7 @@ class Op:
     type: str
     inputs: list[tuple[str, int] | None]
     controls: list[str]
-    attrs: dict[str, object]
+    attrs: Mapping[str, object]
     output_dtypes: list[np.dtype | None]
     output_shapes: list[list[int]]
     position: int
@@ -98,7 +98,34 @@ def _attr(value) -> object:
 def _tensor(tensor) -> np.ndarray:
     dtype = numpy_dtype(tensor.desc.dtype)
     shape = tuple(tensor.desc.shape.dim)
-    return np.frombuffer(tensor.data, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape).copy()
+    return np.frombuffer(tensor.data, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(shape)  # astype copies
+
+
+class _Attributes(Mapping):
+    """An op's attributes as Python values, each decoded when first read (most are never read by a kernel:
+    decoding them all was most of the cost of running a large graph)."""
+
+    __slots__ = ("_proto", "_decoded")
+
+    def __init__(self, proto) -> None:
+        self._proto = proto
+        self._decoded: dict[str, object] = {}
+
+    def __getitem__(self, key: str) -> object:
+        try:
+            return self._decoded[key]
+        except KeyError:
+            pass
+        if key not in self._proto:
+            raise KeyError(key)
+        value = self._decoded[key] = _attr(self._proto[key])
+        return value
+
+    def __iter__(self):
+        return iter(self._proto)
+
+    def __len__(self) -> int:
+        return len(self._proto)
 
 
 def _decode(op, position: int) -> Op:
@@ -118,7 +145,7 @@ def _decode(op, position: int) -> Op:
         type=op.type,
         inputs=inputs,
         controls=controls,
-        attrs={key: _attr(value) for key, value in op.attr.items()},
+        attrs=_Attributes(op.attr),
         output_dtypes=[numpy_dtype(d.dtype) if d.dtype else None for d in op.output_desc],
         output_shapes=[list(d.shape.dim) for d in op.output_desc],
         position=position,
@@ -140,6 +167,14 @@ def kernel(*op_types: str) -> Callable[[Kernel], Kernel]:
     return decorate
 
 
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """A graph decoded (op name → :class:`Op`) and its run order (:meth:`GEExecutor.plan`)."""
+
+    ops: dict[str, Op]
+    order: list[Op]
+
+
 class _Uninitialised:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -151,20 +186,32 @@ class GEExecutor:
     def __init__(self) -> None:
         self.variables: dict[str, np.ndarray] = {}
 
-    def run(self, graph, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        """Run ``graph`` once with ``feeds`` (``Data`` op name → array); return ``NetOutput``'s inputs, copied.
+    def plan(self, graph) -> "RunPlan":
+        """``graph`` decoded and scheduled once, for :meth:`run` to take again and again (the decoding is
+        most of a run's cost); the plan is of the graph as it is now.
 
         Raises:
-            ExecutorError: unknown op types (all listed), a missing or mistyped feed, a variable read before
-                it was assigned, an output contradicting its descriptor.
+            ExecutorError: unknown op types (all listed), a read of an op that is not in the graph, a cycle.
         """
         ops = {op.name: _decode(op, k) for k, op in enumerate(graph.op)}
         unknown = sorted({op.type for op in ops.values()} - set(KERNELS) - {"Data", "Variable", "NetOutput", "Assign"})
         if unknown:
             raise ExecutorError(f"graph {graph.name}: no executor kernel for op type(s) {', '.join(unknown)}")
+        return RunPlan(ops, _schedule(ops))
+
+    def run(self, graph, feeds: Mapping[str, np.ndarray], *, plan: "RunPlan | None" = None) -> list[np.ndarray]:
+        """Run ``graph`` once with ``feeds`` (``Data`` op name → array); return ``NetOutput``'s inputs, copied.
+        ``plan``: :meth:`plan` of ``graph``, made here when not given.
+
+        Raises:
+            ExecutorError: unknown op types (all listed), a missing or mistyped feed, a variable read before
+                it was assigned, an output contradicting its descriptor.
+        """
+        plan = plan or self.plan(graph)
+        ops = plan.ops
         values: dict[tuple[str, int], object] = {}
         results: list[np.ndarray] = []
-        for op in _schedule(ops):
+        for op in plan.order:
             inputs = [values[source] if source is not None else None for source in op.inputs]
             if op.type == "NetOutput":
                 results = [np.array(_checked(x, op.name), copy=True) for x in inputs]
@@ -553,6 +600,7 @@ class GEModelRunner:
     def __init__(self, model) -> None:
         self.model = model
         self.executor = GEExecutor()
+        self._step_plan: RunPlan | None = None  # the step graph decoded at the first step, reused after
 
     @property
     def variables(self) -> dict[str, np.ndarray]:
@@ -578,7 +626,9 @@ class GEModelRunner:
         missing: Sequence[str] = [name for name in names.values() if name not in feeds]
         if missing:
             raise ExecutorError(f"no value for input(s) {', '.join(missing)}")
-        results = self.executor.run(self.model.graph, {op: feeds[name] for op, name in names.items()})
+        if self._step_plan is None:
+            self._step_plan = self.executor.plan(self.model.graph)
+        results = self.executor.run(self.model.graph, {op: feeds[name] for op, name in names.items()}, plan=self._step_plan)
         return dict(zip(self.model.outputs, results))
 
 
