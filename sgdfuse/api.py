@@ -7,9 +7,7 @@ output file is written whole or not at all.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import logging
 from collections.abc import Callable
 import os
@@ -17,6 +15,7 @@ import os
 import onnx
 from google.protobuf.message import DecodeError
 
+from sgdfuse import collector
 from sgdfuse import external_data
 from sgdfuse.errors import InvalidOutputError, ModelLoadError
 from sgdfuse.output import OutputBatch, resolve_destination
@@ -181,7 +180,7 @@ def optimize(
     """
     tell = progress or (lambda stage: None)
     # The pass's own objects are dropped when _optimize returns, before the collector runs again.
-    with _collector_paused():
+    with collector.paused():
         return _optimize(model, verify=verify, steps=steps, seed=seed, tell=tell, allow_rounding=allow_rounding, pins=pins)
 
 
@@ -198,21 +197,6 @@ def _optimize(model, *, verify: bool, steps: int, seed: int, tell: Callable[[str
     return OptimizeResult(new_model, report, source_dir)
 
 
-@contextlib.contextmanager
-def _collector_paused():
-    """Pause Python's cyclic garbage collector for the block (restored after, also on error).
-
-    The pass allocates millions of small objects that live until it ends (the index, forms, matches); each
-    automatic full collection walks all of them, about an eighth of the run at 10,000 updates, and finds
-    nothing: what the pass drops is freed by reference counting. Cycles made meanwhile are collected once
-    the collector runs again."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def inspect(
@@ -227,7 +211,7 @@ def inspect(
     """The analysis of :func:`optimize` with nothing rewritten (a dry run): which updates would fuse,
     which candidates are refused and why. ``verify`` runs the differential check as well;
     ``allow_rounding`` and ``pins`` as for :func:`optimize`."""
-    with _collector_paused():
+    with collector.paused():
         source_model, source, _ = _as_model(model)
         # Only the report is kept: the index and plans are dropped before the collector runs again.
         report = _analyse(source_model, source, verify=verify, steps=steps, seed=seed, allow_rounding=allow_rounding, pins=pins)[0]

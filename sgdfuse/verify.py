@@ -110,11 +110,9 @@ after.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
-import gc
 import hashlib
 import heapq
 import logging
@@ -125,6 +123,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from sgdfuse import collector
 from sgdfuse.contract import TensorSpec
 from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, Specialisation, function_opset, read_sgd_attributes, sgd_functions_for
 from sgdfuse.lift import FLOAT_TYPES, lift_to_double, missing_kernels, specialise
@@ -1412,7 +1411,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
     if original_inputs != fused_inputs or outputs != [o.name for o in fused.graph.output]:
         raise ValueError("the two models differ in their graph inputs or outputs; they are not an original and its fused form")
 
-    with _collector_paused():  # millions of small containers, no cycles among them
+    with collector.paused():  # millions of small containers, no cycles among them
         index = _declarations(original)
         sides = (_Side.of(original), _Side.of(fused))
         views = _fused_views(sides[1], set(original_inputs))
@@ -1453,17 +1452,6 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         return ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups), runner.groups_run)
 
 
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off inside (as it was after): its full passes over a heap of a
-    few million small containers made the grouping of a 50,000-update check grow faster than linearly."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_UpdateView], output_tallies, state_tallies) -> None:

@@ -65,6 +65,14 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     return copied
 
 
+def _with_dampening(node: onnx.NodeProto, value: float) -> onnx.NodeProto:
+    """``node`` with its dampening attribute set to ``value`` (in place)."""
+    kept = [a for a in node.attribute if a.name != "dampening"]
+    del node.attribute[:]
+    node.attribute.extend(kept + [helper.make_attribute("dampening", value)])
+    return node
+
+
 def _failed(result) -> set[str]:
     return {entry["name"] for entry in result.outputs + result.in_place if not entry["passed"]}
 
@@ -96,10 +104,7 @@ def test_one_update_with_a_dampening_its_body_computes_is_caught(models):
     another buffer than the original's)."""
     original, fused = models
     wrong = _copy(fused)
-    node = _sgd_node(wrong, f"p{WRONG}")
-    kept = [a for a in node.attribute if a.name != "dampening"]
-    del node.attribute[:]
-    node.attribute.extend(kept + [helper.make_attribute("dampening", 1e-3)])
+    node = _with_dampening(_sgd_node(wrong, f"p{WRONG}"), 1e-3)
     node.overload = node.overload.replace("nodamp", "damp")
     Specialisation.from_overload(node.overload).check(read_sgd_attributes(node), subject="test")
     known = {function.overload for function in wrong.functions}
@@ -114,10 +119,7 @@ def test_one_update_whose_body_ignores_its_dampening_is_caught(models):
     numbers, the device (reading the attribute) would not."""
     original, fused = models
     wrong = _copy(fused)
-    node = _sgd_node(wrong, f"p{WRONG}")
-    kept = [a for a in node.attribute if a.name != "dampening"]
-    del node.attribute[:]
-    node.attribute.extend(kept + [helper.make_attribute("dampening", 1e-3)])
+    _with_dampening(_sgd_node(wrong, f"p{WRONG}"), 1e-3)
     result = check_models(original, wrong, steps=3)
     assert not result.passed
     assert _failed(result) == {f"p{WRONG}_out", f"buf{WRONG}_out", f"p{WRONG}", f"buf{WRONG}"}

@@ -25,14 +25,12 @@ Cost: linear in the size of the graph (each step is a sweep, the ordering walks 
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import os
-from collections.abc import Iterator
 
 import onnx
 
+from sgdfuse import collector
 from sgdfuse import api
 from sgdfuse.contract import product_line_for_soc
 from sgdfuse.fused_op import default_opset, is_sgd_node
@@ -133,21 +131,6 @@ def _needed_nodes(index: GraphIndex, plan: StatePlan) -> set[int]:
     return needed
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector, restoring its state after.
-
-    Lowering allocates a few objects per GE op and frees almost none until it returns; the collector's full
-    passes over the growing heap took a fifth of the time on a 10,000-update graph (15 passes, 1.9 s of
-    9 s). Nothing made here forms cycles that need collecting before the end.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def lower(model: str | os.PathLike | onnx.ModelProto, *, soc: str, optimise: bool = True) -> GEModel:
@@ -170,7 +153,7 @@ def lower(model: str | os.PathLike | onnx.ModelProto, *, soc: str, optimise: boo
         LoweringError: a node whose operands GE needs at compile time are only known at run time.
         ModelLoadError: ``model`` is a path that cannot be loaded.
     """
-    with _collector_paused():
+    with collector.paused():
         return _lower(model, soc, optimise)
 
 

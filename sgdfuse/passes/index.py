@@ -17,7 +17,7 @@ import onnx
 from sgdfuse.contract import TensorSpec
 from sgdfuse.external_data import tensor_to_array
 
-__all__ = ["GraphIndex", "build_index", "SMALL_CONSTANT_ELEMENTS"]
+__all__ = ["GraphIndex", "build_index", "SMALL_CONSTANT_ELEMENTS", "tensor_type_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -213,14 +213,16 @@ def _add_specs(specs: dict[str, TensorSpec], infos, types: dict[bytes, tuple | N
         type_proto = info.type
         key = type_proto.SerializeToString()
         if key not in types:
-            types[key] = _type_of(type_proto)
+            types[key] = tensor_type_of(type_proto)
         found = types[key]
         if found is not None:
             specs[name] = TensorSpec(name, found[0], found[1])
 
 
-def _type_of(type_proto: onnx.TypeProto) -> tuple[tuple[int | str | None, ...] | None, int] | None:
-    """(shape, dtype) of a tensor type, None for other types."""
+def tensor_type_of(type_proto: onnx.TypeProto) -> tuple[tuple[int | str | None, ...] | None, int] | None:
+    """``(shape, dtype)`` of a tensor type in :class:`~sgdfuse.contract.TensorSpec` terms (``TypeProto.tensor_type``:
+    ``elem_type``, and per ``shape.dim`` its ``dim_value``, ``dim_param`` or None; shape None without a
+    ``shape`` field), None for other types."""
     if not type_proto.HasField("tensor_type"):
         return None
     tensor_type = type_proto.tensor_type

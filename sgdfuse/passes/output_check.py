@@ -29,7 +29,7 @@ import onnx
 from onnx import helper
 
 from sgdfuse.fused_op import DOMAIN, OP_TYPE
-from sgdfuse.passes.index import SMALL_CONSTANT_ELEMENTS, GraphIndex, _outer_reads, _subgraphs
+from sgdfuse.passes.index import SMALL_CONSTANT_ELEMENTS, GraphIndex, _outer_reads, _subgraphs, tensor_type_of
 
 __all__ = ["unproven"]
 
@@ -274,17 +274,5 @@ def _called_functions(output: onnx.ModelProto, nodes: list[onnx.NodeProto]) -> l
 
 def _type_of(info: onnx.ValueInfoProto) -> tuple[int, tuple | None] | None:
     """(dtype, shape) in :class:`~sgdfuse.contract.TensorSpec` terms, or None for a non-tensor type."""
-    if not info.type.HasField("tensor_type"):
-        return None
-    tensor_type = info.type.tensor_type
-    if not tensor_type.HasField("shape"):
-        return (tensor_type.elem_type, None)
-    dims: list[int | str | None] = []
-    for dim in tensor_type.shape.dim:
-        if dim.HasField("dim_value"):
-            dims.append(int(dim.dim_value))
-        elif dim.HasField("dim_param"):
-            dims.append(dim.dim_param)
-        else:
-            dims.append(None)
-    return (tensor_type.elem_type, tuple(dims))
+    found = tensor_type_of(info.type)
+    return None if found is None else (found[1], found[0])
