@@ -112,11 +112,11 @@ def run(
     names = list(output_names) if output_names is not None else [o.name for o in session.get_outputs()]
     if not any(np.asarray(value).dtype == _BF16 for value in feeds.values()) and not _bfloat16_outputs(session).intersection(names):
         # The plain path converts the arrays in C++: several times faster per tensor than binding each one.
-        values = session.run(names, {name: np.ascontiguousarray(value) for name, value in feeds.items()})
+        values = session.run(names, {name: np.asarray(value, order="C") for name, value in feeds.items()})
         return dict(zip(names, values))
     binding = session.io_binding()
     for name, value in feeds.items():
-        array = np.ascontiguousarray(value)
+        array = np.asarray(value, order="C")
         if array.dtype == _BF16:
             ort_value = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), _ONNX_BF16)
         else:
