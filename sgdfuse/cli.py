@@ -284,12 +284,16 @@ def _check_destinations(destinations, inputs) -> None:
     """Each output can be written (before the work, not after it) and none of them is an input: the input is
     never modified, so ``optimize m.onnx -o m.onnx`` is refused rather than overwriting the model."""
     sources = {os.path.realpath(os.fspath(path)) for path in inputs if path is not None}
+    taken: set[str] = set()
     for path in destinations:
         if path is None:
             continue
         target = resolve_destination(path)
         if target in sources:
             raise OutputWriteError(os.fspath(path), "is an input of this command; sgdfuse never overwrites its input: give another output path")
+        if target in taken:
+            raise OutputWriteError(os.fspath(path), "is given for two outputs of this command: give each output its own path")
+        taken.add(target)
 
 
 def _pins(state: Optional[list[str]], buffers: Optional[list[str]]) -> RolePins:
@@ -364,6 +368,7 @@ def inspect_command(
 ) -> None:
     """Report which updates of MODEL would fuse and why the other candidates would not; write nothing else."""
     _require_input(model)
+    _check_destinations((report_path,), (model,))
     report = api.inspect(model, verify=verify, allow_rounding=allow_rounding, pins=_pins(state, buffers))
     if report_path is not None:
         _write_text(report_path, report.to_json())

@@ -55,3 +55,27 @@ def test_a_failure_while_staging_removes_what_was_staged(tmp_path):
             batch.stage(tmp_path / "missing" / "b.bin", b"second")
             batch.commit()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("through_symlink", [False, True])
+def test_inspect_never_writes_its_report_over_the_model(tmp_path, through_symlink):
+    model = tmp_path / "m.onnx"
+    model.write_bytes(open(MODEL, "rb").read())
+    before = model.read_bytes()
+    report = model
+    if through_symlink:
+        report = tmp_path / "report.json"
+        report.symlink_to(model)
+    result = _sgdfuse("inspect", model, "--report", report)
+    assert result.returncode == 1
+    assert "is an input of this command" in result.stderr
+    assert model.read_bytes() == before
+
+
+def test_one_path_for_two_outputs_is_refused_before_any_work(tmp_path):
+    out = tmp_path / "y.air"
+    result = _sgdfuse("lower", os.path.abspath(MODEL), "--soc", "Ascend910B2", "-o", out, "--json", out)
+    assert result.returncode == 1
+    assert "is given for two outputs" in result.stderr
+    assert "Verified" not in result.stdout
+    assert not out.exists()
