@@ -131,7 +131,7 @@ from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.sgd_match import previous_by_name
 from sgdfuse.runtime import make_session, onnx_to_numpy_dtype, run
 
-__all__ = [
+__all__ = ["non_negative_inputs", 
     "OPERATIONS",
     "COEFFICIENT_ROUNDINGS",
     "SIZES",
@@ -346,6 +346,8 @@ class _Tally:
         self.message = ""
         self.runs: list[str] = []
         self.notes: list[str] = []
+        self.compared_finite = False
+        """True once a compared original value was a finite number (all-NaN runs prove nothing)."""
 
     def fail(self, message: str, *, structural: bool = True) -> None:
         if self.passed:
@@ -363,6 +365,8 @@ class _Tally:
         if want.shape != have.shape:
             self.fail(f"{label}: shape {list(have.shape)} fused vs {list(want.shape)} original")
             return
+        if not self.compared_finite and want.size and (want.dtype.kind not in "fc" or np.isfinite(want).any()):
+            self.compared_finite = True
         if want.size == 0 or (want.dtype == have.dtype and want.tobytes() == have.tobytes()):
             return  # bit for bit equal: nothing to bound
         if callable(bound):
@@ -418,6 +422,9 @@ def _feed(spec: _Input, kind: str, step: int, size: int | None, rng: np.random.G
             return np.zeros(shape, dtype=dtype)
         if spec.role == "other" and kind in EXTREME_KINDS:
             return _extreme(kind, shape, dtype, rng)
+        if spec.role == "non-negative":
+            # Read where only non-negative values are defined (a BatchNormalization variance, a Sqrt).
+            return np.abs(rng.standard_normal(shape)).astype(np.float32).astype(dtype)
         if count == 1 and spec.role != "gradient":
             # A runtime scalar feeding the update (a learning rate fed as an input): a learning-rate-like value.
             return rng.uniform(0.01, 0.1, size=shape).astype(np.float32).astype(dtype)
@@ -1433,6 +1440,16 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
             raise ValueError("the original model cannot run at any size tried: " + "; ".join(runner.notes))
 
         update_outputs = {name for view in views for name in view.outputs}
+        for name in update_outputs:
+            tally = output_tallies.get(name)
+            if tally is not None and tally.passed and not tally.compared_finite and runner.runs:
+                # NaN matches NaN: an output that is NaN (or infinite) everywhere on both sides was never compared.
+                output_tallies[name] = copy.copy(tally)
+                output_tallies[name].fail(
+                    f"{name}: the original gives no finite value on any step (NaN or infinite everywhere with the "
+                    "random inputs), so nothing was compared; the inputs the model reads may need values the random "
+                    "data does not have"
+                )
         listed = [
             {"name": name, "kind": "fused update" if name in update_outputs else "exact", "max_abs_error": t.max_abs,
              "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message, "verified_as": verified_as.get(name, "")}
@@ -2001,14 +2018,35 @@ def _check_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_Upda
     roles = {s: ("parameters" if role == "w" else "accum") for view in views for s, role in view.roles.items()}
     gradient_sources = _sources([view.gradient for view in views], nodes)
     coefficient_sources = _sources([v for view in views for v in (view.learning_rate, view.momentum)], nodes)
+    non_negative = non_negative_inputs(nodes)
     inputs = []
     for name in names:
         spec = index.spec(name)
         if spec.shape is None or any(d is None for d in spec.shape):
             raise ValueError(f"cannot check: the shape of input {name} is unknown")
-        role = roles.get(name) or ("coefficient" if name in coefficient_sources else "gradient" if name in gradient_sources else "other")
+        role = roles.get(name) or ("non-negative" if name in non_negative else "coefficient" if name in coefficient_sources else
+                                   "gradient" if name in gradient_sources else "other")
         inputs.append(_Input(name, spec.dtype, tuple(spec.shape), role))
     return inputs
+
+
+_NON_NEGATIVE_OPERANDS = {("BatchNormalization", 4), ("Sqrt", 0), ("Log", 0)}
+"""(op, input position) where only non-negative values are defined: a variance, a square root, a logarithm."""
+
+
+def non_negative_inputs(nodes: Sequence[onnx.NodeProto]) -> set[str]:
+    """Values read (directly or through ``Identity``/``Cast``) where only non-negative values are defined
+    (:data:`_NON_NEGATIVE_OPERANDS`): a check feeds them |x|, as a model's own data would be (a frozen
+    BatchNormalization's running variance)."""
+    copies = {node.output[0]: node.input[0] for node in nodes if node.op_type in ("Identity", "Cast") and node.input and node.output}
+    found: set[str] = set()
+    for node in nodes:
+        for position, name in enumerate(node.input):
+            if (node.op_type, position) in _NON_NEGATIVE_OPERANDS and name:
+                while name not in found:
+                    found.add(name)
+                    name = copies.get(name, name)
+    return found
 
 
 def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, output_tallies, state_tallies,

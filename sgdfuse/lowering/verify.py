@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from sgdfuse.verify import non_negative_inputs
 from sgdfuse import runtime
 from sgdfuse.fused_op import is_sgd_node
 from sgdfuse.lowering.errors import LoweringError
@@ -80,11 +81,14 @@ class LoweringCheck:
     message: str = ""
 
 
-def _feed(value: onnx.ValueInfoProto, rng: np.random.Generator, step: int) -> np.ndarray:
+def _feed(value: onnx.ValueInfoProto, rng: np.random.Generator, step: int, non_negative: frozenset[str] = frozenset()) -> np.ndarray:
     tensor_type = value.type.tensor_type
     shape = tuple(d.dim_value if d.HasField("dim_value") else 2 for d in tensor_type.shape.dim)
     dtype = onnx_to_numpy_dtype(tensor_type.elem_type)
     if tensor_type.elem_type in TOLERANCES:
+        if value.name in non_negative:
+            # Read where only non-negative values are defined (a BatchNormalization variance, a Sqrt).
+            return np.abs(rng.standard_normal(shape)).astype(np.float32).astype(dtype)
         if int(np.prod(shape)) == 1:
             return rng.uniform(0.01, 0.1, size=shape).astype(np.float32).astype(dtype)
         return rng.standard_normal(shape).astype(np.float32).astype(dtype)
@@ -278,7 +282,8 @@ def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3,
     # A guard computed in the graph (found_inf) skips on the second step: its float inputs overflow there.
     overflow = _overflow_inputs(fused, lowered, inputs)
     rng = np.random.default_rng(seed)
-    feeds = {i.name: _feed(i, rng, 0) for i in inputs}
+    non_negative = frozenset(non_negative_inputs(probe.graph.node))
+    feeds = {i.name: _feed(i, rng, 0, non_negative) for i in inputs}
     feeds.update(initial)
     try:
         session = _PartedSession(probe)
@@ -318,7 +323,7 @@ def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3,
                 feeds[state] = expected[output]
             for value in inputs:
                 if value.name not in state_inputs and value.name not in initial:
-                    feeds[value.name] = _feed(value, rng, step + 1)
+                    feeds[value.name] = _feed(value, rng, step + 1, non_negative)
                     nudged[value.name] = feeds[value.name]
                     if value.name in momenta and step == 0:
                         feeds[value.name] = np.zeros_like(feeds[value.name])

@@ -1,0 +1,60 @@
+"""``check`` proves nothing where both models give NaN: NaN matches NaN, so an output that is NaN everywhere
+on the random inputs must fail as "nothing compared", and inputs read where only non-negative values are
+defined (a frozen BatchNormalization's running variance) are fed |x| so that real models compare numbers.
+
+The frozen-BatchNorm CNN step is committed testdata (testdata/steps/cnn_frozen.onnx); the wrong fused model is
+made here by multiplying its learning rate by 10.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from graphs import make_model, scalar, value
+import sgdfuse
+from sgdfuse.verify import check_models
+
+FROZEN = "testdata/steps/cnn_frozen.onnx"
+
+
+def _learning_rate_times(model: onnx.ModelProto, factor: float) -> onnx.ModelProto:
+    wrong = onnx.ModelProto()
+    wrong.CopyFrom(model)
+    tensor = next(t for t in wrong.graph.initializer if t.name.startswith("sgdfuse/learning_rate"))
+    tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor) * np.float32(factor), tensor.name))
+    return wrong
+
+
+def test_a_frozen_batchnorm_step_compares_numbers_and_catches_a_wrong_learning_rate():
+    original = onnx.load(FROZEN)
+    fused = sgdfuse.optimize(original).model
+    right = check_models(original, fused, steps=3)
+    assert right.passed, [e for e in right.outputs if not e["passed"]]
+    wrong = check_models(original, _learning_rate_times(fused, 10.0), steps=3)
+    assert not wrong.passed
+    assert any(e["max_abs_error"] > 0 for e in wrong.outputs if not e["passed"])
+
+
+def test_an_update_that_is_nan_everywhere_is_not_called_agreeing():
+    # g = log(-|x| - 1) is NaN for every x: both models' new buffers and weights are NaN on every step.
+    nodes = [
+        helper.make_node("Abs", ["x"], ["ax"]),
+        helper.make_node("Neg", ["ax"], ["nax"]),
+        helper.make_node("Sub", ["nax", "one"], ["below"]),
+        helper.make_node("Log", ["below"], ["g"]),
+        helper.make_node("Mul", ["buf", "m"], ["scaled"]),
+        helper.make_node("Add", ["scaled", "g"], ["buf_out"]),
+        helper.make_node("Mul", ["buf_out", "lr"], ["step"]),
+        helper.make_node("Sub", ["p", "step"], ["p_out"]),
+    ]
+    original = make_model(nodes, [value("x"), value("p"), value("buf")], [value("p_out"), value("buf_out")],
+                          [scalar("one", 1.0), scalar("m", 0.9), scalar("lr", 0.1)])
+    fused = sgdfuse.optimize(original, verify=False).model
+    assert any(n.op_type == "SGD" for n in fused.graph.node)
+    result = check_models(original, fused, steps=2)
+    assert not result.passed
+    failed = {e["name"]: e["message"] for e in result.outputs if not e["passed"]}
+    assert set(failed) == {"p_out", "buf_out"}
+    assert all("no finite value" in message for message in failed.values())
