@@ -275,6 +275,30 @@ class UpdateState:
     accum_shape: tuple | None
     dampening: float
     stat: StatSource
+    gradient_scaling: str = ""
+    """When the node's gradient is the graph's value times a constant (``Mul``/``Div`` by a one-element constant,
+    say PyTorch's ``(1 - dampening)*grad`` read with dampening 0): that node, described. The optimizers' first
+    step copies the unscaled gradient into the buffer, which such a node cannot be fed exactly."""
+
+
+def _gradient_scaling(index: GraphIndex, gradient: str) -> str:
+    """:attr:`UpdateState.gradient_scaling` of the SGD port ``gradient`` (past copies), or ""."""
+    value, seen = gradient, set()
+    while value not in seen:
+        seen.add(value)
+        producer = index.node(value)
+        if producer is None:
+            return ""
+        if producer.op_type in ("Identity", "Cast", "CastLike") and producer.input:
+            value = producer.input[0]
+            continue
+        if producer.op_type in ("Mul", "Div") and len(producer.input) == 2:
+            for operand in producer.input:
+                constant = index.constant(operand) if operand else None
+                if constant is not None and constant.size == 1 and float(np.asarray(constant, np.float64).reshape(-1)[0]) not in (1.0, -1.0):
+                    return f"{producer.op_type} node {producer.name or value!r} scales it by the constant {float(np.asarray(constant, np.float64).reshape(-1)[0]):g}"
+        return ""
+    return ""
 
 
 def model_state(model: onnx.ModelProto, *, source: str = "<model>") -> list[UpdateState]:
@@ -296,7 +320,7 @@ def model_state(model: onnx.ModelProto, *, source: str = "<model>") -> list[Upda
         updates.append(
             UpdateState(
                 name, parameters, accum, p_spec.dtype, p_spec.shape, a_spec.dtype, a_spec.shape,
-                read_sgd_attributes(node).dampening, _stat_source(index, node.input[5]),
+                read_sgd_attributes(node).dampening, _stat_source(index, node.input[5]), _gradient_scaling(index, node.input[1]),
             )
         )
     if not updates:
@@ -642,6 +666,14 @@ def _stat_feeds(ckpt: Checkpoint, updates: list[UpdateState], mapped: list[Mappe
                     f"has no momentum buffer yet, so its next step is its first (which does not dampen), but SGD node {update.node!r} computes "
                     f"stat = 0 and dampens by {update.dampening:g} on every step: that first step cannot be expressed; "
                     "take the checkpoint after one more step, or export the step with a first-step condition as an input",
+                )
+            if entry.stat == 1 and update.gradient_scaling:
+                raise CheckpointError(
+                    ckpt.source, entry.checkpoint_name,
+                    f"has no momentum buffer yet, so its next step is its first, which copies the gradient into the buffer, but SGD "
+                    f"node {update.node!r} takes a scaled gradient ({update.gradient_scaling}: a dampening read into the gradient, "
+                    "say); the first step's buffer would be the scaled one. Take the checkpoint after one more step, or export the "
+                    "step with a first-step condition as an input",
                 )
             # With dampening 0, stat has no effect: a zero buffer gives m*0 + grad = grad, the optimizers' first step.
             entry.stat_fed = source.describe() + ("; exact: zero buffer and dampening 0 give buf = grad" if entry.stat == 1 else "")

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import sgdfuse
 from sgdfuse import cli
-from sgdfuse.checkpoint import Checkpoint, checkpoint_feeds, read_checkpoint
+from sgdfuse.checkpoint import Checkpoint, checkpoint_feeds, model_state, read_checkpoint
 from sgdfuse.errors import CheckpointError
 from sgdfuse.runtime import make_session
 from sgdfuse.verify import error_bound_values
@@ -382,3 +382,23 @@ def test_a_missing_checkpoint_file_is_one_error_line(fused, tmp_path, capsys):
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 1 and len(lines) == 1 and "nope.npz" in lines[0] and "no such file" in lines[0]
     assert not (tmp_path / "feeds.npz").exists()
+
+
+def test_first_step_is_refused_when_the_fused_gradient_carries_the_dampening(tmp_path):
+    # The clipped CNN step dampens by 0.25; sgdfuse reads it with dampening 0 and the graph's own 0.75*grad
+    # as the gradient. A parameter without a buffer takes torch's first step, buf = grad, which that node
+    # (fed 0.75*grad) cannot give: refused, not called exact.
+    fused = tmp_path / "cnn_clip.fused.onnx"
+    sgdfuse.optimize(Path("testdata/steps/cnn_clip.onnx"), verify=False).save(fused)
+    updates = model_state(onnx.load(fused))
+    scaled = [u for u in updates if u.gradient_scaling]
+    assert scaled, "the premise: some SGD node takes a constant-scaled gradient"
+    flat = {}
+    for u in updates:
+        shape = tuple(d if isinstance(d, int) else 1 for d in u.shape)
+        flat[u.parameters] = np.zeros(shape, np.float32)
+        flat[u.parameters + "/momentum_buffer"] = np.zeros(shape, np.float32)
+    del flat[scaled[0].parameters + "/momentum_buffer"]
+    checkpoint = _write_npz(tmp_path / "ckpt.npz", flat)
+    with pytest.raises(CheckpointError, match="scaled gradient"):
+        checkpoint_feeds(checkpoint, fused)
