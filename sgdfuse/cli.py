@@ -292,7 +292,7 @@ def _check_destinations(destinations, inputs) -> None:
         if target in sources:
             raise OutputWriteError(os.fspath(path), "is an input of this command; sgdfuse never overwrites its input: give another output path")
         if target in taken:
-            raise OutputWriteError(os.fspath(path), "is given for two outputs of this command: give each output its own path")
+            raise OutputWriteError(os.fspath(path), "is named twice among the files to write (two outputs would be one file): give each output its own path")
         taken.add(target)
 
 
@@ -313,7 +313,7 @@ def optimize_command(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the fused model (default: MODEL.sgdfused.onnx)."),
     report_path: Optional[Path] = typer.Option(None, "--report", help="Also write the report as JSON here."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Check every rewrite in onnxruntime before writing it."),
-    steps: int = typer.Option(3, "--steps", min=1, help="Chained steps of the check."),
+    steps: int = typer.Option(3, "--steps", min=1, max=10_000, help="Chained steps of the check."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
     allow_rounding: bool = typer.Option(
         False, "--allow-rounding", help="Fuse even when the op's dtype (the parameters') rounds the graph's learning rate or momentum."
@@ -422,8 +422,8 @@ def _check_table(result, title: str, verbose: bool) -> Table:
 def check_command(
     original: Path = typer.Argument(..., help="The original ONNX model."),
     fused: Path = typer.Argument(..., help="Its fused form (from sgdfuse optimize)."),
-    steps: int = typer.Option(3, "--steps", min=1, help="Chained steps to run."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the random inputs."),
+    steps: int = typer.Option(3, "--steps", min=1, max=10_000, help="Chained steps to run."),
+    seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed of the random inputs."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help=f"One console row per output, even past {TABLE_ROWS}."),
 ) -> None:
     """Run ORIGINAL and FUSED in onnxruntime on the same seeded inputs for STEPS chained steps, natively and in DOUBLE, in lockstep and in place; exit 0 only if every output and every in-place state write agrees."""
@@ -483,7 +483,7 @@ def lower_command(
         True, "--verify/--no-verify",
         help="Run the GE graph in sgdfuse's executor against onnxruntime on the fused model before writing it.",
     ),
-    steps: int = typer.Option(3, "--steps", min=1, help="Chained steps of the check."),
+    steps: int = typer.Option(3, "--steps", min=1, max=10_000, help="Chained steps of the check."),
     explicit_onnx_domain: bool = typer.Option(
         False,
         "--explicit-onnx-domain",

@@ -25,7 +25,7 @@ __all__ = ["FLOAT_TYPES", "lift_to_double", "missing_kernels", "specialise"]
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16})
 """The ONNX float types that are lifted (DOUBLE stays as it is)."""
 
-_DTYPE_ATTRIBUTES = ("dtype", "to")
+_DTYPE_ATTRIBUTES = ("dtype", "to", "stash_type")
 
 
 def lift_to_double(model: onnx.ModelProto) -> onnx.ModelProto:

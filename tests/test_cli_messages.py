@@ -95,3 +95,20 @@ def test_optimize_and_inspect_end_with_fused_and_refused_counts(tmp_path):
     assert re.fullmatch(rf"Wrote {re.escape(str(tmp_path / 'out.onnx'))} \({nodes} → \d+ nodes\): fused 2 update\(s\), refused 0", last), last
     _, out, _ = _run("inspect", TORCH / "sgd_dampening_legacy.onnx")
     assert out.strip().splitlines()[-1] == "Would fuse 2 update(s), refused 0; nothing written (a dry run)"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("check", TORCH / "sgd_momentum_legacy.onnx", TORCH / "sgd_momentum_legacy.onnx", "--seed", "-1"),
+        ("optimize", TORCH / "sgd_momentum_legacy.onnx", "--steps", "100000000000000000000"),
+        ("check", TORCH / "sgd_momentum_legacy.onnx", TORCH / "sgd_momentum_legacy.onnx", "--steps", "0"),
+    ],
+    ids=["negative-seed", "huge-steps", "zero-steps"],
+)
+def test_an_option_value_out_of_range_is_a_usage_error(argv, tmp_path):
+    code, out, err = _run(*argv, "-o", tmp_path / "out.onnx") if argv[0] == "optimize" else _run(*argv)
+    assert code == 2, (out, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: Invalid value for"), err
+    assert not (tmp_path / "out.onnx").exists()

@@ -76,6 +76,6 @@ def test_one_path_for_two_outputs_is_refused_before_any_work(tmp_path):
     out = tmp_path / "y.air"
     result = _sgdfuse("lower", os.path.abspath(MODEL), "--soc", "Ascend910B2", "-o", out, "--json", out)
     assert result.returncode == 1
-    assert "is given for two outputs" in result.stderr
+    assert "is named twice" in result.stderr
     assert "Verified" not in result.stdout
     assert not out.exists()
