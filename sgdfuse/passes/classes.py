@@ -182,20 +182,25 @@ class _Walker:
                 raise _TooLarge(output)
         return order, fringe - walked, direct or len(order) > MAX_REGION
 
-    def copies(self, value: str) -> set[str]:
-        """``value`` and the values it copies through ``Identity``, ``Cast`` and ``CastLike`` (a superset of
-        the matcher's own copy rule, which follows only float-to-float casts)."""
-        chain = set()
-        while value not in chain:
-            chain.add(value)
+    def copy_chain(self, value: str) -> list[str]:
+        """``value`` and the values it copies through ``Identity``, ``Cast`` and ``CastLike``, nearest first (a
+        superset of the matcher's own copy rule, which follows only float-to-float casts)."""
+        chain = [value]
+        seen = {value}
+        while True:
             k = self.index.producer.get(value)
             if k is None:
-                break
+                return chain
             op, domain, inputs = self.node_facts(k)[:3]
-            if domain not in ("", "ai.onnx") or op not in ("Identity", "Cast", "CastLike") or not inputs or not inputs[0]:
-                break
+            if domain not in ("", "ai.onnx") or op not in ("Identity", "Cast", "CastLike") or not inputs or not inputs[0] or inputs[0] in seen:
+                return chain
             value = inputs[0]
-        return chain
+            seen.add(value)
+            chain.append(value)
+
+    def copies(self, value: str) -> set[str]:
+        """The values of :meth:`copy_chain`, as a set."""
+        return set(self.copy_chain(value))
 
     def shared_below(self, roots: frozenset[str]) -> list[str]:
         """``roots`` and every value the walk enters below them, sorted (cached per set of roots)."""
@@ -212,20 +217,13 @@ class _Walker:
         return cached
 
     def behind_copies_not_entered(self, output: str) -> bool:
-        """True when ``output``, past ``Identity``/``Cast``/``CastLike`` copies, comes out of an op the walk does
-        not enter (the matcher then looks behind that op for an update it passes through)."""
-        value, seen = output, set()
-        while value not in seen:
-            seen.add(value)
-            k = self.index.producer.get(value)
-            if k is None:
-                return False
-            op, domain, inputs = self.node_facts(k)[:3]
-            if domain in ("", "ai.onnx") and op in ("Identity", "Cast", "CastLike") and inputs:
-                value = inputs[0]
-                continue
-            return domain not in ("", "ai.onnx") or op not in ENTERED_OPS
-        return False
+        """True when ``output``, past its copies, comes out of an op the walk does not enter (the matcher then
+        looks behind that op for an update it passes through)."""
+        k = self.index.producer.get(self.copy_chain(output)[-1])
+        if k is None:
+            return False
+        op, domain = self.node_facts(k)[:2]
+        return domain not in ("", "ai.onnx") or op not in ENTERED_OPS
 
     def value_facts(self, value: str) -> tuple:
         """What the key holds of ``value`` besides its name facts: its spec and how it is defined (the
