@@ -25,7 +25,7 @@ from sgdfuse.passes.linear import Normaliser
 from sgdfuse.passes.onnx_momentum import TRAINING_DOMAIN, convert_momentum_nodes
 from sgdfuse.passes import output_check, traffic
 from sgdfuse.passes.rewrite import Planner, apply_plans, describe_scalar, shortest_float32
-from sgdfuse.passes.sgd_match import Match, Miss, RolePins, find_updates
+from sgdfuse.passes.sgd_match import MEMO_CHECK_ENV, Match, Miss, RolePins, find_updates
 from sgdfuse.report import FusedUpdate, Refusal, Report, Verification
 from sgdfuse.contract import dtype_name
 from sgdfuse import verify as verification
@@ -298,8 +298,9 @@ def _analyse(
                 misses.append(Miss(plan.match.parameters_out, "verification-failed", check.message))
         plans = _keep_shared_initializers(kept, plans)
 
+    traffic_by_class: dict = {}
     for plan in plans:
-        report.fused.append(_fused_entry(plan, index))
+        report.fused.append(_fused_entry(plan, index, traffic_by_class))
         if plan.match.maximize:
             report.added_state.append(
                 {"name": plan.gradient_input, "what": f"Neg({plan.match.gradient}): maximize feeds the negated gradient", "initial": "-"}
@@ -430,11 +431,24 @@ def _momentum_entry(c) -> FusedUpdate:
     )
 
 
-def _fused_entry(plan, index) -> FusedUpdate:
+def _fused_entry(plan, index, traffic_by_class: dict | None = None) -> FusedUpdate:
+    """The report entry of one applied ``plan``. ``traffic_by_class`` caches the traffic of the original
+    update per structural class of the matcher: the members' cones are one another's renaming, node for node,
+    with the same dtypes and shapes (both are in the class key), so they move the same bytes."""
     match: Match = plan.match
     after = traffic.fused_traffic(index, match.parameters, traffic.helper_passes([n.op_type for n in plan.nodes]))
+    structural = match.structural_class
+    if traffic_by_class is None or structural is None:
+        before = traffic.cone_traffic(index, match.nodes)
+    else:
+        before = traffic_by_class.get(structural, _UNKNOWN)
+        if before is _UNKNOWN:
+            before = traffic_by_class[structural] = traffic.cone_traffic(index, match.nodes)
+        elif os.environ.get(MEMO_CHECK_ENV) == "1":
+            direct = traffic.cone_traffic(index, match.nodes)
+            assert before == direct, f"{match.parameters_out}: traffic {before} by class, {direct} directly"
     return FusedUpdate(
-        traffic_before_bytes=traffic.cone_traffic(index, match.nodes),
+        traffic_before_bytes=before,
         traffic_after_bytes=after,
         node=plan.sgd_node.name,
         parameters=match.parameters,
@@ -461,6 +475,9 @@ def _fused_entry(plan, index) -> FusedUpdate:
         roles_from=match.roles_from,
         guard=match.guard.describe() if match.guard is not None else "",
     )
+
+
+_UNKNOWN = object()
 
 
 def _tolerance_text() -> str:

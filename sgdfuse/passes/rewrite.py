@@ -486,7 +486,10 @@ def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new
     """
     replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
     cone = set().union(*(plan.match.nodes for plan in plans))
-    removed: set[int] = {i for i in cone if not replaced_outputs.isdisjoint(old.outputs(i))}
+    # A value has one producer (ONNX graphs are in SSA form; build_index's table): the replaced outputs'
+    # producers in the cone are found by name, not by reading every cone node's outputs.
+    producer = index.producer
+    removed: set[int] = {k for k in (producer.get(name) for name in replaced_outputs) if k is not None and k in cone}
 
     outer: dict[str, int] = {}
     for i in index.subgraph_nodes:
@@ -507,14 +510,21 @@ def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new
         return len(consumers.get(name, ())) + outer.get(name, 0) + delta.get(name, 0)
 
     outputs = set(index.graph_outputs)
-    for i in sorted(cone, reverse=True):
-        if i in removed:
-            continue
-        if any(o in outputs or count(o) for o in old.outputs(i)):
+    # The loop below runs over every cone node (most of the graph in a pure optimizer step): the look-ups
+    # are inlined.
+    consumers_get, outer_get, delta_get = consumers.get, outer.get, delta.get
+    outputs_of, reads_of = old.outputs, old.reads
+    for i in sorted(cone - removed, reverse=True):
+        read = False
+        for o in outputs_of(i):
+            if o in outputs or len(consumers_get(o, ())) + outer_get(o, 0) + delta_get(o, 0):
+                read = True
+                break
+        if read:
             continue
         removed.add(i)
-        for name in old.reads(i):
-            delta[name] = delta.get(name, 0) - 1
+        for name in reads_of(i):
+            delta[name] = delta_get(name, 0) - 1
     return removed, count
 
 
