@@ -51,13 +51,27 @@ def load_model(path: str | os.PathLike, *, load_external_data: bool = False) -> 
         ExternalDataError: an external data location is refused (absolute, ``..``, a link out of the model's
             directory, not a regular file, offset or length past the end of the file); nothing is read.
     """
+    return _load(path, load_external_data)[0]
+
+
+def _load(path: str | os.PathLike, load_external_data: bool) -> tuple[onnx.ModelProto, bool]:
+    """:func:`load_model`, and whether the file may hold external data
+    (:func:`sgdfuse.external_data.may_hold_external_data`; False: the checks were skipped, there is nothing
+    external to check)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ModelLoadError(path, "no such file")
     if os.path.isdir(path):
         raise ModelLoadError(path, "is a directory, not an ONNX model file")
     try:
-        model = onnx.load(path, load_external_data=False)
+        # The bytes are read once: the same bytes are parsed and searched for external data markers.
+        with open(path, "rb") as handle:
+            content = handle.read()
+        external = external_data.may_hold_external_data(content)
+        # As onnx.load: the serialisation format from the file's extension, protobuf by default.
+        serialization_format = onnx.serialization.registry.get_format_from_file_extension(os.path.splitext(path)[1]) or "protobuf"
+        model = onnx.load_model_from_string(content, format=serialization_format)
+        del content
     except (DecodeError, RuntimeWarning) as error:
         raise ModelLoadError(path, f"not an ONNX model, or truncated (protobuf parse failed: {error})") from error
     except OSError as error:
@@ -69,11 +83,12 @@ def load_model(path: str | os.PathLike, *, load_external_data: bool = False) -> 
     if not model.opset_import:
         # Every exporter writes opset_import, after the graph: a model without one is truncated or broken.
         raise ModelLoadError(path, "the model declares no opset_import; the file is truncated or not a complete ONNX model")
-    # Locations inside a model are untrusted: every one is checked before any data file is opened.
-    external_data.check_model(model, path)
-    if load_external_data:
-        external_data.load_external_data(model, path)
-    return model
+    if external:
+        # Locations inside a model are untrusted: every one is checked before any data file is opened.
+        checked = external_data.check_model(model, path)
+        if load_external_data:
+            external_data.load_external_data(model, path, checked=checked)
+    return model, external
 
 
 def save_model(
@@ -83,6 +98,7 @@ def save_model(
     source_dir: str | None = None,
     batch: OutputBatch | None = None,
     source: str | None = None,
+    has_external_data: bool = True,
 ) -> None:
     """Write ``model`` to ``path`` whole or not at all (see :mod:`sgdfuse.output`).
 
@@ -97,6 +113,8 @@ def save_model(
         batch: stage the files in this :class:`~sgdfuse.output.OutputBatch` (committed by the caller together
             with other outputs) instead of writing them now.
         source: the model file it was read from, for messages (default: the directory).
+        has_external_data: False when the caller knows ``model`` holds no tensor with external data (then its
+            tensors are not walked).
 
     Raises:
         ExternalDataError: an external data location is absolute, climbs out with ``..``, or (with
@@ -106,13 +124,14 @@ def save_model(
     """
     if batch is None:
         with OutputBatch() as own:
-            save_model(model, path, source_dir=source_dir, batch=own, source=source)
+            save_model(model, path, source_dir=source_dir, batch=own, source=source, has_external_data=has_external_data)
             own.commit()
         return
     target = resolve_destination(path)
-    if source_dir:
+    # With no external data, there is no location to normalise and no data file to copy.
+    if has_external_data and source_dir:
         model = external_data.copy_data_files(model, source_dir, target, batch, source=source or source_dir)
-    else:
+    elif has_external_data:
         model = external_data.normalised_locations(model, os.fspath(path))
     batch.stage(path, model.SerializeToString())
 
@@ -130,17 +149,23 @@ class OptimizeResult:
     report: Report
     source_dir: str | None = None
     """Directory the input was read from: external data locations are relative to it."""
+    has_external_data: bool = True
+    """False when the input file holds no external data (:func:`sgdfuse.external_data.may_hold_external_data`):
+    then neither does :attr:`model`, whose tensors are the input's or sgdfuse's own."""
 
     def save(self, path: str | os.PathLike, *, batch: OutputBatch | None = None) -> None:
         """Write :attr:`model` to ``path`` whole or not at all, external data placed beside it (see
         :func:`save_model`); with ``batch``, staged there for the caller to commit."""
-        save_model(self.model, path, source_dir=self.source_dir, batch=batch, source=self.report.source)
+        save_model(self.model, path, source_dir=self.source_dir, batch=batch, source=self.report.source, has_external_data=self.has_external_data)
 
 
-def _as_model(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str, str | None]:
+def _as_model(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, str, str | None, bool]:
+    """The model, its name for messages, the directory it was read from, and whether it may hold external
+    data (a ``ModelProto`` given in memory may)."""
     if isinstance(model, onnx.ModelProto):
-        return model, "<ModelProto>", None
-    return load_model(model), os.fspath(model), os.path.dirname(os.path.abspath(os.fspath(model)))
+        return model, "<ModelProto>", None, True
+    loaded, external = _load(model, load_external_data=False)
+    return loaded, os.fspath(model), os.path.dirname(os.path.abspath(os.fspath(model))), external
 
 
 def optimize(
@@ -186,7 +211,7 @@ def optimize(
 
 def _optimize(model, *, verify: bool, steps: int, seed: int, tell: Callable[[str], None], allow_rounding: bool, pins: RolePins | None) -> OptimizeResult:
     tell("load")
-    source_model, source, source_dir = _as_model(model)
+    source_model, source, source_dir, external = _as_model(model)
     report, plans, index, base = _analyse(
         source_model, source, verify=verify, steps=steps, seed=seed, tell=tell, allow_rounding=allow_rounding, pins=pins
     )
@@ -194,7 +219,7 @@ def _optimize(model, *, verify: bool, steps: int, seed: int, tell: Callable[[str
     new_model = apply_plans(base, index, plans)
     _check_output(new_model, source_model, rewrite=(base, index, plans))
     report.nodes_after = len(new_model.graph.node)
-    return OptimizeResult(new_model, report, source_dir)
+    return OptimizeResult(new_model, report, source_dir, has_external_data=external)
 
 
 
@@ -212,7 +237,7 @@ def inspect(
     which candidates are refused and why. ``verify`` runs the differential check as well;
     ``allow_rounding`` and ``pins`` as for :func:`optimize`."""
     with collector.paused():
-        source_model, source, _ = _as_model(model)
+        source_model, source, _, _ = _as_model(model)
         # Only the report is kept: the index and plans are dropped before the collector runs again.
         report = _analyse(source_model, source, verify=verify, steps=steps, seed=seed, allow_rounding=allow_rounding, pins=pins)[0]
     report.written = False

@@ -42,6 +42,7 @@ from sgdfuse.errors import ExternalDataError, ModelLoadError, OutputWriteError
 __all__ = [
     "ExternalData",
     "external_tensors",
+    "may_hold_external_data",
     "normalise_location",
     "check_location",
     "check_tensor",
@@ -84,6 +85,38 @@ class ExternalData:
     length: int
     device: int
     inode: int
+
+
+def _markers() -> tuple[bytes, ...]:
+    """Byte strings one of which the file of a model with an external tensor holds (see
+    :func:`may_hold_external_data`)."""
+    field = onnx.TensorProto.DESCRIPTOR.fields_by_name["data_location"]
+    # Protobuf wire format: the key of a varint field is (number << 3 | 0); EXTERNAL = 1 is the one byte 0x01.
+    tag = bytes([field.number << 3]) if field.number < 16 else None
+    external = tag + bytes([onnx.TensorProto.EXTERNAL]) if tag is not None else None
+    # "location" is the key every external data entry must have (a file is named nowhere else); "EXTERNAL"
+    # is the enum's name in onnx's text and JSON formats.
+    return tuple(m for m in (b"location", external, b"EXTERNAL") if m is not None)
+
+
+_MARKERS = _markers()
+
+
+def may_hold_external_data(data: bytes) -> bool:
+    """False only when the serialised model ``data`` holds no tensor whose data is external, proved from its
+    bytes without parsing: every data file is named by an ``external_data`` entry keyed ``location`` (the
+    string's bytes appear as they are in the serialised model), and a tensor marked ``data_location =
+    EXTERNAL`` is written as the field key of ``TensorProto.data_location`` (14) followed by the byte 1, or as
+    the word ``EXTERNAL`` in onnx's text formats. Bytes without any of these name no data file, so the walk
+    over every node attribute (:func:`external_tensors`, a large share of a load's cost for a graph of many
+    small nodes) can be skipped.
+
+    Source: protobuf's wire format (encoding of varint fields, and embedded messages, which nest their bytes
+    unchanged); ``onnx.proto`` ``TensorProto`` fields 13 (``external_data``) and 14 (``data_location``). A
+    crafted file could spell the ``data_location`` marker as an over-long varint: such a tensor names no file
+    (no ``location``), and reading its data is refused (:func:`tensor_to_array`).
+    """
+    return any(data.find(marker) >= 0 for marker in _MARKERS)
 
 
 def external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
@@ -315,16 +348,18 @@ def read_bytes(data: ExternalData, *, source: str, descriptor: int | None = None
             os.close(descriptor)
 
 
-def load_external_data(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+def load_external_data(model: onnx.ModelProto, path: str | os.PathLike, *, checked: list[ExternalData] | None = None) -> None:
     """Read every external tensor of ``model`` (loaded from ``path``) into ``raw_data``, in place, after
-    checking them all; the tensors then describe their data inline, as after ``onnx.load``.
+    checking them all; the tensors then describe their data inline, as after ``onnx.load``. ``checked``:
+    :func:`check_model`'s result for this model, when the caller has it already.
 
     Raises:
         ExternalDataError: a tensor breaks a rule (nothing is read then) or its file changed meanwhile.
     """
     source = os.fspath(path)
     tensors = list(external_tensors(model))
-    checked = check_model(model, source)
+    if checked is None:
+        checked = check_model(model, source)
     descriptors: dict[str, int] = {}  # one open descriptor per data file
     try:
         for tensor, data in zip(tensors, checked):
