@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import logging
+import os
 import re
 from collections.abc import Callable, Sequence
 
@@ -25,7 +26,7 @@ from sgdfuse.contract import SgdAttributes
 from sgdfuse.fused_op import Specialisation, ensure_sgd_function, make_sgd_node
 from sgdfuse.passes.index import GraphIndex, _outer_reads, _subgraphs
 from sgdfuse.passes.linear import Poly, format_poly
-from sgdfuse.passes.sgd_match import Match
+from sgdfuse.passes.sgd_match import MEMO_CHECK_ENV, Match
 from sgdfuse.runtime import onnx_to_numpy_dtype
 
 __all__ = ["Plan", "Planner", "apply_plans", "ROLES_BY_PLAUSIBILITY"]
@@ -67,6 +68,49 @@ class Plan:
     stat: str
 
 
+@dataclasses.dataclass
+class _Template:
+    """The first plan of a structural class, the fresh names it made in order (``(requested, made)``), and its
+    base name (:func:`_base_of`)."""
+
+    plan: Plan
+    fresh: list[tuple[str, str]]
+    base: str
+
+
+def _base_of(match: Match) -> str:
+    """The prefix of every name a plan makes for ``match``."""
+    return "sgdfuse/" + re.sub(r"[^A-Za-z0-9_.:/-]", "_", match.parameters_out)
+
+
+def _single_symbol(poly: Poly) -> bool:
+    """``poly`` is one runtime value, with coefficient 1 (the plan feeds it as it is, or casts it)."""
+    if not poly.is_monomial:
+        return False
+    ((monomial, coefficient),) = poly.terms.items()
+    return coefficient == 1 and len(monomial) == 1 and monomial[0][1] == 1
+
+
+def _symbol(poly: Poly) -> str | None:
+    """The runtime value of a :func:`_single_symbol` ``poly``, else None."""
+    if poly.is_constant or not _single_symbol(poly):
+        return None
+    ((monomial, _),) = poly.terms.items()
+    return monomial[0][0]
+
+
+def _assert_same_plan(replayed: Plan, direct: Plan) -> None:
+    """The class check: a replayed plan equals the one made directly, node for node and field for field."""
+    def text(plan: Plan) -> list:
+        return [n.SerializeToString(deterministic=True) for n in plan.nodes] + [
+            [t.SerializeToString(deterministic=True) for t in plan.initializers],
+            plan.gradient_input, plan.learning_rate_input, plan.momentum_input, plan.stat,
+            plan.sgd_node.SerializeToString(deterministic=True),
+        ]
+
+    assert text(replayed) == text(direct), f"{direct.match.parameters_out}: the replayed plan differs from the direct one"
+
+
 class Planner:
     """Makes :class:`Plan` s for the matches of one graph, with names that collide with nothing in it.
 
@@ -85,6 +129,10 @@ class Planner:
         self._zeros: dict[int, onnx.TensorProto] = {}
         # How many shared constants of each role exist: their names are numbered in order of creation.
         self._role_counts: dict[str, int] = {}
+        # Per structural class of the matcher: the first member's plan, replayed for the others (_Template).
+        self._templates: dict[object, _Template] = {}
+        self._templates_arena = onnx.GraphProto()
+        self._fresh_log: list[tuple[str, str]] | None = None
 
     def _fresh(self, base: str) -> str:
         name, counter = base, 1
@@ -92,6 +140,8 @@ class Planner:
             name = f"{base}_{counter}"
             counter += 1
         self._taken.add(name)
+        if self._fresh_log is not None:
+            self._fresh_log.append((base, name))
         return name
 
     def _zero_value(self, dtype: int) -> onnx.TensorProto:
@@ -109,8 +159,117 @@ class Planner:
 
     def plan(self, match: Match) -> Plan:
         """The rewrite of ``match``. Raises :class:`~sgdfuse.errors.AttributeContractError` if the
-        solved attributes break the contract (the matcher checks first, so this is a safeguard)."""
-        base = "sgdfuse/" + re.sub(r"[^A-Za-z0-9_.:/-]", "_", match.parameters_out)
+        solved attributes break the contract (the matcher checks first, so this is a safeguard).
+
+        Matches of one structural class of the matcher (``Match.structural_class``: one another's renaming,
+        with equal constants, dtypes and shapes) take the same path through this method and differ only in
+        names: the first member's plan is made here, and each other member's is that plan with its names
+        replaced (:meth:`_replayed`), the fresh ones made in the same order from the member's own names, so
+        the result is the plan this method would make. ``SGDFUSE_CHECK_CLASSES=1`` (the test suite) checks
+        each replayed plan against one made directly."""
+        key = self._template_key(match)
+        if key is None:
+            return self._plan(match)
+        template = self._templates.get(key)
+        if template is None:
+            self._fresh_log = []
+            try:
+                plan = self._plan(match)
+            finally:
+                fresh, self._fresh_log = self._fresh_log, None
+            # The template keeps copies: the caller owns the plan it is given (and may change it).
+            self._templates[key] = _Template(self._pristine(plan), fresh, _base_of(match))
+            return plan
+        if os.environ.get(MEMO_CHECK_ENV) == "1":
+            direct = self._shadow()._plan(match)
+            plan = self._replayed(template, match)
+            _assert_same_plan(plan, direct)
+            return plan
+        return self._replayed(template, match)
+
+    def _template_key(self, match: Match) -> object | None:
+        """The key under which ``match``'s plan can be replayed for its structural class, or None (plan it
+        directly): plans whose texts, fresh names or helper subgraphs hold the names of other values (a
+        first-step condition, a guard, a runtime momentum's If, a learning rate computed by helper nodes) are
+        made one by one."""
+        if match.structural_class is None or match.first_step is not None or match.guard is not None:
+            return None
+        if not match.momentum.is_constant:
+            return None
+        if not match.learning_rate.is_constant:
+            # Fed as it is only when it is one value of the parameters' dtype (_scalar); else helper nodes
+            # named after it compute it.
+            symbol = _symbol(match.learning_rate)
+            if symbol is None or self.index.spec(symbol).dtype != match.dtype:
+                return None
+        return match.structural_class
+
+    def _replayed(self, template: _Template, match: Match) -> Plan:
+        """``template``'s plan for ``match``: the first member's values renamed to ``match``'s, and each fresh
+        name made again from ``match``'s base, in the order the first plan made them."""
+        first = template.plan.match
+        names: dict[str, str] = {}
+        for old, new in (
+            (first.parameters, match.parameters),
+            (first.gradient, match.gradient),
+            (first.accum, match.accum),
+            (first.parameters_out, match.parameters_out),
+            (first.accum_out, match.accum_out),
+            (_symbol(first.learning_rate), _symbol(match.learning_rate)),
+            (_symbol(first.momentum), _symbol(match.momentum)),
+        ):
+            if old is not None:
+                names[old] = new
+        base = _base_of(match)
+        prefix = template.base + "/"
+        for requested, made in template.fresh:
+            if requested.startswith(prefix):
+                names[made] = self._fresh(base + requested[len(template.base):])
+            # else: a shared constant's name, made once for all plans
+        rename = names.get
+        nodes = []
+        sgd = None
+        for node in template.plan.nodes:
+            copy = self._arena.node.add()
+            copy.CopyFrom(node)
+            copy.name = rename(node.name, node.name)
+            copy.input[:] = [rename(n, n) for n in node.input]
+            copy.output[:] = [rename(n, n) for n in node.output]
+            if node is template.plan.sgd_node:
+                sgd = copy
+            nodes.append(copy)
+        plan = template.plan
+        return Plan(
+            match, nodes, [], sgd, rename(plan.gradient_input, plan.gradient_input),
+            rename(plan.learning_rate_input, plan.learning_rate_input), rename(plan.momentum_input, plan.momentum_input), plan.stat,
+        )
+
+    def _pristine(self, plan: Plan) -> Plan:
+        """``plan`` with copies of its nodes, kept apart from the plans handed out."""
+        nodes = []
+        for node in plan.nodes:
+            copy = self._templates_arena.node.add()
+            copy.CopyFrom(node)
+            nodes.append(copy)
+        sgd = nodes[next(k for k, node in enumerate(plan.nodes) if node is plan.sgd_node)]
+        return dataclasses.replace(plan, nodes=nodes, initializers=[], sgd_node=sgd)
+
+    def _shadow(self) -> "Planner":
+        """A copy of this planner whose fresh names and constants are its own (for the class check)."""
+        shadow = Planner.__new__(Planner)
+        shadow.__dict__.update(self.__dict__)
+        shadow._taken = set(self._taken)
+        shadow._constants = dict(self._constants)
+        shadow._role_counts = dict(self._role_counts)
+        shadow._arena = onnx.GraphProto()
+        shadow._templates = {}
+        shadow._templates_arena = onnx.GraphProto()
+        shadow._fresh_log = None
+        return shadow
+
+    def _plan(self, match: Match) -> Plan:
+        """:meth:`plan`, made directly."""
+        base = _base_of(match)
         nodes: list[onnx.NodeProto] = []
         initializers: list[onnx.TensorProto] = []
 
