@@ -1,0 +1,106 @@
+"""Plans replayed per structural class (``sgdfuse.passes.rewrite.Planner.plan``): the first member of a class of
+the matcher is planned, each other member gets that plan with its own names; the result must be, node for node
+and name for name, the plan made for it directly. Checked here on every path the replay takes (maximize's Neg,
+BFLOAT16's casts, a static and a symbolic shape, a runtime learning rate fed as it is, one shared by every
+update and one per update), and a first plan changed by its caller must not change the others."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import graphs  # noqa: E402
+from sgdfuse.fused_op import function_opset  # noqa: E402
+from sgdfuse.passes.index import build_index  # noqa: E402
+from sgdfuse.passes.linear import Normaliser  # noqa: E402
+from sgdfuse.passes.rewrite import Planner  # noqa: E402
+from sgdfuse.passes.sgd_match import MEMO_CHECK_ENV, find_updates  # noqa: E402
+
+N = 12
+
+
+def _step(*, dtype=TensorProto.FLOAT, shape=graphs.SHAPE, maximize=False, lr="constant") -> onnx.ModelProto:
+    """N updates ``buf' = 0.9*buf + g; p' = p -(+) lr*buf'`` with ``lr`` a constant, one runtime input shared by
+    all (``shared``) or a runtime input per update (``own``)."""
+    nodes, inputs, outputs = [], [], []
+    initializers = [graphs.scalar("m", 0.9, dtype)]
+    if lr == "constant":
+        initializers.append(graphs.scalar("lr", 0.1, dtype))
+    elif lr == "shared":
+        inputs.append(graphs.value("lr", dtype, []))
+    for i in range(N):
+        rate = f"lr{i}" if lr == "own" else "lr"
+        if lr == "own":
+            inputs.append(graphs.value(rate, dtype, []))
+        nodes += [
+            helper.make_node("Mul", [f"buf{i}", "m"], [f"scaled{i}"]),
+            helper.make_node("Add", [f"scaled{i}", f"g{i}"], [f"buf{i}_out"]),
+            helper.make_node("Mul", [f"buf{i}_out", rate], [f"step{i}"]),
+            helper.make_node("Add" if maximize else "Sub", [f"p{i}", f"step{i}"], [f"p{i}_out"]),
+        ]
+        inputs += [graphs.value(f"{v}{i}", dtype, shape) for v in ("p", "g", "buf")]
+        outputs += [graphs.value(f"{v}{i}_out", dtype, shape) for v in ("p", "buf")]
+    return graphs.make_model(nodes, inputs, outputs, initializers)
+
+
+def _matches(model: onnx.ModelProto):
+    index = build_index(model)
+    matches, misses = find_updates(index, Normaliser(index))
+    assert len(matches) == N and not misses
+    assert all(m.structural_class is not None for m in matches), "the updates are one class of the matcher"
+    return index, matches
+
+
+def _text(plan) -> list:
+    return [n.SerializeToString(deterministic=True) for n in plan.nodes] + [
+        [t.SerializeToString(deterministic=True) for t in plan.initializers],
+        plan.gradient_input, plan.learning_rate_input, plan.momentum_input, plan.stat,
+    ]
+
+
+CASES = {
+    "plain": {},
+    "maximize": {"maximize": True},
+    "bfloat16": {"dtype": TensorProto.BFLOAT16},
+    "symbolic shape": {"shape": ["n", 3]},
+    "shared runtime lr": {"lr": "shared"},
+    "runtime lr per update": {"lr": "own"},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_replayed_plan_is_the_plan_made_directly(case, monkeypatch):
+    monkeypatch.delenv(MEMO_CHECK_ENV, raising=False)  # compare here, by hand
+    model = _step(**CASES[case])
+    index, matches = _matches(model)
+    replaying = Planner(index, function_opset(model))
+    replayed = [replaying.plan(m) for m in matches]
+    direct_planner = Planner(index, function_opset(model))
+    direct = [direct_planner._plan(m) for m in matches]
+    assert len(replaying._templates) == 1, "one class, one template"
+    for a, b in zip(replayed, direct):
+        assert _text(a) == _text(b), a.match.parameters_out
+    # Every replayed plan reads its own update's values and names its own nodes.
+    for i, plan in enumerate(replayed):
+        reads = {n for node in plan.nodes for n in node.input}
+        assert {f"p{i}", f"buf{i}"} <= reads and plan.sgd_node.output[0] == f"p{i}_out"
+        assert all(node.name.startswith(f"sgdfuse/p{i}_out/") for node in plan.nodes)
+
+
+def test_changing_the_first_plan_after_it_is_made_changes_no_other(monkeypatch):
+    monkeypatch.delenv(MEMO_CHECK_ENV, raising=False)
+    model = _step()
+    index, matches = _matches(model)
+    planner = Planner(index, function_opset(model))
+    first = planner.plan(matches[0])
+    first.sgd_node.input[2] = "something_else"
+    del first.sgd_node.attribute[:]
+    second = planner.plan(matches[1])
+    assert second.sgd_node.input[2] != "something_else"
+    assert {a.name for a in second.sgd_node.attribute} == {"dampening", "weight_decay", "nesterov"}
