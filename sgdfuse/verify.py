@@ -1606,19 +1606,22 @@ class _Group:
     names: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
+_GRAPH_ATTRIBUTES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+
+
 def _shared_nodes(side: _Side, carried: set[str]) -> list[bool]:
     """Per node: is it copied into the groups that read it (:data:`SHARED_CONE_LIMIT`)? The nodes it is
     computed from are then copied too (their cones are smaller still)."""
     bound: list[int] = []
     over = SHARED_CONE_LIMIT + 1
-    for k, node in enumerate(side.nodes):
-        reads = side.reads[k]
-        if carried.intersection(reads) or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+    producer = side.producer.get
+    for k, (node, reads) in enumerate(zip(side.nodes, side.reads)):
+        if not carried.isdisjoint(reads) or (node.attribute and any(a.type in _GRAPH_ATTRIBUTES for a in node.attribute)):
             bound.append(over)
             continue
         total = 1
         for name in reads:
-            j = side.producer.get(name)
+            j = producer(name)
             if j is not None:
                 total += bound[j] if j < k else over  # a producer listed later (unsorted graph): not copied
         bound.append(min(total, over))
@@ -1635,43 +1638,72 @@ def _check_groups(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], orig
     nodes compute its outputs from fed inputs and its own carried state alone, and a model of one group, or of
     several, computes at every step what the whole model computes for them given the same feeds."""
     carried = set(original_pairs) | set(fused_pairs)
-    uf = _UnionFind()
-    offset = 0  # nodes are numbered across both sides; values go by name
+    # Union-find over integers, inlined: this visits every read of every node of both models. Nodes are
+    # numbered across both sides; values get numbers after them, by name.
+    parent = list(range(sum(len(side.nodes) for side in sides)))
+    value_ids: dict[str, int] = {}
+
+    def value(name: str) -> int:
+        number = value_ids.get(name)
+        if number is None:
+            number = value_ids[name] = len(parent)
+            parent.append(number)
+        return number
+
+    def find(item: int) -> int:
+        while True:  # path halving
+            above = parent[item]
+            if above == item:
+                return item
+            further = parent[above]
+            parent[item] = further
+            if further == above:
+                return above
+            item = further
+
+    def union(a: int, b: int) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[ra] = rb
+
+    offset = 0
     for side in sides:
         shared = _shared_nodes(side, carried)
         outputs = set(side.outputs)
-        producer = side.producer
-        for k, node in enumerate(side.nodes):
+        producer = side.producer.get
+        for k, (reads, writes) in enumerate(zip(side.reads, side.writes)):
             if shared[k]:
                 continue
-            for name in side.reads[k]:
-                j = producer.get(name)
+            here = offset + k
+            for name in reads:
+                j = producer(name)
                 if j is not None and not shared[j]:
-                    uf.union(offset + k, offset + j)
+                    union(here, offset + j)
                 elif name in carried:
-                    uf.union(offset + k, name)
-            for name in node.output:
+                    union(here, value(name))
+            for name in writes:
                 if name in outputs:
-                    uf.union(offset + k, name)
+                    union(here, value(name))
         offset += len(side.nodes)
     for pairs in (original_pairs, fused_pairs):
         for state, output in pairs.items():
-            uf.union(state, output)
+            union(value(state), value(output))
     for view in views:
         members = [*view.outputs, *view.fused_state.values(), *view.original_state.values(), *view.roles,
                    view.gradient, view.learning_rate, view.momentum]
+        first = value(members[0])
         for name in members[1:]:
-            uf.union(members[0], name)
-    groups: dict[object, _Group] = {}
+            union(first, value(name))
+    groups: dict[int, _Group] = {}
     for name in sides[0].outputs:
-        groups.setdefault(uf.find(name), _Group()).original_outputs.append(name)
+        groups.setdefault(find(value(name)), _Group()).original_outputs.append(name)
     for name in sides[1].outputs:
-        groups.setdefault(uf.find(name), _Group()).fused_outputs.append(name)
+        groups.setdefault(find(value(name)), _Group()).fused_outputs.append(name)
     for k, view in enumerate(views):
-        groups.setdefault(uf.find(view.parameters), _Group()).views.append(k)
+        groups.setdefault(find(value(view.parameters)), _Group()).views.append(k)
     for name in inputs:  # graph input order
         if name in carried:
-            groups.setdefault(uf.find(name), _Group()).states.append(name)
+            groups.setdefault(find(value(name)), _Group()).states.append(name)
     result = list(groups.values())
     for group in result:
         group.cones = (sides[0].cone(group.original_outputs), sides[1].cone(group.fused_outputs))
