@@ -74,12 +74,17 @@ class LoweringCheck:
         passed: every output agreed at every step.
         outputs: ONNX output name → largest |difference| seen.
         message: the first disagreement (output, step, element, both values, the tolerance), else "".
+        parts, classes, parts_run: independent parts of the model, their classes (parts equal up to names),
+            and how many parts were run (:mod:`sgdfuse.lowering.parts`).
     """
 
     steps: int
     passed: bool
     outputs: dict[str, float]
     message: str = ""
+    parts: int = 0
+    classes: int = 0
+    parts_run: int = 0
 
 
 def _feed(value: onnx.ValueInfoProto, rng: np.random.Generator, step: int, non_negative: frozenset[str] = frozenset()) -> np.ndarray:
@@ -434,7 +439,7 @@ def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3,
     for number, chunk in enumerate(_chunks([parts.parts[k] for k in chosen])):
         check = _run_parts(setup, parts, chunk, lowered_outputs, steps, seed + number, worst)
         if not check.passed:
-            return check
+            return dataclasses.replace(check, parts=len(every), classes=len(classes), parts_run=len(chosen))
     ran = set(chosen)
     for members in classes.values():
         first = parts.parts[members[0]]
@@ -445,4 +450,4 @@ def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3,
             for name in parts.parts[k].outputs:
                 if name in lowered_outputs:
                     worst[name] = worst[by_number[parts.parts[k].names[name]]]
-    return LoweringCheck(steps, True, worst)
+    return LoweringCheck(steps, True, worst, parts=len(every), classes=len(classes), parts_run=len(chosen))
