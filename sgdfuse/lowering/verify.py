@@ -9,6 +9,12 @@ the guard's output ``Where(condition, old, new)``, for a runtime momentum the re
 keeps its own. Every ONNX graph output must agree at every step, so a state the GE graph left wrong after a
 step shows in the next step's outputs.
 
+Both sides run part by part (:mod:`sgdfuse.lowering.parts`: independent parts of the GE graph with the
+ONNX nodes that compute the same outputs), packed into runs of about :data:`_CHUNK_OPS` GE ops, each run
+fed from its own seed; from :data:`sgdfuse.verify.CLASS_MIN_PLANS` parts on, one member per class of parts
+equal up to names, plus a seeded sample of :data:`sgdfuse.verify.CLASS_SAMPLE` (docs/lowering.md,
+"Verification per class").
+
 Inputs, as :mod:`sgdfuse.verify` makes them: floats from a standard normal (a one-element float, a learning
 rate or runtime momentum, from U(0.01, 0.1); a momentum fed at run time is 0 on the second step);
 integer scalars count steps (0, 1, 2, ...); other integer tensors are zeros; booleans are true on the first
