@@ -98,6 +98,8 @@ def _fields(data: bytes) -> Iterable[tuple[int, int, int, int]]:
 
 
 _OP_FIELD = ge_ir.GraphDef.DESCRIPTOR.fields_by_name["op"].number
+_OP_TAG = bytes([_OP_FIELD << 3 | 2])
+_GRAPH_TAG = bytes([ge_ir.ModelDef.DESCRIPTOR.fields_by_name["graph"].number << 3 | 2])
 _NAME_TAG, _TYPE_TAG, _INPUT_TAG = (ge_ir.OpDef.DESCRIPTOR.fields_by_name[f].number << 3 | 2 for f in ("name", "type", "input"))
 _PREFIX_TAGS = frozenset({_NAME_TAG, _TYPE_TAG, _INPUT_TAG})
 _DATA_INDEX_KEY = "index"
@@ -112,7 +114,8 @@ class _Ops:
     ``(source position, output index)`` (index -1: a control edge; position -1: an absent optional input
     ``""``, -2: an op that is not in the graph)."""
 
-    graph: object
+    data: bytes
+    spans: list[tuple[int, int]]
     names: list[str]
     types: list[str]
     bodies: list[int]
@@ -120,9 +123,19 @@ class _Ops:
     position: dict[str, int]
     net_output: int
 
+    def op_field(self, k: int) -> bytes:
+        """Op ``k`` as a ``GraphDef.op`` field (tag, length, the op's bytes)."""
+        start, end = self.spans[k]
+        return _OP_TAG + _encode_varint(end - start) + self.data[start:end]
 
-def _read_ops(graph, bodies: dict) -> _Ops:
-    """``graph``'s ops from its deterministic wire bytes (one serialisation, no message per op). ``bodies``
+    def op(self, k: int):
+        """Op ``k`` parsed (an ``OpDef``)."""
+        start, end = self.spans[k]
+        return ge_ir.OpDef.FromString(self.data[start:end])
+
+
+def _read_ops(data: bytes, bodies: dict) -> _Ops:
+    """The ops of a ``GraphDef`` from its canonical wire bytes ``data`` (no message per op). ``bodies``
     interns each op's type with the bytes that follow its name, type and inputs (upb writes fields in number
     order; an edge written later would stay in those bytes, literally, which only splits classes). A
     ``Data`` op's ``index`` attribute is left out: it is the op's place among the whole graph's inputs, which
@@ -131,8 +144,8 @@ def _read_ops(graph, bodies: dict) -> _Ops:
     Raises:
         ValueError: the wire bytes are not laid out as expected (a bug, never a user error).
     """
-    data = graph.SerializeToString(deterministic=True)
     names: list[str] = []
+    spans: list[tuple[int, int]] = []
     types: list[str] = []
     edges_of: list[list[str]] = []
     numbers: list[int] = []
@@ -161,17 +174,16 @@ def _read_ops(graph, bodies: dict) -> _Ops:
                 edges.append(text)
         body = data[pos:end]
         if op_type == "Data":
-            body = _without_index(body, graph.op[len(names)], spare)
+            body = _without_index(body, data[start:end], spare)
         key = (op_type, body)
         number = bodies.get(key)
         if number is None:
             number = bodies[key] = len(bodies)
         names.append(name)
+        spans.append((start, end))
         types.append(op_type)
         edges_of.append(edges)
         numbers.append(number)
-    if len(names) != len(graph.op) or sum(len(e) for e in edges_of) != sum(len(op.input) for op in graph.op):
-        raise ValueError(f"graph {graph.name}: op fields not where the wire reader expects them; this is a bug in sgdfuse")
     position = {name: k for k, name in enumerate(names)}
     sources: list[list[tuple[int, int]]] = []
     for edges in edges_of:
@@ -184,7 +196,7 @@ def _read_ops(graph, bodies: dict) -> _Ops:
             resolved.append((position.get(op, -2), int(index)))
         sources.append(resolved)
     net_output = types.index("NetOutput") if "NetOutput" in types else -1
-    return _Ops(graph, names, types, numbers, sources, position, net_output)
+    return _Ops(data, spans, names, types, numbers, sources, position, net_output)
 
 
 def _index_field(index: int) -> bytes:
@@ -204,7 +216,7 @@ def _encode_varint(value: int) -> bytes:
     return bytes(out)
 
 
-def _without_index(body: bytes, op, spare) -> bytes:
+def _without_index(body: bytes, op: bytes, spare) -> bytes:
     """A ``Data`` op's bytes after its edges without its ``index`` attribute: cut from the bytes when the
     entry is found whole, once, at the place its framing says; else from a copy of the op."""
     at = body.find(_INDEX_KEY)
@@ -215,7 +227,7 @@ def _without_index(body: bytes, op, spare) -> bytes:
             start = end - len(field)
             if start >= 0 and body[start:end] == field:
                 return body[:start] + body[end:]
-    spare.CopyFrom(op)
+    spare.ParseFromString(op)
     del spare.attr[_DATA_INDEX_KEY]
     spare.name = ""
     del spare.input[:]
@@ -306,8 +318,8 @@ class LoweredParts:
         self.onnx = ModelParts(probe, pairs=pairs)
         bodies: dict = {}
         self._variables = {v.name: v for v in lowered.state}
-        self.step = _read_ops(lowered.graph, bodies)
-        self.init = _read_ops(lowered.init_model.graph[0], bodies)
+        self.step = _read_ops(lowered.graph_bytes(), bodies)
+        self.init = _read_ops(lowered.graph_bytes(init=True), bodies)
         step = self.step
         # graph output name -> (producer position, output index) of the NetOutput input that returns it
         self._outputs = dict(zip(lowered.outputs, step.sources[step.net_output])) if step.net_output >= 0 else {}
@@ -428,8 +440,8 @@ class LoweredParts:
         step_ops = sorted({k for part in parts for k in part.step_ops})
         init_ops = sorted({k for part in parts for k in part.init_ops})
         outputs = [(k, name) for k, name in enumerate(lowered.outputs) if name in wanted]
-        model = _sub_model_def(lowered.model, step, step_ops, [k for k, _ in outputs])
-        init_model = _sub_model_def(lowered.init_model, init, init_ops, None)
+        model = _sub_model_def(step, step_ops, [k for k, _ in outputs])
+        init_model = _sub_model_def(init, init_ops, None)
         data = [step.names[k] for k in step_ops if step.types[k] == "Data"]
         init_data = [init.names[k] for k in init_ops if init.types[k] == "Data"]
         return GEModel(
@@ -458,23 +470,20 @@ def _with_copies(ops: _Ops, own: list[int], copied: list[bool]) -> list[int]:
     return sorted(found)
 
 
-def _sub_model_def(model_def, ops: _Ops, positions: Sequence[int], outputs: Sequence[int] | None):
-    """``model_def`` with its graph reduced to the ops at ``positions`` and a ``NetOutput`` reading, in
-    order, the original ``NetOutput``'s inputs at ``outputs`` (None: those whose producer is kept)."""
-    graph = ops.graph
-    sub = ge_ir.ModelDef(name=model_def.name)
-    for key in model_def.attr:
-        sub.attr[key].CopyFrom(model_def.attr[key])
-    target = sub.graph.add(name=graph.name)
-    for k in positions:
-        target.op.add().CopyFrom(graph.op[k])
-    if ops.net_output < 0:
-        return sub
-    net = graph.op[ops.net_output]
-    if outputs is None:
-        kept = set(positions)
-        outputs = [n for n, (j, index) in enumerate(ops.sources[ops.net_output]) if j in kept and index >= 0]
-    op = target.op.add(name=net.name, type=net.type)
-    op.input.extend(net.input[k] for k in outputs)
-    op.input_desc.extend(net.input_desc[k] for k in outputs if k < len(net.input_desc))
-    return sub
+def _sub_model_def(ops: _Ops, positions: Sequence[int], outputs: Sequence[int] | None) -> bytes:
+    """A serialised ``ModelDef`` whose graph is ``ops`` reduced to the ops at ``positions`` and a
+    ``NetOutput`` reading, in order, the original ``NetOutput``'s inputs at ``outputs`` (None: those whose
+    producer is kept)."""
+    fields = [ops.op_field(k) for k in positions]
+    if ops.net_output >= 0:
+        net = ops.op(ops.net_output)
+        if outputs is None:
+            kept = set(positions)
+            outputs = [n for n, (j, index) in enumerate(ops.sources[ops.net_output]) if j in kept and index >= 0]
+        op = ge_ir.OpDef(name=net.name, type=net.type)
+        op.input.extend(net.input[k] for k in outputs)
+        op.input_desc.extend(net.input_desc[k] for k in outputs if k < len(net.input_desc))
+        payload = op.SerializeToString(deterministic=True)
+        fields.append(_OP_TAG + _encode_varint(len(payload)) + payload)
+    graph = b"".join(fields)
+    return _GRAPH_TAG + _encode_varint(len(graph)) + graph
