@@ -409,6 +409,7 @@ class _Encoder:
         self._attrs: dict[tuple[str, int], bytes] = {}
         self._port_names: dict[tuple[str, tuple[str, ...]], list[tuple[str, bytes]]] = {}
         self._types: dict[str, bytes] = {}
+        self._orders: dict[tuple[str, ...], list[int]] = {}
 
     def descriptor(self, tag: bytes, port: str, spec: TensorSpec | None) -> bytes:
         """The whole ``input_desc``/``output_desc`` field (tag, length, descriptor)."""
@@ -479,13 +480,14 @@ class _Encoder:
         # Fields in number order (name, type, input, attr, input_desc, output_desc) and map entries sorted
         # by key: the bytes protobuf's deterministic serialisation writes, so they can be saved unparsed.
         attrs = self.port_names("input", tuple(ports)) + self.port_names("output", tuple(outputs))
-        attrs.extend((key, self.attr(key, value)) for key, value in record.attrs.items())
-        attrs.sort(key=_utf8)
-        return b"".join(edges) + b"".join(a for _, a in attrs) + b"".join(descriptors)
-
-
-def _utf8(item: tuple[str, bytes]) -> bytes:
-    return item[0].encode()
+        keys = tuple(record.attrs)
+        order = self._orders.get(keys)
+        if order is None:  # a few distinct attribute sets per graph
+            names = [key for key, _ in attrs] + list(keys)
+            order = self._orders[keys] = sorted(range(len(names)), key=lambda i: names[i].encode())
+        fields = [field for _, field in attrs]
+        fields.extend(self.attr(key, value) for key, value in record.attrs.items())
+        return b"".join(edges) + b"".join([fields[i] for i in order]) + b"".join(descriptors)
 
 
 def _op_def(record: OpRecord):
