@@ -21,7 +21,7 @@ are closed under data and control predecessors, its variables are written and re
 every array an in-place writer of the part writes into belongs to the part. Run alone in the executor it is a
 GE graph whose ops are the whole graph's, with the same descriptors, attributes and edges.
 
-**Classes.** :meth:`LoweredParts.key` digests a part with every name (ONNX value, GE op) replaced by its order
+**Classes.** :meth:`LoweredParts.key` describes a part with every name (ONNX value, GE op) replaced by its order
 of first appearance: the ONNX part as ``check`` describes it (operators, attributes, constants' bytes, dtypes
 and shapes, wiring), the bytes of every GE op of the part (type, attributes, descriptors, constants) apart from
 its name and edges, the edges renamed, which ONNX output each ``NetOutput`` input is and which ONNX input each
@@ -32,7 +32,6 @@ compares each input and output. Equal keys mean one part is the other renamed.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 
 import onnx
@@ -70,31 +69,6 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         if byte < 0x80:
             return result, pos
         shift += 7
-
-
-def _fields(data: bytes) -> Iterable[tuple[int, int, int, int]]:
-    """``(field number, wire type, start, end)`` of each field of a message's bytes (the value's bytes for
-    length-delimited fields, the whole encoded value otherwise)."""
-    pos, end = 0, len(data)
-    while pos < end:
-        tag, pos = _varint(data, pos)
-        field, wire = tag >> 3, tag & 7
-        if wire == 2:
-            length, pos = _varint(data, pos)
-            yield field, wire, pos, pos + length
-            pos += length
-        elif wire == 0:
-            start = pos
-            _, pos = _varint(data, pos)
-            yield field, wire, start, pos
-        elif wire == 1:
-            yield field, wire, pos, pos + 8
-            pos += 8
-        elif wire == 5:
-            yield field, wire, pos, pos + 4
-            pos += 4
-        else:
-            raise ValueError(f"unsupported wire type {wire}")
 
 
 _OP_FIELD = ge_ir.GraphDef.DESCRIPTOR.fields_by_name["op"].number
@@ -150,8 +124,18 @@ def _read_ops(data: bytes, bodies: dict) -> _Ops:
     edges_of: list[list[str]] = []
     numbers: list[int] = []
     spare = ge_ir.OpDef()
-    for field, wire, start, end in _fields(data):
-        if field != _OP_FIELD or wire != 2:
+    top, size = 0, len(data)
+    while top < size:  # every GraphDef field is length-delimited with a one-byte tag
+        tag = data[top]
+        length = data[top + 1]
+        if length < 0x80:
+            start = top + 2
+        elif data[top + 2] < 0x80:  # two-byte lengths: most ops
+            length, start = (length & 0x7F) | data[top + 2] << 7, top + 3
+        else:
+            length, start = _varint(data, top + 1)
+        end = top = start + length
+        if tag != _OP_TAG[0]:
             continue
         pos = start
         name = op_type = ""
@@ -199,14 +183,6 @@ def _read_ops(data: bytes, bodies: dict) -> _Ops:
     return _Ops(data, spans, names, types, numbers, sources, position, net_output)
 
 
-def _index_field(index: int) -> bytes:
-    """The wire bytes of an ``OpDef``'s attribute entry ``index = <index>`` (field ``attr``, a map entry
-    {key "index", value AttrDef{i}}), as protobuf writes it."""
-    value = b"\x18" + _encode_varint(index) if index >= 0 else b"\x18" + _encode_varint(index + (1 << 64))
-    entry = b"\x0a\x05index\x12" + _encode_varint(len(value)) + value
-    return _ATTR_TAG + _encode_varint(len(entry)) + entry
-
-
 def _encode_varint(value: int) -> bytes:
     out = bytearray()
     while value > 0x7F:
@@ -217,15 +193,20 @@ def _encode_varint(value: int) -> bytes:
 
 
 def _without_index(body: bytes, op: bytes, spare) -> bytes:
-    """A ``Data`` op's bytes after its edges without its ``index`` attribute: cut from the bytes when the
-    entry is found whole, once, at the place its framing says; else from a copy of the op."""
+    """A ``Data`` op's bytes after its edges without its ``index`` attribute. Cut from the bytes when the
+    entry is found once, with its framing, as a top-level field (canonical bytes list the attribute entries
+    first, so the walk to it is over a few entries); else from a parsed copy of the op."""
     at = body.find(_INDEX_KEY)
-    if at >= 0 and body.find(_INDEX_KEY, at + 1) < 0:
-        index, end = _varint(body, at + len(_INDEX_KEY) + 2) if body[at + len(_INDEX_KEY) + 1] == 0x18 else (None, 0)
-        if index is not None:
-            field = _index_field(index)
-            start = end - len(field)
-            if start >= 0 and body[start:end] == field:
+    if at >= 2 and body.find(_INDEX_KEY, at + 1) < 0 and body[at - 2] == _ATTR_TAG[0]:
+        entry = body[at - 1]
+        start, end = at - 2, at + entry
+        value = at + len(_INDEX_KEY)  # the AttrDef's length, then the AttrDef: one int64 field (i)
+        if entry < 0x80 and body[value] == entry - len(_INDEX_KEY) - 1 and body[value + 1] == 0x18 and body[end - 1] < 0x80:
+            pos = 0
+            while pos < start and body[pos] == _ATTR_TAG[0]:
+                length, after = _varint(body, pos + 1)
+                pos = after + length
+            if pos == start:
                 return body[:start] + body[end:]
     spare.ParseFromString(op)
     del spare.attr[_DATA_INDEX_KEY]
@@ -371,9 +352,10 @@ class LoweredParts:
             part.init_ops = _with_copies(init, part.init_ops, copied[1])
         return parts
 
-    def key(self, part: Part, spec_of, roles: Mapping[str, tuple], compared: Mapping[str, int], cache: dict) -> bytes | None:
-        """A digest of ``part`` with every name replaced by its order of first appearance (module docstring);
-        sets ``part.names`` (the ONNX names). None when the ONNX part holds a subgraph.
+    def key(self, part: Part, spec_of, roles: Mapping[str, tuple], compared: Mapping[str, int], cache: dict) -> tuple | None:
+        """A description of ``part`` with every name replaced by its order of first appearance (module
+        docstring), hashable, equal for parts equal up to names; sets ``part.names`` (the ONNX names). None
+        when the ONNX part holds a subgraph.
 
         GE ops are numbered by their place in the part (graph order), so their names never enter the key;
         what the executor relates by name is written out instead: which ONNX input each ``Data`` op takes,
@@ -401,7 +383,7 @@ class LoweredParts:
         step, init = self.step, self.init
         local_step = {k: n for n, k in enumerate(part.step_ops)}
         local_init = {k: n for n, k in enumerate(part.init_ops)}
-        entries: list = [described]
+        entries: list = []
         variables = []
         fed = []
         for ops, positions, local, feeds_of in ((step, part.step_ops, local_step, lowered.input_names),
@@ -426,10 +408,11 @@ class LoweredParts:
                 j, index = self._outputs[name]
                 outputs.append((rename(name), local_step.get(j, -3) if j >= 0 else j, index, compared.get(name)))
         pairs = [(rename(state), rename(self.pairs.get(state, ""))) for state in part.states]
-        feeds = sorted((number, roles.get(name)) for name, number in names.items() if name in roles)
-        entries.append((outputs, fed, variables, pairs, feeds))
+        feeds = tuple(sorted((number, roles.get(name)) for name, number in names.items() if name in roles))
         part.names = names
-        return hashlib.sha256(repr(entries).encode()).digest()
+        # Compared for equality by the dictionary of classes (no hash is trusted); the ONNX description as
+        # its repr, as check keys it.
+        return (repr(described), tuple(entries), tuple(outputs), tuple(fed), tuple(variables), tuple(pairs), feeds)
 
     def sub_model(self, parts: Sequence[Part]) -> GEModel:
         """The GE model of ``parts`` together: their step and init ops (graph order, each once) with a

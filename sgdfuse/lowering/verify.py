@@ -44,7 +44,7 @@ import onnx
 from onnx import helper
 
 from sgdfuse.verify import non_negative_inputs
-from sgdfuse import runtime
+from sgdfuse import collector, runtime
 from sgdfuse.fused_op import is_sgd_node
 from sgdfuse.lowering.errors import LoweringError
 from sgdfuse.lowering.ge_model import GEModel
@@ -423,6 +423,11 @@ def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3,
         LoweringVerificationError: the check cannot run (onnxruntime or the executor refuses the model, an
             input has a dtype no test data is made for); the message names the cause.
     """
+    with collector.paused():  # parts and keys are many small objects alive to the end
+        return _verify(fused, lowered, steps, seed)
+
+
+def _verify(fused: onnx.ModelProto, lowered: GEModel, steps: int, seed: int) -> LoweringCheck:
     from sgdfuse.lowering.parts import LoweredParts
     from sgdfuse.verify import CLASS_MIN_PLANS, CLASS_SAMPLE
 
