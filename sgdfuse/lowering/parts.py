@@ -32,7 +32,7 @@ compares each input and output. Equal keys mean one part is the other renamed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import onnx
 
