@@ -588,7 +588,7 @@ def lower_command(
     for column in ("ops", "SGD ops", "state variables", "inputs (Data)", "outputs"):
         table.add_column(column)
     table.add_row(
-        str(len(lowered.graph.op)), str(len(lowered.sgd_ops)), str(len(lowered.state)),
+        str(lowered.op_count()), str(len(lowered.sgd_ops)), str(len(lowered.state)),
         _names(lowered.inputs), _names(lowered.outputs),
     )
     _out.print(table)

@@ -143,6 +143,7 @@ __all__ = ["non_negative_inputs",
     "verify_plans",
     "check_models",
     "independent_models",
+    "ModelParts",
     "CHECK_CHUNK_NODES",
     "error_bound",
     "error_bound_values",
@@ -1863,6 +1864,74 @@ def independent_models(model: onnx.ModelProto, *, max_nodes: int = CHECK_CHUNK_N
     if chunk or not models:
         models.append(_side_model(side, sorted(cone), chunk)[0])
     return models
+
+
+class ModelParts:
+    """``model``'s graph outputs cut into independent groups, as :func:`check_models` cuts them, with the
+    state carried between steps kept together: two outputs are in one group when a node that is not copied
+    (:data:`SHARED_CONE_LIMIT`) lies on both their cones, or when one is the next value of a state (a graph
+    input) that the other's cone reads. So the nodes of a group compute its outputs from fed inputs and the
+    group's own carried state alone, with exactly the nodes ``model`` computes them with.
+
+    Attributes:
+        groups: per group, ``(its graph outputs in graph order, its carried states in graph-input order)``.
+
+    Args:
+        model: an ONNX model whose nodes are in graph (topological) order (never mutated; it must outlive
+            this object, which holds its nodes).
+        pairs: carried state (a graph input) → the graph output that is its next value.
+    """
+
+    def __init__(self, model: onnx.ModelProto, *, pairs: Mapping[str, str] | None = None) -> None:
+        pairs = dict(pairs or {})
+        side = self._side = _Side.of(model)
+        carried = set(pairs)
+        shared = _shared_nodes(side, carried)
+        uf = _UnionFind()
+        outputs = set(side.outputs)
+        for k, node in enumerate(side.nodes):
+            if shared[k]:
+                continue
+            for name in side.reads[k]:
+                j = side.producer.get(name)
+                if j is not None and not shared[j]:
+                    uf.union(k, j)
+                elif name in carried:
+                    uf.union(k, name)
+            for name in node.output:
+                if name in outputs:
+                    uf.union(k, name)
+        for state, output in pairs.items():
+            uf.union(state, output)
+        found: dict[object, tuple[list[str], list[str]]] = {}
+        for name in side.outputs:
+            found.setdefault(uf.find(name), ([], []))[0].append(name)
+        for name in side.inputs:
+            if name in carried:
+                found.setdefault(uf.find(name), ([], []))[1].append(name)
+        self.groups: list[tuple[list[str], list[str]]] = list(found.values())
+
+    def cone(self, outputs: Iterable[str]) -> list[int]:
+        """Positions (graph order) of the nodes that compute ``outputs``."""
+        return self._side.cone(outputs)
+
+    def model(self, outputs: list[str]) -> onnx.ModelProto:
+        """A model of the nodes computing ``outputs`` (graph order), fed the graph inputs they read, with the
+        graph's initializers they read, opsets, IR version and functions."""
+        return _side_model(self._side, self._side.cone(outputs), outputs)[0]
+
+    def inputs(self, outputs: list[str]) -> list[str]:
+        """The fed graph inputs the nodes computing ``outputs`` read (or that are among ``outputs``), in the
+        order of first reading."""
+        return self._side.parts(self._side.cone(outputs), outputs, None).inputs
+
+    def describe(self, outputs: list[str], spec_of, names: dict[str, int], cache: dict | None = None) -> list | None:
+        """What the model of ``outputs`` computes, every value name replaced by its number in ``names`` (its
+        order of first appearance; ``names`` is filled): opsets, fed inputs with ``spec_of(name).dtype`` and
+        ``.shape``, initializers by value, each node's operator, domain, overload, attributes and renamed
+        inputs and outputs, the outputs (the description :func:`check_models` keys its classes of groups by).
+        None when a node holds a subgraph. ``cache``: as for :func:`check_models` (the model outlives it)."""
+        return _describe_parts(self._side.parts(self._side.cone(outputs), outputs, None), spec_of, names, cache)
 
 
 def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_pairs, fused_pairs, runner: _GroupRunner, *, seed: int) -> dict:

@@ -18,10 +18,72 @@ from sgdfuse.output import OutputBatch, write_bytes
 
 from sgdfuse.contract import ProductLine
 from sgdfuse.report import Report
+from sgdfuse.lowering import ge_ir
 from sgdfuse.lowering.atc_json import message_to_json
 from sgdfuse.lowering.state import StateVariable
 
 __all__ = ["GEModel", "write_atomically"]
+
+
+class _ModelDef:
+    """A :class:`GEModel` field holding a ``ModelDef``, which may be given as its serialised bytes: they are
+    parsed when the field is first read, and written out as they are when it never is (a parsed 10,000-update
+    step graph takes about 280 MB, its bytes 40 MB). The bytes must be canonical (fields in number order, map
+    entries sorted by key, what protobuf's deterministic serialisation writes), as lowering writes them."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            raise AttributeError(self.slot[1:])  # no class-level default: the dataclass field stays required
+        value = instance.__dict__[self.slot]
+        if isinstance(value, bytes):
+            message = ge_ir.ModelDef()
+            message.ParseFromString(value)
+            instance.__dict__[self.slot] = value = message
+        return value
+
+    def __set__(self, instance, value) -> None:
+        instance.__dict__[self.slot] = value
+
+    def wire(self, instance) -> bytes:
+        """The field's canonical bytes, without parsing them when they were never read."""
+        value = instance.__dict__[self.slot]
+        return value if isinstance(value, bytes) else value.SerializeToString(deterministic=True)
+
+
+def _first_graph(model_def: bytes) -> bytes:
+    """The bytes of ``graph[0]`` in a serialised ``ModelDef``."""
+    pos, end = 0, len(model_def)
+    while pos < end:
+        tag, pos = _varint(model_def, pos)
+        wire = tag & 7
+        if wire == 2:
+            length, pos = _varint(model_def, pos)
+            if tag >> 3 == _GRAPH_FIELD:
+                return model_def[pos: pos + length]
+            pos += length
+        elif wire == 0:
+            _, pos = _varint(model_def, pos)
+        else:
+            pos += 8 if wire == 1 else 4
+    return b""
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+
+
+_GRAPH_FIELD = ge_ir.ModelDef.DESCRIPTOR.fields_by_name["graph"].number
+_OP_FIELD = ge_ir.GraphDef.DESCRIPTOR.fields_by_name["op"].number
 
 
 @dataclasses.dataclass
@@ -29,8 +91,8 @@ class GEModel:
     """A lowered model.
 
     Attributes:
-        model: the step graph's ``ModelDef``.
-        init_model: the init graph's ``ModelDef``.
+        model: the step graph's ``ModelDef`` (may be given as its canonical bytes, parsed when first read).
+        init_model: the init graph's ``ModelDef`` (likewise).
         soc: the ATC SoC version it was built for.
         product_line: that SoC's product line.
         inputs: ``Data`` op names of the step graph, in ``index`` order (the ONNX graph inputs that are not
@@ -44,8 +106,8 @@ class GEModel:
             report (what fused, what was refused and why, whether verification ran); else None.
     """
 
-    model: object
-    init_model: object
+    model: object = _ModelDef()
+    init_model: object = _ModelDef()
     soc: str
     product_line: ProductLine
     inputs: list[str]
@@ -79,7 +141,28 @@ class GEModel:
     def to_bytes(self) -> bytes:
         """The ``.air`` bytes: the serialised step ``ModelDef`` (deterministic: map entries sorted by key, so
         the same model always gives the same bytes)."""
-        return self.model.SerializeToString(deterministic=True)
+        return GEModel.__dict__["model"].wire(self)
+
+    def init_bytes(self) -> bytes:
+        """The ``.init.air`` bytes: the serialised init ``ModelDef`` (deterministic)."""
+        return GEModel.__dict__["init_model"].wire(self)
+
+    def graph_bytes(self, *, init: bool = False) -> bytes:
+        """The step (or init) ``GraphDef``'s canonical bytes, read without parsing the model when it was
+        never parsed."""
+        return _first_graph(self.init_bytes() if init else self.to_bytes())
+
+    def op_count(self) -> int:
+        """Ops in the step graph (counted in its bytes when the model was never parsed)."""
+        if not isinstance(self.__dict__["_model"], bytes):
+            return len(self.graph.op)
+        data, pos, count = self.graph_bytes(), 0, 0
+        while pos < len(data):
+            tag, pos = _varint(data, pos)
+            length, pos = _varint(data, pos)  # every GraphDef field is length-delimited
+            count += tag >> 3 == _OP_FIELD
+            pos += length
+        return count
 
     def save_air(self, path: str | os.PathLike, *, batch: OutputBatch | None = None) -> None:
         """Write the step ``ModelDef`` to ``path`` atomically (temporary file, then ``os.replace``).
@@ -91,7 +174,7 @@ class GEModel:
 
     def save_init_air(self, path: str | os.PathLike, *, batch: OutputBatch | None = None) -> None:
         """Write the init ``ModelDef`` to ``path`` atomically."""
-        (batch.stage if batch is not None else write_atomically)(path, self.init_model.SerializeToString(deterministic=True))
+        (batch.stage if batch is not None else write_atomically)(path, self.init_bytes())
 
     def to_json(self, *, init: bool = False) -> str:
         """The step (or init) ``ModelDef`` as JSON in the layout of ``atc --mode=1``

@@ -42,6 +42,7 @@ __all__ = [
     "add_const",
     "descriptor",
     "ge_shape",
+    "model_def_bytes",
     "ND",
 ]
 
@@ -334,19 +335,31 @@ class GraphBuilder:
         return order
 
     def to_graph_def_bytes(self, *, inputs: Sequence[str] = (), outputs: Sequence[Tensor] = (), attrs: Mapping[str, object] | None = None) -> bytes:
-        """The serialised ``GraphDef`` (see :meth:`to_graph_def`); not canonical, parse it before comparing."""
+        """The serialised ``GraphDef`` (see :meth:`to_graph_def`): fields in number order, map entries sorted by
+        key, as protobuf's deterministic serialisation writes them (tests/test_lowering_schema.py checks it)."""
         encoder = _Encoder()
         parts = [_len(_GRAPH_NAME, self.name.encode())]
         parts.extend(_len(_GRAPH_INPUT, f"{name}:0".encode()) for name in inputs)
         parts.extend(_len(_GRAPH_OUTPUT, t.edge.encode()) for t in outputs)
         parts.extend(_len(_GRAPH_OP, encoder.op(record)) for record in self._order())
-        parts.extend(_len(_GRAPH_ATTR, encoder.map_entry(key, attr_value(value))) for key, value in (attrs or {}).items())
+        parts.extend(_len(_GRAPH_ATTR, encoder.map_entry(key, attr_value(value))) for key, value in sorted((attrs or {}).items(), key=lambda item: item[0].encode()))
         return b"".join(parts)
 
     def to_graph_def(self, *, inputs: Sequence[str] = (), outputs: Sequence[Tensor] = (), attrs: Mapping[str, object] | None = None):
         """The ``GraphDef``: ``inputs`` are Data op names (written ``"name:0"``), ``outputs`` the tensors the
         graph returns."""
         return ge_ir.GraphDef.FromString(self.to_graph_def_bytes(inputs=inputs, outputs=outputs, attrs=attrs))
+
+
+def model_def_bytes(name: str, graphs: Sequence[bytes], attrs: Mapping[str, object]) -> bytes:
+    """A serialised ``ModelDef`` named ``name`` holding the serialised ``GraphDef`` s ``graphs`` and the
+    attributes ``attrs`` (values as :func:`attr_value` takes them), canonical as
+    :meth:`GraphBuilder.to_graph_def_bytes`: parsing it and serialising it deterministically gives it back."""
+    encoder = _Encoder()
+    parts = [_len(_MODEL_NAME, name.encode())] if name else []
+    parts.extend(_len(_MODEL_GRAPH, graph) for graph in graphs)
+    parts.extend(_len(_MODEL_ATTR, encoder.map_entry(key, attr_value(value))) for key, value in sorted(attrs.items(), key=lambda item: item[0].encode()))
+    return b"".join(parts)
 
 
 # ---- wire encoding ------------------------------------------------------------------------------------
@@ -377,6 +390,7 @@ def _len(tag: bytes, payload: bytes) -> bytes:
 
 
 _GRAPH_NAME, _GRAPH_INPUT, _GRAPH_OUTPUT, _GRAPH_OP, _GRAPH_ATTR = (_tag(ge_ir.GraphDef, f) for f in ("name", "input", "output", "op", "attr"))
+_MODEL_NAME, _MODEL_GRAPH, _MODEL_ATTR = (_tag(ge_ir.ModelDef, f) for f in ("name", "graph", "attr"))
 _OP_NAME, _OP_TYPE, _OP_INPUT, _OP_ATTR, _OP_INPUT_DESC, _OP_OUTPUT_DESC = (
     _tag(ge_ir.OpDef, f) for f in ("name", "type", "input", "attr", "input_desc", "output_desc")
 )
@@ -393,8 +407,9 @@ class _Encoder:
         self._descriptors: dict[tuple, bytes] = {}
         self._bodies: dict[tuple, bytes] = {}
         self._attrs: dict[tuple[str, int], bytes] = {}
-        self._port_names: dict[tuple[str, tuple[str, ...]], bytes] = {}
+        self._port_names: dict[tuple[str, tuple[str, ...]], list[tuple[str, bytes]]] = {}
         self._types: dict[str, bytes] = {}
+        self._orders: dict[tuple[str, ...], list[int]] = {}
 
     def descriptor(self, tag: bytes, port: str, spec: TensorSpec | None) -> bytes:
         """The whole ``input_desc``/``output_desc`` field (tag, length, descriptor)."""
@@ -422,13 +437,16 @@ class _Encoder:
             found = self._attrs[cache_key] = _len(_OP_ATTR, self.map_entry(key, value))
         return found
 
-    def port_names(self, direction: str, names: tuple[str, ...]) -> bytes:
+    def port_names(self, direction: str, names: tuple[str, ...]) -> list[tuple[str, bytes]]:
+        """The two attribute entries naming the ports, ``(key, field bytes)`` each."""
         found = self._port_names.get((direction, names))
         if found is None:
             # Not through attr(): these AttrDefs are temporaries, so their ids would be reused.
-            found = self._port_names[(direction, names)] = _len(_OP_ATTR, self.map_entry(f"_{direction}_name_key", strings(names))) + _len(
-                _OP_ATTR, self.map_entry(f"_{direction}_name_value", ints(range(len(names))))
-            )
+            key, value = f"_{direction}_name_key", f"_{direction}_name_value"
+            found = self._port_names[(direction, names)] = [
+                (key, _len(_OP_ATTR, self.map_entry(key, strings(names)))),
+                (value, _len(_OP_ATTR, self.map_entry(value, ints(range(len(names)))))),
+            ]
         return found
 
     def op(self, record: OpRecord) -> bytes:
@@ -459,11 +477,17 @@ class _Encoder:
         for port, spec in record.outputs:
             descriptors.append(self.descriptor(_OP_OUTPUT_DESC, port, spec))
             outputs.append(port)
-        descriptors.append(self.port_names("input", tuple(ports)))
-        descriptors.append(self.port_names("output", tuple(outputs)))
-        for key, value in record.attrs.items():
-            descriptors.append(self.attr(key, value))
-        return b"".join(edges) + b"".join(descriptors)
+        # Fields in number order (name, type, input, attr, input_desc, output_desc) and map entries sorted
+        # by key: the bytes protobuf's deterministic serialisation writes, so they can be saved unparsed.
+        attrs = self.port_names("input", tuple(ports)) + self.port_names("output", tuple(outputs))
+        keys = tuple(record.attrs)
+        order = self._orders.get(keys)
+        if order is None:  # a few distinct attribute sets per graph
+            names = [key for key, _ in attrs] + list(keys)
+            order = self._orders[keys] = sorted(range(len(names)), key=lambda i: names[i].encode())
+        fields = [field for _, field in attrs]
+        fields.extend(self.attr(key, value) for key, value in record.attrs.items())
+        return b"".join(edges) + b"".join([fields[i] for i in order]) + b"".join(descriptors)
 
 
 def _op_def(record: OpRecord):

@@ -9,6 +9,12 @@ the guard's output ``Where(condition, old, new)``, for a runtime momentum the re
 keeps its own. Every ONNX graph output must agree at every step, so a state the GE graph left wrong after a
 step shows in the next step's outputs.
 
+Both sides run part by part (:mod:`sgdfuse.lowering.parts`: independent parts of the GE graph with the
+ONNX nodes that compute the same outputs), packed into runs of about :data:`_CHUNK_OPS` GE ops, each run
+fed from its own seed; from :data:`sgdfuse.verify.CLASS_MIN_PLANS` parts on, one member per class of parts
+equal up to names, plus a seeded sample of :data:`sgdfuse.verify.CLASS_SAMPLE` (docs/lowering.md,
+"Verification per class").
+
 Inputs, as :mod:`sgdfuse.verify` makes them: floats from a standard normal (a one-element float, a learning
 rate or runtime momentum, from U(0.01, 0.1); a momentum fed at run time is 0 on the second step);
 integer scalars count steps (0, 1, 2, ...); other integer tensors are zeros; booleans are true on the first
@@ -31,13 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 
 import numpy as np
 import onnx
 from onnx import helper
 
 from sgdfuse.verify import non_negative_inputs
-from sgdfuse import runtime
+from sgdfuse import collector, runtime
 from sgdfuse.fused_op import is_sgd_node
 from sgdfuse.lowering.errors import LoweringError
 from sgdfuse.lowering.ge_model import GEModel
@@ -73,12 +80,17 @@ class LoweringCheck:
         passed: every output agreed at every step.
         outputs: ONNX output name → largest |difference| seen.
         message: the first disagreement (output, step, element, both values, the tolerance), else "".
+        parts, classes, parts_run: independent parts of the model, their classes (parts equal up to names),
+            and how many parts were run (:mod:`sgdfuse.lowering.parts`).
     """
 
     steps: int
     passed: bool
     outputs: dict[str, float]
     message: str = ""
+    parts: int = 0
+    classes: int = 0
+    parts_run: int = 0
 
 
 def _feed(value: onnx.ValueInfoProto, rng: np.random.Generator, step: int, non_negative: frozenset[str] = frozenset()) -> np.ndarray:
@@ -235,24 +247,165 @@ def _specialised(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
 
 
-class _PartedSession:
-    """The fused model in onnxruntime as several sessions of independent parts
-    (:func:`sgdfuse.verify.independent_models`, each :func:`_specialised`): session building grows faster
-    than linearly with the nodes of one model (12 s for the 10,000-update bench model whole), and each
-    output is computed by the same nodes either way, so the numbers are the whole model's."""
+_CHUNK_OPS = 1200
+"""About this many GE step ops go into one run (parts are packed, so onnxruntime builds a few small sessions
+instead of one per part: session building grows faster than linearly with a model's nodes)."""
 
-    def __init__(self, model: onnx.ModelProto) -> None:
-        from sgdfuse.verify import independent_models
 
-        self.sessions = [runtime.make_session(_specialised(part)) for part in independent_models(model)]
-        self.inputs = [[i.name for i in session.get_inputs()] for session in self.sessions]
+@dataclasses.dataclass
+class _Setup:
+    """What the verification of one lowered model feeds and compares, shared by the runs of its parts."""
 
-    def run(self, feeds) -> dict[str, np.ndarray]:
-        """Every output of the model by name, for ``feeds`` (by input name; extra names are ignored)."""
-        results: dict[str, np.ndarray] = {}
-        for session, names in zip(self.sessions, self.inputs):
-            results.update(runtime.run(session, {name: feeds[name] for name in names}))
-        return results
+    probe: onnx.ModelProto
+    pairs: dict[str, str]  # next value (probe output) -> state input
+    initial: dict[str, np.ndarray]
+    dtypes: dict[str, int]
+    inputs: dict[str, onnx.ValueInfoProto]
+    momenta: set[str]
+    overflow: set[str]
+    non_negative: frozenset[str]
+
+    def roles(self) -> dict[str, tuple]:
+        """Input name → how it is fed: dtype, dims, and whether it is state, an initializer's state, a
+        momentum, overflowed, non-negative (what a class key must hold for the feeds to be of one kind)."""
+        state = set(self.pairs.values())
+        return {
+            name: (value.type.tensor_type.elem_type, tuple(str(d) for d in value.type.tensor_type.shape.dim), name in state,
+                   name in self.initial, name in self.momenta, name in self.overflow, name in self.non_negative)
+            for name, value in self.inputs.items()
+        }
+
+
+class _Spec:
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, value: onnx.ValueInfoProto) -> None:
+        tensor_type = value.type.tensor_type
+        self.dtype = tensor_type.elem_type
+        self.shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim)
+
+
+def _setup(fused: onnx.ModelProto, lowered: GEModel) -> _Setup:
+    probe, pairs, initial = _probe(fused, lowered)
+    initializer_names = {t.name for t in probe.graph.initializer}
+    inputs = [i for i in probe.graph.input if i.name not in initializer_names]
+    for value in inputs:  # the same refusal as before any part runs: an input no test data is made for
+        elem_type = value.type.tensor_type.elem_type
+        dtype = onnx_to_numpy_dtype(elem_type)
+        if elem_type not in TOLERANCES and not np.issubdtype(dtype, np.integer) and dtype != np.bool_:
+            raise LoweringVerificationError(f"input {value.name}", f"no test data for dtype {dtype}; pass --no-verify to write the graph unchecked")
+    # A momentum fed at run time is 0 on the second step: the kernel then keeps the buffer, and the
+    # rewrite's If recomputes it (the write-back), the path most easily lowered wrong.
+    momenta = {n.input[4] for n in fused.graph.node if is_sgd_node(n) and len(n.input) > 4} & {i.name for i in inputs}
+    # A guard computed in the graph (found_inf) skips on the second step: its float inputs overflow there.
+    overflow = set(_overflow_inputs(fused, lowered, inputs))
+    return _Setup(
+        probe, pairs, initial, {o.name: o.type.tensor_type.elem_type for o in probe.graph.output}, {i.name: i for i in inputs},
+        momenta, overflow, frozenset(non_negative_inputs(probe.graph.node)),
+    )
+
+
+def _run_parts(setup: _Setup, parts, chunk: list, lowered_outputs: set[str], steps: int, seed: int, worst: dict[str, float]) -> LoweringCheck:
+    """Run ``chunk`` (parts of :class:`sgdfuse.lowering.parts.LoweredParts`) together: their GE ops in the
+    executor against their ONNX nodes in onnxruntime, ``steps`` chained steps (module docstring); the largest
+    differences go into ``worst``."""
+    from sgdfuse.lowering.executor import ExecutorError
+
+    sub = parts.sub_model(chunk)
+    outputs = [name for part in chunk for name in part.outputs]
+    try:
+        session = runtime.make_session(_specialised(parts.onnx.model(outputs)))
+    except Exception as error:  # onnxruntime's own exception types
+        raise _cannot_verify(f"onnxruntime cannot run the fused model ({_first_line(error)})") from error
+    session_inputs = [i.name for i in session.get_inputs()]
+    wanted = dict.fromkeys(session_inputs + list(sub.input_names.values()) + list(sub.init_inputs.values()))
+    inputs = [setup.inputs[name] for name in wanted if name in setup.inputs]
+    states = {state for part in chunk for state in part.states}
+    pairs = {output: state for output, state in setup.pairs.items() if state in states}
+    initial = {name: value for name, value in setup.initial.items() if name in wanted}
+    momenta, overflow, non_negative = setup.momenta, setup.overflow, setup.non_negative
+    rng = np.random.default_rng(seed)
+    feeds = {i.name: _feed(i, rng, 0, non_negative) for i in inputs}
+    feeds.update(initial)
+    state_inputs = set(pairs.values())
+    runner = sub.runner()
+
+    def run_onnx(values) -> dict[str, np.ndarray]:
+        return runtime.run(session, {name: values[name] for name in session_inputs})
+
+    # A second onnxruntime chain with the data nudged by two float32 ulps measures how much the model itself
+    # amplifies rounding (BatchNorm over a few values is ill-conditioned): an output beyond the fixed
+    # tolerance still agrees within CONDITIONING_FACTOR times that change.
+    data = [i.name for i in inputs if i.name not in state_inputs and i.name not in initial and i.name not in momenta
+            and i.name not in overflow and np.asarray(feeds[i.name]).dtype.kind == "f" and np.asarray(feeds[i.name]).size > 1]
+    nudged = dict(feeds)
+    compared = [name for name in sub.outputs if name in lowered_outputs]
+    try:
+        runner.initialise({name: feeds[name] for name in sub.init_inputs.values()})
+        for step in range(steps):
+            for name in data:
+                nudged[name] = (np.asarray(feeds[name]) * (1 + PERTURBATION)).astype(np.asarray(feeds[name]).dtype)
+            expected = run_onnx(feeds)
+            actual = runner.step(feeds)
+            perturbed = None
+            for name in compared:
+                error, message = _disagreement(name, np.asarray(expected[name]), np.asarray(actual[name]), setup.dtypes.get(name, 0), step + 1)
+                if message and data:
+                    perturbed = perturbed if perturbed is not None else run_onnx(nudged)
+                    if _within_conditioning(np.asarray(expected[name]), np.asarray(actual[name]), np.asarray(perturbed[name])):
+                        message = ""
+                worst[name] = max(worst.get(name, 0.0), error)
+                if message:
+                    return LoweringCheck(step + 1, False, worst, message)
+            if data:
+                perturbed = perturbed if perturbed is not None else run_onnx(nudged)
+                for output, state in pairs.items():
+                    nudged[state] = perturbed[output]
+            for output, state in pairs.items():
+                feeds[state] = expected[output]
+            for value in inputs:
+                if value.name not in state_inputs and value.name not in initial:
+                    feeds[value.name] = _feed(value, rng, step + 1, non_negative)
+                    if value.name in momenta and step == 0:
+                        feeds[value.name] = np.zeros_like(feeds[value.name])
+                    if value.name in overflow and step == 0:
+                        feeds[value.name] = np.full_like(feeds[value.name], np.inf)
+                    nudged[value.name] = feeds[value.name]
+    except ExecutorError as error:
+        raise _cannot_verify(str(error)) from error
+    except LoweringError:
+        raise
+    except Exception as error:  # onnxruntime failing at run time
+        if type(error).__module__.startswith("onnxruntime"):
+            raise _cannot_verify(f"onnxruntime failed ({_first_line(error)})") from error
+        raise
+    return LoweringCheck(steps, True, worst)
+
+
+def _chunks(parts: list) -> list[list]:
+    """``parts`` packed in order into runs of about :data:`_CHUNK_OPS` GE step ops."""
+    chunks: list[list] = []
+    size = 0
+    for part in parts:
+        if not chunks or size + len(part.step_ops) > _CHUNK_OPS:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(part)
+        size += len(part.step_ops)
+    return chunks
+
+
+def _classes(parts, setup: _Setup) -> dict[object, list[int]]:
+    """Part indices by class key (:meth:`sgdfuse.lowering.parts.LoweredParts.key`); a part without a key is
+    a class of its own."""
+    roles = setup.roles()
+    specs = {name: _Spec(value) for name, value in setup.inputs.items()}
+    cache: dict = {}
+    classes: dict[object, list[int]] = {}
+    for k, part in enumerate(parts.parts):
+        key = parts.key(part, specs.__getitem__, roles, setup.dtypes, cache)
+        classes.setdefault(("own", k) if key is None else key, []).append(k)
+    return classes
 
 
 def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3, seed: int = 0) -> LoweringCheck:
@@ -270,72 +423,42 @@ def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3,
         LoweringVerificationError: the check cannot run (onnxruntime or the executor refuses the model, an
             input has a dtype no test data is made for); the message names the cause.
     """
-    from sgdfuse.lowering.executor import ExecutorError
+    with collector.paused():  # parts and keys are many small objects alive to the end
+        return _verify(fused, lowered, steps, seed)
 
-    probe, pairs, initial = _probe(fused, lowered)
-    dtypes = {o.name: o.type.tensor_type.elem_type for o in probe.graph.output}
-    initializer_names = {t.name for t in probe.graph.initializer}
-    inputs = [i for i in probe.graph.input if i.name not in initializer_names]
-    # A momentum fed at run time is 0 on the second step: the kernel then keeps the buffer, and the
-    # rewrite's If recomputes it (the write-back), the path most easily lowered wrong.
-    momenta = {n.input[4] for n in fused.graph.node if is_sgd_node(n) and len(n.input) > 4} & {i.name for i in inputs}
-    # A guard computed in the graph (found_inf) skips on the second step: its float inputs overflow there.
-    overflow = _overflow_inputs(fused, lowered, inputs)
-    rng = np.random.default_rng(seed)
-    non_negative = frozenset(non_negative_inputs(probe.graph.node))
-    feeds = {i.name: _feed(i, rng, 0, non_negative) for i in inputs}
-    feeds.update(initial)
-    try:
-        session = _PartedSession(probe)
-    except Exception as error:  # onnxruntime's own exception types
-        raise _cannot_verify(f"onnxruntime cannot run the fused model ({_first_line(error)})") from error
-    state_inputs = set(pairs.values())
-    runner = lowered.runner()
+
+def _verify(fused: onnx.ModelProto, lowered: GEModel, steps: int, seed: int) -> LoweringCheck:
+    from sgdfuse.lowering.parts import LoweredParts
+    from sgdfuse.verify import CLASS_MIN_PLANS, CLASS_SAMPLE
+
+    setup = _setup(fused, lowered)
+    parts = LoweredParts(setup.probe, {state: output for output, state in setup.pairs.items()}, lowered)
+    lowered_outputs = set(lowered.outputs)
     worst = {name: 0.0 for name in lowered.outputs}
-    # A second onnxruntime chain with the data nudged by two float32 ulps measures how much the model itself
-    # amplifies rounding (BatchNorm over a few values is ill-conditioned): an output beyond the fixed
-    # tolerance still agrees within CONDITIONING_FACTOR times that change.
-    data = [i.name for i in inputs if i.name not in state_inputs and i.name not in initial and i.name not in momenta
-            and i.name not in overflow and np.asarray(feeds[i.name]).dtype.kind == "f" and np.asarray(feeds[i.name]).size > 1]
-    nudged = dict(feeds)
-    try:
-        runner.initialise({name: feeds[name] for name in lowered.init_inputs.values()})
-        for step in range(steps):
-            for name in data:
-                nudged[name] = (np.asarray(feeds[name]) * (1 + PERTURBATION)).astype(np.asarray(feeds[name]).dtype)
-            expected = session.run(feeds)
-            actual = runner.step(feeds)
-            perturbed = None
-            for name in lowered.outputs:
-                error, message = _disagreement(name, np.asarray(expected[name]), np.asarray(actual[name]), dtypes.get(name, 0), step + 1)
-                if message and data:
-                    perturbed = perturbed if perturbed is not None else session.run(nudged)
-                    if _within_conditioning(np.asarray(expected[name]), np.asarray(actual[name]), np.asarray(perturbed[name])):
-                        message = ""
-                worst[name] = max(worst[name], error)
-                if message:
-                    return LoweringCheck(step + 1, False, worst, message)
-            if data:
-                perturbed = perturbed if perturbed is not None else session.run(nudged)
-                for output, state in pairs.items():
-                    nudged[state] = perturbed[output]
-            for output, state in pairs.items():
-                feeds[state] = expected[output]
-            for value in inputs:
-                if value.name not in state_inputs and value.name not in initial:
-                    feeds[value.name] = _feed(value, rng, step + 1, non_negative)
-                    nudged[value.name] = feeds[value.name]
-                    if value.name in momenta and step == 0:
-                        feeds[value.name] = np.zeros_like(feeds[value.name])
-                    if value.name in overflow and step == 0:
-                        feeds[value.name] = np.full_like(feeds[value.name], np.inf)
-                    nudged[value.name] = feeds[value.name]
-    except ExecutorError as error:
-        raise _cannot_verify(str(error)) from error
-    except LoweringError:
-        raise
-    except Exception as error:  # onnxruntime failing at run time
-        if type(error).__module__.startswith("onnxruntime"):
-            raise _cannot_verify(f"onnxruntime failed ({_first_line(error)})") from error
-        raise
-    return LoweringCheck(steps, True, worst)
+    every = list(range(len(parts.parts)))
+    classes: dict[object, list[int]] = {k: [k] for k in every}
+    chosen = every
+    if len(every) >= CLASS_MIN_PLANS:
+        classes = _classes(parts, setup)
+        sampler = random.Random(seed)
+        picked: set[int] = set()
+        for members in classes.values():
+            picked.add(members[0])
+            picked.update(sampler.sample(members[1:], min(CLASS_SAMPLE, len(members) - 1)))
+        chosen = sorted(picked)
+    logger.info("lowering check: %d parts in %d classes, %d run", len(every), len(classes), len(chosen))
+    for number, chunk in enumerate(_chunks([parts.parts[k] for k in chosen])):
+        check = _run_parts(setup, parts, chunk, lowered_outputs, steps, seed + number, worst)
+        if not check.passed:
+            return dataclasses.replace(check, parts=len(every), classes=len(classes), parts_run=len(chosen))
+    ran = set(chosen)
+    for members in classes.values():
+        first = parts.parts[members[0]]
+        by_number = {number: name for name, number in first.names.items()}
+        for k in members:
+            if k in ran:
+                continue
+            for name in parts.parts[k].outputs:
+                if name in lowered_outputs:
+                    worst[name] = worst[by_number[parts.parts[k].names[name]]]
+    return LoweringCheck(steps, True, worst, parts=len(every), classes=len(classes), parts_run=len(chosen))
