@@ -67,9 +67,11 @@ def _load(path: str | os.PathLike, load_external_data: bool) -> tuple[onnx.Model
         # The bytes are read once: the same bytes are parsed and searched for external data markers.
         with open(path, "rb") as handle:
             content = handle.read()
-        external = external_data.may_hold_external_data(content)
         # As onnx.load: the serialisation format from the file's extension, protobuf by default.
         serialization_format = onnx.serialization.registry.get_format_from_file_extension(os.path.splitext(path)[1]) or "protobuf"
+        # Only protobuf's binary format writes every string and enum one way; a text format can spell them
+        # otherwise (JSON escapes, enum numbers), so such a model is always walked.
+        external = serialization_format != "protobuf" or external_data.may_hold_external_data(content)
         model = onnx.load_model_from_string(content, format=serialization_format)
         del content
     except (DecodeError, RuntimeWarning) as error:

@@ -94,9 +94,8 @@ def _markers() -> tuple[bytes, ...]:
     # Protobuf wire format: the key of a varint field is (number << 3 | 0); EXTERNAL = 1 is the one byte 0x01.
     tag = bytes([field.number << 3]) if field.number < 16 else None
     external = tag + bytes([onnx.TensorProto.EXTERNAL]) if tag is not None else None
-    # "location" is the key every external data entry must have (a file is named nowhere else); "EXTERNAL"
-    # is the enum's name in onnx's text and JSON formats.
-    return tuple(m for m in (b"location", external, b"EXTERNAL") if m is not None)
+    # "location" is the key every external data entry must have (a file is named nowhere else).
+    return tuple(m for m in (b"location", external) if m is not None)
 
 
 _MARKERS = _markers()
@@ -104,12 +103,13 @@ _MARKERS = _markers()
 
 def may_hold_external_data(data: bytes) -> bool:
     """False only when the serialised model ``data`` holds no tensor whose data is external, proved from its
-    bytes without parsing: every data file is named by an ``external_data`` entry keyed ``location`` (the
-    string's bytes appear as they are in the serialised model), and a tensor marked ``data_location =
-    EXTERNAL`` is written as the field key of ``TensorProto.data_location`` (14) followed by the byte 1, or as
-    the word ``EXTERNAL`` in onnx's text formats. Bytes without any of these name no data file, so the walk
-    over every node attribute (:func:`external_tensors`, a large share of a load's cost for a graph of many
-    small nodes) can be skipped.
+    bytes without parsing. ``data`` must be protobuf's binary format, where strings are written as they are:
+    every data file is named by an ``external_data`` entry keyed ``location``, whose bytes then appear in
+    ``data``, and a tensor marked ``data_location = EXTERNAL`` is written as the field key of
+    ``TensorProto.data_location`` (14) followed by the byte 1. Bytes without either name no data file, so the
+    walk over every node attribute (:func:`external_tensors`, a large share of a load's cost for a graph of
+    many small nodes) can be skipped. Text formats (JSON with escaped characters and enum numbers, say) are not
+    covered: a model read from one is always walked.
 
     Source: protobuf's wire format (encoding of varint fields, and embedded messages, which nest their bytes
     unchanged); ``onnx.proto`` ``TensorProto`` fields 13 (``external_data``) and 14 (``data_location``). A

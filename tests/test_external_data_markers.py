@@ -1,8 +1,9 @@
 """The load skips the walk over every tensor of a model only when the file's bytes prove that none of them has
-external data (``sgdfuse.external_data.may_hold_external_data``): wherever an external tensor sits (an
-initializer, a ``Constant``'s attribute, a sparse tensor, a subgraph, a model-local function, an attribute whose
-declared type is not a tensor), in binary and in text form, the bytes show it; and a model without one loads,
-optimises and saves without the walk."""
+external data (``sgdfuse.external_data.may_hold_external_data``, protobuf's binary format only): wherever an
+external tensor sits (an initializer, a ``Constant``'s attribute, a sparse tensor, a subgraph, a model-local
+function, an attribute whose declared type is not a tensor), the bytes show it; a model in a text format, which
+can spell the key and the enum otherwise, is always walked; and a binary model without one loads, optimises
+and saves without the walk."""
 
 from __future__ import annotations
 
@@ -81,14 +82,43 @@ def test_every_placement_of_an_external_tensor_shows_in_the_bytes(location):
     for where, model in _placements(location):
         assert list(external_data.external_tensors(model)), where  # the walk itself finds it
         assert external_data.may_hold_external_data(model.SerializeToString()), f"{where}: binary"
-        assert external_data.may_hold_external_data(str(model).encode()), f"{where}: protobuf text format"
 
 
-def test_text_format_names_the_location_and_the_enum():
+def _disguised_json(path, model) -> None:
+    """``model`` in onnx's JSON format with the key ``location`` written with a JSON escape, the field
+    ``data_location`` by its camel-case name and the ``EXTERNAL`` enum as its number: bytes in which no marker
+    of a binary model appears, which the JSON parser reads back as the same model."""
+    onnx.save(model, path)
+    text = path.read_text()
+    assert '"EXTERNAL"' in text and ('"location"' in text) == any(e.key == "location" for t in model.graph.initializer for e in t.external_data)
+    # The JSON parser takes a field by its camel-case name too, and any character escaped.
+    disguised = text.replace('"location"', '"loc\\u0061tion"').replace('"EXTERNAL"', "1").replace('"data_location"', '"dataLocation"')
+    assert b"location" not in disguised.encode() and not external_data.may_hold_external_data(disguised.encode())
+    path.write_text(disguised)
+    assert onnx.load(path, load_external_data=False) == model
+
+
+@pytest.mark.parametrize("location", ["../outside/secret.bin", None], ids=["escaping", "no location"])
+def test_a_text_format_model_is_walked_however_it_spells_the_location(tmp_path, location):
+    model = _model(_update_graph(initializers=[_external("w", location=location)]))
+    path = tmp_path / "model.json"
+    _disguised_json(path, model)
+    with pytest.raises(ExternalDataError, match="'w'"):
+        sgdfuse.optimize(path, verify=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.json"]  # nothing written
+
+
+def test_a_valid_text_format_model_with_external_data_is_saved_with_its_data(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "w.bin").write_bytes(np.arange(2, dtype=np.float32).tobytes())
     model = _model(_update_graph(initializers=[_external("w")]))
-    text = str(model).encode()  # protobuf's text format, as the .txtpb/.textproto serialisers write it
-    assert b"location" in text and b"EXTERNAL" in text
-    assert external_data.may_hold_external_data(text)
+    path = tmp_path / "in" / "model.json"
+    _disguised_json(path, model)
+    result = sgdfuse.optimize(path, verify=False)
+    assert result.has_external_data
+    (tmp_path / "out").mkdir()
+    result.save(tmp_path / "out" / "model.onnx")
+    assert (tmp_path / "out" / "w.bin").read_bytes() == (tmp_path / "in" / "w.bin").read_bytes()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
