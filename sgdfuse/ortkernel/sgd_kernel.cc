@@ -1,0 +1,403 @@
+// sgdfuse's native onnxruntime kernel for ai.sgdfuse::SGD (version 1).
+//
+// One loop over the elements reads parameters, gradient, accum and stat once and writes parameters_out,
+// accum_out and stat_out once, computing the operator contract (docs/contract.md, sgdfuse/reference.py):
+//
+//   grad    = gradient + parameters * wd          if wd != 0, else gradient
+//   accum_t = accum * m + grad
+//   if d != 0:  accum_t = accum_t - grad * (1 - stat) * d
+//   p_out   = parameters - (grad + accum_t * m) * lr    if nesterov
+//           = parameters - accum_t * lr                  otherwise
+//   if m != 0:  accum_out = accum_t, stat_out = +0
+//   else:       accum_out = accum, stat_out = stat (bit for bit)
+//
+// Every intermediate is FLOAT, one rounding per operation in the order written (build with
+// -ffp-contract=off and without -ffast-math, so the compiler neither fuses a multiply-add nor reorders),
+// and FLOAT16/BFLOAT16 results are rounded back to nearest, ties to even. NaN payloads are not part of the
+// contract; a NaN stays a (quiet) NaN.
+//
+// Only the C API (onnxruntime_c_api.h) is used, and only what API version 16 (onnxruntime 1.16) has, so one
+// build loads into any onnxruntime from 1.16 on. The header comes from a registry package at build time
+// (sgdfuse/ortkernel/__init__.py); it is not part of this repository.
+
+#include <onnxruntime_c_api.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace {
+
+constexpr uint32_t kApiVersion = 16;  // CreateKernelV2 / KernelComputeV2 (error status from a kernel)
+constexpr const char* kDomain = "ai.sgdfuse";
+constexpr const char* kOpType = "SGD";
+constexpr size_t kInputs = 6;   // parameters, gradient, learning_rate, accum, momentum, stat
+constexpr size_t kOutputs = 3;  // parameters_out, accum_out, stat_out
+
+const OrtApi* g_api = nullptr;
+
+// --- element conversions (FLOAT intermediates) -----------------------------------------------------------
+
+inline uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+inline float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+struct F32 {
+  using Storage = float;
+  static float load(float x) { return x; }
+  static float store(float x) { return x; }
+};
+
+// IEEE binary16. Widening is exact; narrowing rounds to nearest, ties to even, overflowing to Inf.
+struct F16 {
+  using Storage = uint16_t;
+  static float load(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t exponent = (h >> 10) & 0x1Fu;
+    const uint32_t mantissa = h & 0x3FFu;
+    if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in FLOAT
+      return float_of(bits_of(static_cast<float>(mantissa) * 0x1p-24f) | sign);
+    }
+    if (exponent == 0x1F) {  // Inf or NaN
+      return float_of(sign | 0x7F800000u | (mantissa << 13));
+    }
+    return float_of(sign | ((exponent + (127 - 15)) << 23) | (mantissa << 13));
+  }
+  static uint16_t store(float x) {
+    const uint32_t u = bits_of(x);
+    const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+    const uint32_t magnitude = u & 0x7FFFFFFFu;
+    if (magnitude > 0x7F800000u) {  // NaN: keep it a NaN (quiet), with the top payload bits
+      return static_cast<uint16_t>(sign | 0x7E00u | ((magnitude >> 13) & 0x3FFu));
+    }
+    if (magnitude >= 0x47800000u) {  // |x| >= 65536 (or Inf): beyond every rounding to a finite value
+      return static_cast<uint16_t>(sign | 0x7C00u);
+    }
+    if (magnitude < 0x38800000u) {
+      // Below the smallest normal (2^-14): the result is a multiple of 2^-24. Adding 0.5 puts |x| where
+      // FLOAT's spacing is exactly 2^-24, so the FPU's own round-to-nearest-even does the rounding; the
+      // bits above 0.5's are the subnormal mantissa (0x400 when it rounds up to the smallest normal).
+      const float shifted = float_of(magnitude) + 0.5f;
+      return static_cast<uint16_t>(sign | (bits_of(shifted) - bits_of(0.5f)));
+    }
+    // Normal: rebias the exponent and round the 13 dropped bits to nearest even; a carry out of the
+    // mantissa moves to the next binade (and from 65504 up to Inf), as rounding should.
+    const uint32_t odd = (magnitude >> 13) & 1u;
+    const uint32_t rounded = magnitude - ((127u - 15u) << 23) + 0x0FFFu + odd;
+    return static_cast<uint16_t>(sign | (rounded >> 13));
+  }
+};
+
+// bfloat16: the upper half of a FLOAT. Narrowing rounds to nearest, ties to even, overflowing to Inf.
+struct BF16 {
+  using Storage = uint16_t;
+  static float load(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16); }
+  static uint16_t store(float x) {
+    const uint32_t u = bits_of(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+      return static_cast<uint16_t>((u >> 16) | 0x0040u);  // NaN stays NaN (quiet)
+    }
+    return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+};
+
+// --- the update ------------------------------------------------------------------------------------------
+
+struct Attributes {
+  float dampening = 0.0f;
+  float weight_decay = 0.0f;
+  bool nesterov = false;
+};
+
+// The contract's clauses are decided once per call (the attributes and the momentum are the same for
+// every element), so each instantiation is one straight loop the compiler can vectorise without changing
+// a single rounding (elementwise, no reassociation).
+template <typename T, bool kWeightDecay, bool kDampening, bool kNesterov, bool kWriteState>
+void update(size_t n, const typename T::Storage* p, const typename T::Storage* g, const typename T::Storage* a,
+            const typename T::Storage* s, float lr, float m, float d, float wd, typename T::Storage* p_out,
+            typename T::Storage* a_out, typename T::Storage* s_out) {
+  for (size_t i = 0; i < n; ++i) {
+    const float pf = T::load(p[i]);
+    const float gf = T::load(g[i]);
+    const float af = T::load(a[i]);
+    float grad = gf;
+    if (kWeightDecay) grad = gf + pf * wd;
+    float accum_t = af * m + grad;
+    if (kDampening) {
+      const float one_minus_s = 1.0f - T::load(s[i]);
+      accum_t = accum_t - grad * one_minus_s * d;
+    }
+    float result;
+    if (kNesterov) {
+      result = pf - (grad + accum_t * m) * lr;
+    } else {
+      result = pf - accum_t * lr;
+    }
+    p_out[i] = T::store(result);
+    if (kWriteState) {
+      a_out[i] = T::store(accum_t);
+      s_out[i] = typename T::Storage{};  // +0
+    }
+  }
+}
+
+template <typename T, bool kWeightDecay, bool kDampening, bool kNesterov>
+void dispatch_state(bool write_state, size_t n, const typename T::Storage* p, const typename T::Storage* g,
+                    const typename T::Storage* a, const typename T::Storage* s, float lr, float m, float d,
+                    float wd, typename T::Storage* p_out, typename T::Storage* a_out,
+                    typename T::Storage* s_out) {
+  if (write_state) {
+    update<T, kWeightDecay, kDampening, kNesterov, true>(n, p, g, a, s, lr, m, d, wd, p_out, a_out, s_out);
+  } else {
+    update<T, kWeightDecay, kDampening, kNesterov, false>(n, p, g, a, s, lr, m, d, wd, p_out, a_out, s_out);
+    // Momentum zero: the contract keeps accum and stat as given, bit for bit.
+    std::memcpy(a_out, a, n * sizeof(typename T::Storage));
+    std::memcpy(s_out, s, n * sizeof(typename T::Storage));
+  }
+}
+
+template <typename T>
+void run_update(const Attributes& attr, size_t n, const void* p, const void* g, const void* a, const void* s,
+                float lr, float m, void* p_out, void* a_out, void* s_out) {
+  using S = typename T::Storage;
+  const auto* pp = static_cast<const S*>(p);
+  const auto* gg = static_cast<const S*>(g);
+  const auto* aa = static_cast<const S*>(a);
+  const auto* ss = static_cast<const S*>(s);
+  auto* po = static_cast<S*>(p_out);
+  auto* ao = static_cast<S*>(a_out);
+  auto* so = static_cast<S*>(s_out);
+  // "!= 0" as the contract writes it: -0 is zero, NaN is not.
+  const bool wd_on = attr.weight_decay != 0.0f;
+  const bool d_on = attr.dampening != 0.0f;
+  const bool write_state = m != 0.0f;
+  const float d = attr.dampening, wd = attr.weight_decay;
+#define SGDFUSE_CASE(WD, D, N) \
+  dispatch_state<T, WD, D, N>(write_state, n, pp, gg, aa, ss, lr, m, d, wd, po, ao, so)
+  if (attr.nesterov) {
+    // nesterov with dampening is refused by the contract; computed as written all the same.
+    if (wd_on) {
+      if (d_on) SGDFUSE_CASE(true, true, true); else SGDFUSE_CASE(true, false, true);
+    } else {
+      if (d_on) SGDFUSE_CASE(false, true, true); else SGDFUSE_CASE(false, false, true);
+    }
+  } else {
+    if (wd_on) {
+      if (d_on) SGDFUSE_CASE(true, true, false); else SGDFUSE_CASE(true, false, false);
+    } else {
+      if (d_on) SGDFUSE_CASE(false, true, false); else SGDFUSE_CASE(false, false, false);
+    }
+  }
+#undef SGDFUSE_CASE
+}
+
+// --- onnxruntime glue ------------------------------------------------------------------------------------
+
+struct Kernel {
+  Attributes attributes;
+  ONNXTensorElementDataType type;
+};
+
+// One OrtCustomOp per element type: onnxruntime picks the kernel whose type constraints match the node.
+struct SgdOp : OrtCustomOp {
+  ONNXTensorElementDataType type;
+};
+
+OrtStatus* status(const std::string& message) {
+  return g_api->CreateStatus(ORT_INVALID_ARGUMENT, ("ai.sgdfuse::SGD: " + message).c_str());
+}
+
+#define SGDFUSE_RETURN_IF_ERROR(expr) \
+  do {                                \
+    OrtStatus* _status = (expr);      \
+    if (_status != nullptr) return _status; \
+  } while (0)
+
+// An attribute the node does not carry takes the contract's default (0 / false).
+float float_attribute(const OrtKernelInfo* info, const char* name) {
+  float value = 0.0f;
+  OrtStatus* st = g_api->KernelInfoGetAttribute_float(info, name, &value);
+  if (st != nullptr) {
+    g_api->ReleaseStatus(st);
+    return 0.0f;
+  }
+  return value;
+}
+
+int64_t int_attribute(const OrtKernelInfo* info, const char* name) {
+  int64_t value = 0;
+  OrtStatus* st = g_api->KernelInfoGetAttribute_int64(info, name, &value);
+  if (st != nullptr) {
+    g_api->ReleaseStatus(st);
+    return 0;
+  }
+  return value;
+}
+
+OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info,
+                                      void** kernel) {
+  auto* k = new Kernel;
+  k->type = static_cast<const SgdOp*>(op)->type;
+  k->attributes.dampening = float_attribute(info, "dampening");
+  k->attributes.weight_decay = float_attribute(info, "weight_decay");
+  k->attributes.nesterov = int_attribute(info, "nesterov") != 0;
+  *kernel = k;
+  return nullptr;
+}
+
+struct TensorView {
+  const void* data = nullptr;
+  size_t count = 0;
+  std::string shape_text;
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+};
+
+// Element count and data of input ``index``; ``info`` is kept for outputs of the same shape.
+OrtStatus* read_input(OrtKernelContext* context, size_t index, TensorView* view) {
+  const OrtValue* value = nullptr;
+  SGDFUSE_RETURN_IF_ERROR(g_api->KernelContext_GetInput(context, index, &value));
+  SGDFUSE_RETURN_IF_ERROR(g_api->GetTensorTypeAndShape(value, &view->info));
+  SGDFUSE_RETURN_IF_ERROR(g_api->GetTensorShapeElementCount(view->info, &view->count));
+  SGDFUSE_RETURN_IF_ERROR(g_api->GetTensorData(value, &view->data));
+  return nullptr;
+}
+
+OrtStatus* shape_of(const OrtTensorTypeAndShapeInfo* info, int64_t* dims, size_t* rank) {
+  SGDFUSE_RETURN_IF_ERROR(g_api->GetDimensionsCount(info, rank));
+  if (*rank > 16) return status("rank above 16");
+  return g_api->GetDimensions(info, dims, *rank);
+}
+
+float scalar_value(ONNXTensorElementDataType type, const void* data) {
+  switch (type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+      return F16::load(*static_cast<const uint16_t*>(data));
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+      return BF16::load(*static_cast<const uint16_t*>(data));
+    default:
+      return *static_cast<const float*>(data);
+  }
+}
+
+OrtStatus* compute_with(Kernel* kernel, OrtKernelContext* context, TensorView* views) {
+  static const char* const names[kInputs] = {"parameters", "gradient", "learning_rate", "accum", "momentum", "stat"};
+  for (size_t i = 0; i < kInputs; ++i) SGDFUSE_RETURN_IF_ERROR(read_input(context, i, &views[i]));
+  int64_t dims[16];
+  size_t rank = 0;
+  SGDFUSE_RETURN_IF_ERROR(shape_of(views[0].info, dims, &rank));
+  const size_t n = views[0].count;
+  for (size_t i : {size_t{1}, size_t{3}, size_t{5}}) {
+    int64_t other[16];
+    size_t other_rank = 0;
+    SGDFUSE_RETURN_IF_ERROR(shape_of(views[i].info, other, &other_rank));
+    if (other_rank != rank || std::memcmp(other, dims, rank * sizeof(int64_t)) != 0) {
+      return status(std::string(names[i]) + " must have the shape of parameters");
+    }
+  }
+  for (size_t i : {size_t{2}, size_t{4}}) {
+    if (views[i].count != 1) return status(std::string(names[i]) + " must hold exactly one element");
+  }
+  const float lr = scalar_value(kernel->type, views[2].data);
+  const float m = scalar_value(kernel->type, views[4].data);
+  void* outputs[kOutputs];
+  for (size_t i = 0; i < kOutputs; ++i) {
+    OrtValue* value = nullptr;
+    SGDFUSE_RETURN_IF_ERROR(g_api->KernelContext_GetOutput(context, i, dims, rank, &value));
+    SGDFUSE_RETURN_IF_ERROR(g_api->GetTensorMutableData(value, &outputs[i]));
+  }
+  const void* p = views[0].data;
+  const void* g = views[1].data;
+  const void* a = views[3].data;
+  const void* s = views[5].data;
+  switch (kernel->type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
+      run_update<F32>(kernel->attributes, n, p, g, a, s, lr, m, outputs[0], outputs[1], outputs[2]);
+      break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+      run_update<F16>(kernel->attributes, n, p, g, a, s, lr, m, outputs[0], outputs[1], outputs[2]);
+      break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+      run_update<BF16>(kernel->attributes, n, p, g, a, s, lr, m, outputs[0], outputs[1], outputs[2]);
+      break;
+    default:
+      return status("element type is not FLOAT, FLOAT16 or BFLOAT16");
+  }
+  return nullptr;
+}
+
+OrtStatus* ORT_API_CALL compute(void* op_kernel, OrtKernelContext* context) {
+  TensorView views[kInputs];
+  OrtStatus* result = compute_with(static_cast<Kernel*>(op_kernel), context, views);
+  for (TensorView& view : views) {
+    if (view.info != nullptr) g_api->ReleaseTensorTypeAndShapeInfo(view.info);
+  }
+  return result;
+}
+
+void ORT_API_CALL destroy_kernel(void* op_kernel) { delete static_cast<Kernel*>(op_kernel); }
+
+const char* ORT_API_CALL op_name(const OrtCustomOp*) { return kOpType; }
+const char* ORT_API_CALL op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+ONNXTensorElementDataType ORT_API_CALL op_type(const OrtCustomOp* op, size_t) {
+  return static_cast<const SgdOp*>(op)->type;
+}
+size_t ORT_API_CALL input_count(const OrtCustomOp*) { return kInputs; }
+size_t ORT_API_CALL output_count(const OrtCustomOp*) { return kOutputs; }
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp*, size_t) {
+  return INPUT_OUTPUT_REQUIRED;
+}
+OrtMemType ORT_API_CALL memory_type(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+int ORT_API_CALL min_arity(const OrtCustomOp*) { return 1; }
+int ORT_API_CALL homogeneous(const OrtCustomOp*) { return 1; }
+
+SgdOp make_op(ONNXTensorElementDataType type) {
+  SgdOp op{};
+  op.version = kApiVersion;
+  op.GetName = op_name;
+  op.GetExecutionProviderType = op_provider;
+  op.GetInputType = op_type;
+  op.GetInputTypeCount = input_count;
+  op.GetOutputType = op_type;
+  op.GetOutputTypeCount = output_count;
+  op.KernelDestroy = destroy_kernel;
+  op.GetInputCharacteristic = required;
+  op.GetOutputCharacteristic = required;
+  op.GetInputMemoryType = memory_type;
+  op.GetVariadicInputMinArity = min_arity;
+  op.GetVariadicInputHomogeneity = homogeneous;
+  op.GetVariadicOutputMinArity = min_arity;
+  op.GetVariadicOutputHomogeneity = homogeneous;
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  op.type = type;
+  return op;
+}
+
+SgdOp g_ops[] = {
+    make_op(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT),
+    make_op(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16),
+    make_op(ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16),
+};
+
+}  // namespace
+
+// The entry point SessionOptions.register_custom_ops_library looks up.
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(kApiVersion);
+  if (api == nullptr) return nullptr;  // cannot even create a status; onnxruntime older than 1.16
+  g_api = api;
+  // The domain must outlive every session built from these options: it is deliberately never released.
+  OrtCustomOpDomain* domain = nullptr;
+  SGDFUSE_RETURN_IF_ERROR(api->CreateCustomOpDomain(kDomain, &domain));
+  for (SgdOp& op : g_ops) SGDFUSE_RETURN_IF_ERROR(api->CustomOpDomain_Add(domain, &op));
+  return api->AddCustomOpDomain(options, domain);
+}
