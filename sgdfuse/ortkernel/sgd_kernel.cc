@@ -12,7 +12,8 @@
 //   else:       accum_out = accum, stat_out = stat (bit for bit)
 //
 // Every intermediate is FLOAT, one rounding per operation in the order written (build with
-// -ffp-contract=off and without -ffast-math, so the compiler neither fuses a multiply-add nor reorders),
+// -ffp-contract=off and without -ffast-math, so the compiler neither fuses a multiply-add nor reorders;
+// vectorising an elementwise loop changes no rounding),
 // and FLOAT16/BFLOAT16 results are rounded back to nearest, ties to even. NaN payloads are not part of the
 // contract; a NaN stays a (quiet) NaN.
 //
@@ -57,42 +58,36 @@ struct F32 {
 };
 
 // IEEE binary16. Widening is exact; narrowing rounds to nearest, ties to even, overflowing to Inf.
+// Written without branches (every case computed, the right one selected) so the loop vectorises.
 struct F16 {
   using Storage = uint16_t;
   static float load(uint16_t h) {
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    const uint32_t exponent = (h >> 10) & 0x1Fu;
-    const uint32_t mantissa = h & 0x3FFu;
-    if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in FLOAT
-      return float_of(bits_of(static_cast<float>(mantissa) * 0x1p-24f) | sign);
-    }
-    if (exponent == 0x1F) {  // Inf or NaN
-      return float_of(sign | 0x7F800000u | (mantissa << 13));
-    }
-    return float_of(sign | ((exponent + (127 - 15)) << 23) | (mantissa << 13));
+    const uint32_t magnitude = h & 0x7FFFu;
+    // Normal: move exponent and mantissa into place and rebias the exponent (15 -> 127); Inf and NaN get
+    // the rebias twice, which takes exponent 31 to FLOAT's 255.
+    uint32_t u = (magnitude << 13) + ((127u - 15u) << 23);
+    u = magnitude >= 0x7C00u ? u + ((127u - 15u) << 23) : u;
+    // Zero or subnormal: mantissa * 2^-24, exact in FLOAT.
+    const float subnormal = static_cast<float>(static_cast<int32_t>(magnitude)) * 0x1p-24f;
+    u = magnitude < 0x0400u ? bits_of(subnormal) : u;
+    return float_of(u | sign);
   }
   static uint16_t store(float x) {
     const uint32_t u = bits_of(x);
-    const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+    const uint32_t sign = (u >> 16) & 0x8000u;
     const uint32_t magnitude = u & 0x7FFFFFFFu;
-    if (magnitude > 0x7F800000u) {  // NaN: keep it a NaN (quiet), with the top payload bits
-      return static_cast<uint16_t>(sign | 0x7E00u | ((magnitude >> 13) & 0x3FFu));
-    }
-    if (magnitude >= 0x47800000u) {  // |x| >= 65536 (or Inf): beyond every rounding to a finite value
-      return static_cast<uint16_t>(sign | 0x7C00u);
-    }
-    if (magnitude < 0x38800000u) {
-      // Below the smallest normal (2^-14): the result is a multiple of 2^-24. Adding 0.5 puts |x| where
-      // FLOAT's spacing is exactly 2^-24, so the FPU's own round-to-nearest-even does the rounding; the
-      // bits above 0.5's are the subnormal mantissa (0x400 when it rounds up to the smallest normal).
-      const float shifted = float_of(magnitude) + 0.5f;
-      return static_cast<uint16_t>(sign | (bits_of(shifted) - bits_of(0.5f)));
-    }
-    // Normal: rebias the exponent and round the 13 dropped bits to nearest even; a carry out of the
-    // mantissa moves to the next binade (and from 65504 up to Inf), as rounding should.
-    const uint32_t odd = (magnitude >> 13) & 1u;
-    const uint32_t rounded = magnitude - ((127u - 15u) << 23) + 0x0FFFu + odd;
-    return static_cast<uint16_t>(sign | (rounded >> 13));
+    // Below the smallest normal (2^-14) the result is a multiple of 2^-24. Adding 0.5 puts |x| where
+    // FLOAT's spacing is exactly 2^-24, so the FPU's own round-to-nearest-even does the rounding; the bits
+    // above 0.5's are the subnormal mantissa (0x400 when it rounds up to the smallest normal).
+    const uint32_t subnormal = bits_of(float_of(magnitude) + 0.5f) - bits_of(0.5f);
+    // Normal: rebias the exponent (127 -> 15) and round the 13 dropped bits to nearest even; a carry out of
+    // the mantissa moves to the next binade (and from 65504 up to Inf), as rounding should.
+    const uint32_t normal = (magnitude - ((127u - 15u) << 23) + 0x0FFFu + ((magnitude >> 13) & 1u)) >> 13;
+    uint32_t r = magnitude < 0x38800000u ? subnormal : normal;
+    r = magnitude >= 0x47800000u ? 0x7C00u : r;  // |x| >= 65536 or Inf: Inf
+    r = magnitude > 0x7F800000u ? (0x7E00u | ((magnitude >> 13) & 0x3FFu)) : r;  // NaN stays a (quiet) NaN
+    return static_cast<uint16_t>(sign | r);
   }
 };
 
@@ -102,10 +97,9 @@ struct BF16 {
   static float load(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16); }
   static uint16_t store(float x) {
     const uint32_t u = bits_of(x);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
-      return static_cast<uint16_t>((u >> 16) | 0x0040u);  // NaN stays NaN (quiet)
-    }
-    return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = (u >> 16) | 0x0040u;  // NaN stays a (quiet) NaN
+    return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
   }
 };
 
@@ -121,9 +115,10 @@ struct Attributes {
 // every element), so each instantiation is one straight loop the compiler can vectorise without changing
 // a single rounding (elementwise, no reassociation).
 template <typename T, bool kWeightDecay, bool kDampening, bool kNesterov, bool kWriteState>
-void update(size_t n, const typename T::Storage* p, const typename T::Storage* g, const typename T::Storage* a,
-            const typename T::Storage* s, float lr, float m, float d, float wd, typename T::Storage* p_out,
-            typename T::Storage* a_out, typename T::Storage* s_out) {
+void update(size_t n, const typename T::Storage* __restrict__ p, const typename T::Storage* __restrict__ g,
+            const typename T::Storage* __restrict__ a, const typename T::Storage* __restrict__ s, float lr, float m,
+            float d, float wd, typename T::Storage* __restrict__ p_out, typename T::Storage* __restrict__ a_out,
+            typename T::Storage* __restrict__ s_out) {
   for (size_t i = 0; i < n; ++i) {
     const float pf = T::load(p[i]);
     const float gf = T::load(g[i]);
