@@ -6,8 +6,9 @@ Pinned:
 - the kernel computes the contract bit for bit: the same hypothesis property as the function bodies
   (tests/test_fused_function.py), against the numpy reference, with the same strategies (edge values, ±0,
   Inf, NaN, subnormals, half-way roundings), for the general body's cases and for every specialisation's;
-- ``check`` still passes on testdata models with the kernel registered (``SGDFUSE_ORT_KERNEL=1``), and still
-  rejects a tampered fused model;
+- ``check`` still passes on every testdata model with momentum updates with the kernel registered
+  (``SGDFUSE_ORT_KERNEL=1``), and still rejects a tampered fused model; it really runs the kernel then (its
+  native-dtype run keeps the SGD nodes instead of inlining their bodies): a kernel built wrong fails it;
 - build errors are clear, and a failed build leaves no library behind.
 
 The kernel is built once per machine (cached under the sgdfuse cache root): the first run of this module
@@ -254,6 +255,24 @@ def test_check_rejects_a_tampered_fused_model_with_the_kernel_registered(with_ke
             if node.domain == "ai.sgdfuse" and attribute.name == "dampening":
                 attribute.CopyFrom(helper.make_attribute("dampening", 0.5))
     assert not check_models(original, fused, steps=3).passed
+
+
+def test_check_runs_the_kernel_so_a_wrong_kernel_fails_it(kernel, tmp_path, monkeypatch):
+    # A kernel built from a source with one sign flipped (p + accum_t*lr): if check ran the function bodies
+    # instead of the registered kernel, it would pass.
+    source = ortkernel._SOURCE.read_text()
+    wrong = source.replace("result = pf - accum_t * lr;", "result = pf + accum_t * lr;")
+    assert wrong != source
+    (tmp_path / "wrong.cc").write_text(wrong)
+    monkeypatch.setattr(ortkernel, "_SOURCE", tmp_path / "wrong.cc")
+    monkeypatch.setenv(ortkernel.INCLUDE_ENV, str(kernel.include))
+    monkeypatch.setenv("SGDFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(ORT_KERNEL_ENV, "1")
+    original = onnx.load(TESTDATA / "sgd_dampening_legacy.onnx")
+    fused = api.optimize(original, verify=False).model
+    assert not check_models(original, fused, steps=3).passed
+    monkeypatch.delenv(ORT_KERNEL_ENV)
+    assert check_models(original, fused, steps=3).passed
 
 
 # --- build errors -----------------------------------------------------------------------------------------
