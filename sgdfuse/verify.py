@@ -497,7 +497,7 @@ def _make_pairs(original: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[list
     The fused side runs :func:`sgdfuse.lift.specialise` d: the SGD function body inlined per node with its
     attributes, the ``If`` s on them resolved (same arithmetic, bit for bit; sessions build ~3x faster).
     With the native kernel asked for (``SGDFUSE_ORT_KERNEL=1``, :mod:`sgdfuse.runtime`) the native pair keeps
-    the SGD nodes, so the kernel runs them; the lifted pair runs the bodies (the kernel has no DOUBLE)."""
+    the SGD nodes, so the kernel runs them; the lifted (DOUBLE) pair runs the inlined bodies as without it."""
     inlined = fused
     try:
         inlined = specialise(fused)

@@ -35,6 +35,7 @@ from onnx import TensorProto, helper
 from sgdfuse import api, ortkernel
 from sgdfuse.contract import SgdAttributes
 from sgdfuse.fused_op import INPUT_NAMES, OUTPUT_NAMES, Specialisation
+from sgdfuse.lift import lift_to_double
 from sgdfuse.reference import sgd
 from sgdfuse.runtime import ORT_KERNEL_ENV, make_session, run
 from sgdfuse.verify import check_models
@@ -206,6 +207,41 @@ def test_kernel_matches_reference_bit_for_bit_on_long_tensors(with_kernel, dtype
     feeds["momentum"] = np.array([momentum], np.float32).astype(dtype)
     session = make_session(_model(dtype, PROPERTY_OPSET, None, [("", attributes)]))
     _check_with_kernel({"k": session}, None, "k", attributes, feeds, "long tensors")
+
+
+@pytest.mark.parametrize(
+    "attributes",
+    [SgdAttributes(), SgdAttributes(0.1, 0.01, False), SgdAttributes(0.0, 1 / 3, True), SgdAttributes(1 / 3, 1e-45, False)],
+    ids=["plain", "damp-wd", "nesterov-wd", "damp-tiny-wd"],
+)
+@pytest.mark.parametrize("momentum", [0.9, 0.0, -0.0, float("nan")], ids=["m0.9", "m0", "m-0", "mnan"])
+def test_kernel_runs_lifted_double_models_as_their_lifted_bodies(kernel, attributes, momentum, tmp_path):
+    # DOUBLE is not a contract dtype but what sgdfuse.lift makes of a model (check's DOUBLE run): with the
+    # kernel registered such a model must still load, and give what its lifted function body gives.
+    lifted = lift_to_double(_model(F32, PROPERTY_OPSET, None, [("", attributes)]))
+    rng = np.random.default_rng(7)
+    n = 1031
+    edges = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 5e-324, -5e-324, 1e308, -1e308, 1.0, 0.5], np.float64)
+
+    def tensor() -> np.ndarray:
+        values = rng.standard_normal(n) * 2
+        values[: len(edges)] = edges
+        return rng.permutation(values)
+
+    feeds = {name: tensor() for name in ("parameters", "gradient", "accum", "stat")}
+    feeds["learning_rate"] = np.array([0.1])
+    feeds["momentum"] = np.array([momentum])
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    bodies = ort.InferenceSession(lifted.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    expected = dict(zip(OUTPUT_NAMES, bodies.run(list(OUTPUT_NAMES), feeds)))
+    assert _executed_op_types(lifted, feeds, optimise=False, directory=tmp_path) == {"SGD"}
+    with_kernel = ort.InferenceSession(lifted.SerializeToString(), ortkernel.session_options(), providers=["CPUExecutionProvider"])
+    actual = dict(zip(OUTPUT_NAMES, with_kernel.run(list(OUTPUT_NAMES), feeds)))
+    for name in OUTPUT_NAMES:
+        nan = np.isnan(expected[name])
+        assert np.array_equal(np.isnan(actual[name]), nan), name  # NaN matches NaN, whatever its payload
+        assert np.array_equal(actual[name][~nan].view(np.uint64), expected[name][~nan].view(np.uint64)), name
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -8,7 +8,9 @@ FLOAT roundings in the same order as :func:`sgdfuse.reference.sgd`, so its resul
 
 Registered on a session's options (:func:`register`), the kernel runs every ``ai.sgdfuse::SGD`` node of
 element type FLOAT, FLOAT16 or BFLOAT16 instead of the node's function body, whatever overload the node names
-(onnxruntime inlines a model-local function only for a node that no registered kernel claims).
+(onnxruntime inlines a model-local function only for a node that no registered kernel claims). It also runs
+DOUBLE nodes as :mod:`sgdfuse.lift` 's lifted bodies compute them (the formula in DOUBLE), so lifted models load
+with it registered (the registration gives the op a schema, which refuses element types without a kernel).
 
 **Headers.** The kernel is compiled against onnxruntime's C API header (``onnxruntime_c_api.h``), which no
 PyPI onnxruntime wheel and no Debian 12 package ships. It is taken from a registry package at build time:

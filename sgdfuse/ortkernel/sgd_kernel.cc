@@ -57,16 +57,29 @@ inline float float_of(uint32_t u) {
   return x;
 }
 
+// Each element type: how it is stored, the type its arithmetic is done in, and the conversions.
 struct F32 {
   using Storage = float;
+  using Compute = float;
   static float load(float x) { return x; }
   static float store(float x) { return x; }
+};
+
+// DOUBLE is not a contract dtype: it is what sgdfuse.lift makes of a model to compare coefficients without
+// FLOAT rounding, and the lifted function body computes the formula in DOUBLE with the FLOAT attributes
+// taken exactly as stored. The kernel does the same, so a lifted fused model runs with it registered.
+struct F64 {
+  using Storage = double;
+  using Compute = double;
+  static double load(double x) { return x; }
+  static double store(double x) { return x; }
 };
 
 // IEEE binary16. Widening is exact; narrowing rounds to nearest, ties to even, overflowing to Inf.
 // Written without branches (every case computed, the right one selected) so the loop vectorises.
 struct F16 {
   using Storage = uint16_t;
+  using Compute = float;
   static float load(uint16_t h) {
     const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
     const uint32_t magnitude = h & 0x7FFFu;
@@ -100,6 +113,7 @@ struct F16 {
 // bfloat16: the upper half of a FLOAT. Narrowing rounds to nearest, ties to even, overflowing to Inf.
 struct BF16 {
   using Storage = uint16_t;
+  using Compute = float;
   static float load(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16); }
   static uint16_t store(float x) {
     const uint32_t u = bits_of(x);
@@ -122,21 +136,22 @@ struct Attributes {
 // a single rounding (elementwise, no reassociation).
 template <typename T, bool kWeightDecay, bool kDampening, bool kNesterov, bool kWriteState>
 void update_portable(size_t n, const typename T::Storage* __restrict__ p, const typename T::Storage* __restrict__ g,
-            const typename T::Storage* __restrict__ a, const typename T::Storage* __restrict__ s, float lr, float m,
-            float d, float wd, typename T::Storage* __restrict__ p_out, typename T::Storage* __restrict__ a_out,
+            const typename T::Storage* __restrict__ a, const typename T::Storage* __restrict__ s, typename T::Compute lr,
+            typename T::Compute m, typename T::Compute d, typename T::Compute wd, typename T::Storage* __restrict__ p_out, typename T::Storage* __restrict__ a_out,
             typename T::Storage* __restrict__ s_out) {
   for (size_t i = 0; i < n; ++i) {
-    const float pf = T::load(p[i]);
-    const float gf = T::load(g[i]);
-    const float af = T::load(a[i]);
-    float grad = gf;
+    using C = typename T::Compute;
+    const C pf = T::load(p[i]);
+    const C gf = T::load(g[i]);
+    const C af = T::load(a[i]);
+    C grad = gf;
     if (kWeightDecay) grad = gf + pf * wd;
-    float accum_t = af * m + grad;
+    C accum_t = af * m + grad;
     if (kDampening) {
-      const float one_minus_s = 1.0f - T::load(s[i]);
+      const C one_minus_s = C(1) - T::load(s[i]);
       accum_t = accum_t - grad * one_minus_s * d;
     }
-    float result;
+    C result;
     if (kNesterov) {
       result = pf - (grad + accum_t * m) * lr;
     } else {
@@ -206,7 +221,8 @@ bool has_f16c() {
 
 template <typename T, bool kWeightDecay, bool kDampening, bool kNesterov, bool kWriteState>
 void update(size_t n, const typename T::Storage* p, const typename T::Storage* g, const typename T::Storage* a,
-            const typename T::Storage* s, float lr, float m, float d, float wd, typename T::Storage* p_out,
+            const typename T::Storage* s, typename T::Compute lr, typename T::Compute m, typename T::Compute d,
+            typename T::Compute wd, typename T::Storage* p_out,
             typename T::Storage* a_out, typename T::Storage* s_out) {
   size_t done = 0;
 #ifdef SGDFUSE_F16C
@@ -223,8 +239,8 @@ void update(size_t n, const typename T::Storage* p, const typename T::Storage* g
 
 template <typename T, bool kWeightDecay, bool kDampening, bool kNesterov>
 void dispatch_state(bool write_state, size_t n, const typename T::Storage* p, const typename T::Storage* g,
-                    const typename T::Storage* a, const typename T::Storage* s, float lr, float m, float d,
-                    float wd, typename T::Storage* p_out, typename T::Storage* a_out,
+                    const typename T::Storage* a, const typename T::Storage* s, typename T::Compute lr,
+                    typename T::Compute m, typename T::Compute d, typename T::Compute wd, typename T::Storage* p_out, typename T::Storage* a_out,
                     typename T::Storage* s_out) {
   if (write_state) {
     update<T, kWeightDecay, kDampening, kNesterov, true>(n, p, g, a, s, lr, m, d, wd, p_out, a_out, s_out);
@@ -238,7 +254,7 @@ void dispatch_state(bool write_state, size_t n, const typename T::Storage* p, co
 
 template <typename T>
 void run_update(const Attributes& attr, size_t n, const void* p, const void* g, const void* a, const void* s,
-                float lr, float m, void* p_out, void* a_out, void* s_out) {
+                double lr_in, double m_in, void* p_out, void* a_out, void* s_out) {
   using S = typename T::Storage;
   const auto* pp = static_cast<const S*>(p);
   const auto* gg = static_cast<const S*>(g);
@@ -250,8 +266,10 @@ void run_update(const Attributes& attr, size_t n, const void* p, const void* g, 
   // "!= 0" as the contract writes it: -0 is zero, NaN is not.
   const bool wd_on = attr.weight_decay != 0.0f;
   const bool d_on = attr.dampening != 0.0f;
-  const bool write_state = m != 0.0f;
-  const float d = attr.dampening, wd = attr.weight_decay;
+  using C = typename T::Compute;
+  const C lr = static_cast<C>(lr_in), m = static_cast<C>(m_in);  // exact: the input's own value
+  const C d = attr.dampening, wd = attr.weight_decay;  // FLOAT attributes, exact in DOUBLE too
+  const bool write_state = m != C(0);
 #define SGDFUSE_CASE(WD, D, N) \
   dispatch_state<T, WD, D, N>(write_state, n, pp, gg, aa, ss, lr, m, d, wd, po, ao, so)
   if (attr.nesterov) {
@@ -348,12 +366,15 @@ OrtStatus* shape_of(const OrtTensorTypeAndShapeInfo* info, int64_t* dims, size_t
   return g_api->GetDimensions(info, dims, *rank);
 }
 
-float scalar_value(ONNXTensorElementDataType type, const void* data) {
+// The one element of learning_rate or momentum, exactly (DOUBLE holds every value of the other types).
+double scalar_value(ONNXTensorElementDataType type, const void* data) {
   switch (type) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
       return F16::load(*static_cast<const uint16_t*>(data));
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
       return BF16::load(*static_cast<const uint16_t*>(data));
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE:
+      return *static_cast<const double*>(data);
     default:
       return *static_cast<const float*>(data);
   }
@@ -377,8 +398,8 @@ OrtStatus* compute_with(Kernel* kernel, OrtKernelContext* context, TensorView* v
   for (size_t i : {size_t{2}, size_t{4}}) {
     if (views[i].count != 1) return status(std::string(names[i]) + " must hold exactly one element");
   }
-  const float lr = scalar_value(kernel->type, views[2].data);
-  const float m = scalar_value(kernel->type, views[4].data);
+  const double lr = scalar_value(kernel->type, views[2].data);
+  const double m = scalar_value(kernel->type, views[4].data);
   void* outputs[kOutputs];
   for (size_t i = 0; i < kOutputs; ++i) {
     OrtValue* value = nullptr;
@@ -399,8 +420,11 @@ OrtStatus* compute_with(Kernel* kernel, OrtKernelContext* context, TensorView* v
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
       run_update<BF16>(kernel->attributes, n, p, g, a, s, lr, m, outputs[0], outputs[1], outputs[2]);
       break;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE:
+      run_update<F64>(kernel->attributes, n, p, g, a, s, lr, m, outputs[0], outputs[1], outputs[2]);
+      break;
     default:
-      return status("element type is not FLOAT, FLOAT16 or BFLOAT16");
+      return status("element type is not FLOAT, FLOAT16, BFLOAT16 or DOUBLE");
   }
   return nullptr;
 }
@@ -457,6 +481,7 @@ SgdOp g_ops[] = {
     make_op(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT),
     make_op(ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16),
     make_op(ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16),
+    make_op(ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE),
 };
 
 }  // namespace
