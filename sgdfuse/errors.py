@@ -20,6 +20,7 @@ __all__ = [
     "UnknownSocError",
     "CheckpointError",
     "RolePinError",
+    "NativeBuildError",
 ]
 
 
@@ -153,3 +154,17 @@ class RolePinError(SgdfuseError):
     def __init__(self, pin: str, message: str) -> None:
         super().__init__(f"{pin}: {message}")
         self.pin = pin
+
+
+class NativeBuildError(SgdfuseError):
+    """A C++ library that sgdfuse builds on first use (:mod:`sgdfuse.native`) could not be built.
+
+    Attributes:
+        reason: ``"no-compiler"``, ``"no-headers"`` or ``"compile-failed"``.
+        log: the compiler's output (empty unless the compiler ran).
+    """
+
+    def __init__(self, reason: str, message: str, log: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.log = log

@@ -3,12 +3,17 @@
 onnxruntime's Python API cannot feed or fetch BFLOAT16 as numpy arrays (seen with onnxruntime 1.32): BFLOAT16 inputs are bound as ``OrtValue``s made from ``uint16`` views through IO
 binding, and BFLOAT16 outputs are copied out of the ``OrtValue``'s CPU buffer and viewed as
 ``ml_dtypes.bfloat16``.
+
+With ``SGDFUSE_ORT_KERNEL=1`` in the environment, every session :func:`make_session` creates has sgdfuse's
+native ``ai.sgdfuse::SGD`` kernel registered (:mod:`sgdfuse.ortkernel`, built on first use), so ``check`` and
+``optimize``'s verification run fused nodes through the kernel instead of their function bodies.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+import os
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -17,11 +22,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-__all__ = ["make_session", "run", "onnx_to_numpy_dtype", "numpy_to_onnx_dtype", "ONNXRUNTIME_ERRORS", "ReferenceSession", "REFERENCE_DOMAINS"]
+__all__ = ["ORT_KERNEL_ENV", "make_session", "run", "onnx_to_numpy_dtype", "numpy_to_onnx_dtype", "ONNXRUNTIME_ERRORS", "ReferenceSession", "REFERENCE_DOMAINS"]
 
 REFERENCE_DOMAINS = frozenset({"ai.onnx.preview.training"})
 """Op domains onnxruntime does not run (ONNX's preview training ``Momentum``): a model using them runs in
 ``onnx.reference.ReferenceEvaluator`` instead (slow, exact to the ONNX reference)."""
+
+ORT_KERNEL_ENV = "SGDFUSE_ORT_KERNEL"
+"""Set to ``1`` to run fused nodes through the native kernel in every session :func:`make_session` creates."""
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -82,7 +90,12 @@ class ReferenceSession:
 def make_session(model: onnx.ModelProto | bytes) -> "ort.InferenceSession | ReferenceSession":
     """A single-threaded CPU ``InferenceSession`` for ``model``, with graph optimisations off so that what runs
     is the graph as written (no constant folding or fusion that could change rounding); a :class:`ReferenceSession`
-    for a model with ops onnxruntime does not run (:data:`REFERENCE_DOMAINS`)."""
+    for a model with ops onnxruntime does not run (:data:`REFERENCE_DOMAINS`). With ``SGDFUSE_ORT_KERNEL=1`` the
+    native SGD kernel is registered (:mod:`sgdfuse.ortkernel`).
+
+    Raises:
+        KernelBuildError: ``SGDFUSE_ORT_KERNEL=1`` and the kernel cannot be built.
+    """
     if isinstance(model, onnx.ModelProto) and any(node.domain in REFERENCE_DOMAINS for node in model.graph.node):
         return ReferenceSession(model)
     options = ort.SessionOptions()
@@ -93,6 +106,10 @@ def make_session(model: onnx.ModelProto | bytes) -> "ort.InferenceSession | Refe
     options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if os.environ.get(ORT_KERNEL_ENV) == "1":
+        from sgdfuse import ortkernel  # imported only when asked for: it may build the kernel
+
+        ortkernel.register(options)
     data = model if isinstance(model, bytes) else model.SerializeToString()
     return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
 

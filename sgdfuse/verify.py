@@ -116,6 +116,7 @@ import functools
 import hashlib
 import heapq
 import logging
+import os
 import random
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -129,7 +130,7 @@ from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, S
 from sgdfuse.lift import FLOAT_TYPES, lift_to_double, missing_kernels, specialise
 from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.sgd_match import previous_by_name
-from sgdfuse.runtime import make_session, onnx_to_numpy_dtype, run
+from sgdfuse.runtime import ORT_KERNEL_ENV, make_session, onnx_to_numpy_dtype, run
 
 __all__ = ["non_negative_inputs", 
     "OPERATIONS",
@@ -495,14 +496,18 @@ def _make_pairs(original: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[list
     op types without a DOUBLE kernel are listed when onnxruntime names them.
 
     The fused side runs :func:`sgdfuse.lift.specialise` d: the SGD function body inlined per node with its
-    attributes, the ``If`` s on them resolved (same arithmetic, bit for bit; sessions build ~3x faster)."""
+    attributes, the ``If`` s on them resolved (same arithmetic, bit for bit; sessions build ~3x faster).
+    With the native kernel asked for (``SGDFUSE_ORT_KERNEL=1``, :mod:`sgdfuse.runtime`) the native pair keeps
+    the SGD nodes, so the kernel runs them; the lifted (DOUBLE) pair runs the inlined bodies as without it."""
+    inlined = fused
     try:
-        fused = specialise(fused)
+        inlined = specialise(fused)
     except Exception as error:  # onnx's inliner refusing a model: run the functions as they are (slower)
         logger.info("could not inline the fused model's functions (%s); running it as it is", error)
-    pairs = [_Pair(original, fused, lifted=False)]
+    kernel = os.environ.get(ORT_KERNEL_ENV) == "1"
+    pairs = [_Pair(original, fused if kernel else inlined, lifted=False)]
     try:
-        pairs.append(_Pair(original, fused, lifted=True))
+        pairs.append(_Pair(original, inlined, lifted=True))
     except Exception as error:  # onnxruntime's own exception types: no DOUBLE kernel, type errors
         ops = missing_kernels(error)
         reason = f"onnxruntime has no DOUBLE kernel for {', '.join(ops)}" if ops else str(error).strip().splitlines()[0]

@@ -3,7 +3,7 @@ prints them as one line and exits 1."""
 
 from __future__ import annotations
 
-from sgdfuse.errors import ModelLoadError, SgdfuseError
+from sgdfuse.errors import ModelLoadError, NativeBuildError, SgdfuseError
 
 __all__ = [
     "MindSporeMissingError",
@@ -18,18 +18,13 @@ class MindSporeMissingError(SgdfuseError):
     """MindSpore is not importable here (install ``sgdfuse[mindspore]``)."""
 
 
-class PluginBuildError(SgdfuseError):
+class PluginBuildError(NativeBuildError):
     """The custom pass plugin could not be built.
 
     Attributes:
         reason: ``"no-compiler"``, ``"no-headers"`` or ``"compile-failed"``.
         log: the compiler's output (empty unless the compiler ran).
     """
-
-    def __init__(self, reason: str, message: str, log: str = "") -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.log = log
 
 
 class PluginRegisterError(SgdfuseError):

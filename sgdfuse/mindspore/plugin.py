@@ -30,22 +30,19 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import logging
 import os
-import shutil
-import subprocess
 import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import Iterator
 
 from sgdfuse.mindspore.errors import MindSporeMissingError, PluginBuildError, PluginRegisterError
+from sgdfuse.native import build_cached, cache_root, find_compiler
 from sgdfuse.report import FusedUpdate, Refusal, Report
 
 __all__ = [
@@ -63,7 +60,6 @@ logger = logging.getLogger(__name__)
 PASS_NAME = "sgdfuse_mint_sgd"
 REPORT_ENV = "SGDFUSE_MINDSPORE_REPORT"
 DISABLE_ENV = "SGDFUSE_MINDSPORE_DISABLE"
-CACHE_ENV = "SGDFUSE_CACHE_DIR"
 DEVICES_ENV = "SGDFUSE_MINDSPORE_DEVICES"
 _SOURCE = Path(__file__).with_name("sgdfuse_pass.cc")
 _DEVICES = ("cpu", "ascend", "all")
@@ -124,33 +120,6 @@ def _mindspore_dir() -> tuple[Path, str]:
     return Path(spec.origin).parent, version
 
 
-def _compiler() -> tuple[str, str]:
-    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
-    for candidate in candidates:
-        found = shutil.which(candidate)
-        if found is None:
-            continue
-        try:
-            out = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout
-        except (OSError, subprocess.SubprocessError):
-            continue
-        return found, (out.splitlines() or ["?"])[0].strip()
-    raise PluginBuildError(
-        "no-compiler",
-        f"no C++ compiler found (tried {', '.join(candidates)}); the MindSpore plugin is built from source on first "
-        "use: install g++ (e.g. `apt-get install g++`) or set CXX",
-    )
-
-
-def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sgdfuse"
-
-
 def _command(compiler: str, ms_dir: Path, source: Path, output: Path) -> list[str]:
     command = [compiler, *_FLAGS]
     command += [f"-D{d}" for d in _DEFINES]
@@ -180,49 +149,23 @@ def build_plugin(*, cache_dir: str | os.PathLike | None = None, force: bool = Fa
             f"MindSpore {ms_version} at {ms_dir} ships no custom pass headers ({_HEADER_PROBE} is missing); "
             "the plugin needs a wheel with mindspore/include (MindSpore 2.10 or later)",
         )
-    compiler, compiler_version = _compiler()
+    compiler, compiler_version = find_compiler("the MindSpore plugin", PluginBuildError)
     key = hashlib.sha256(
         "\0".join([ms_version, compiler_version, *_FLAGS, *_DEFINES, *_LIBRARIES, _SOURCE.read_text()]).encode()
     ).hexdigest()[:16]
-    directory = _cache_root(cache_dir) / f"mindspore-{ms_version}" / key
-    library = directory / "libsgdfuse_mindspore.so"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise PluginBuildError("compile-failed", f"cannot create the plugin cache {directory}: {error}") from error
-    with open(directory / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if library.is_file() and not force:
-            return PluginBuild(library, ms_version, compiler, compiler_version, True, 0.0)
-        descriptor, temporary = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=directory)
-        os.close(descriptor)
-        command = _command(compiler, ms_dir, _SOURCE, Path(temporary))
-        logger.info("building the MindSpore plugin: %s", " ".join(command))
-        start = time.perf_counter()
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-        except (OSError, subprocess.SubprocessError) as error:
-            os.unlink(temporary)
-            raise PluginBuildError("compile-failed", f"{compiler} could not run: {error}") from error
-        seconds = time.perf_counter() - start
-        if result.returncode != 0:
-            os.unlink(temporary)
-            log = result.stdout + result.stderr
-            tail = "\n".join(log.strip().splitlines()[-15:])
-            raise PluginBuildError(
-                "compile-failed",
-                f"building the MindSpore plugin with {compiler} ({compiler_version}) failed; last lines:\n{tail}",
-                log,
-            )
-        os.replace(temporary, library)
-        (directory / "build.json").write_text(
-            json.dumps(
-                {"mindspore": ms_version, "compiler": compiler, "compiler_version": compiler_version,
-                 "command": command, "seconds": round(seconds, 2)},
-                indent=2,
-            )
-        )
-        return PluginBuild(library, ms_version, compiler, compiler_version, False, seconds)
+    source = _SOURCE
+    library, cached, seconds = build_cached(
+        cache_root(cache_dir) / f"mindspore-{ms_version}" / key,
+        "libsgdfuse_mindspore.so",
+        lambda output: _command(compiler, ms_dir, source, output),
+        what="the MindSpore plugin",
+        compiler=compiler,
+        compiler_version=compiler_version,
+        metadata={"mindspore": ms_version},
+        force=force,
+        error_type=PluginBuildError,
+    )
+    return PluginBuild(library, ms_version, compiler, compiler_version, cached, seconds)
 
 
 @dataclasses.dataclass
