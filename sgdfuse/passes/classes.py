@@ -101,6 +101,9 @@ _LEAF_STEP: tuple = (None, (), False, ())
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
+_LISTED, _WALKED = "listed", "walked"
+"""What :meth:`_Walker.region` has seen of a value."""
+
 
 class _Walker:
     """Regions of graph outputs, with per-node facts read from the protobuf once.
@@ -176,10 +179,12 @@ class _Walker:
 
         Raises:
             _TooLarge: the region has more than :data:`MAX_WALK` values."""
-        listed = {output}
-        walked = {output}
+        # One table for what the walk has seen of a value: _LISTED (only as an operand of a leaf's producer)
+        # or _WALKED (its producer's inputs are taken); one look-up per operand instead of two sets'.
+        seen = {output: _WALKED}
+        seen_get = seen.get
         order = [output]
-        fringe: set[str] = set()
+        fringe: list[str] = []
         stack = [output]
         direct = False
         steps_get = self._steps.get
@@ -191,21 +196,23 @@ class _Walker:
             if makes_direct:
                 direct = True
             for name in inputs:
-                if name and name not in walked:
-                    walked.add(name)
-                    stack.append(name)
-                    if name not in listed:
-                        listed.add(name)
-                        order.append(name)
+                if name:
+                    was = seen_get(name)
+                    if was is not _WALKED:
+                        seen[name] = _WALKED
+                        stack.append(name)
+                        if was is None:
+                            order.append(name)
             if operands:
                 for name in operands:
-                    if name and name not in listed:
-                        listed.add(name)
+                    if name and name not in seen:
+                        seen[name] = _LISTED
                         order.append(name)
-                        fringe.add(name)
+                        fringe.append(name)
             if len(order) > MAX_WALK:
                 raise _TooLarge(output)
-        return order, fringe - walked if fringe else fringe, direct or len(order) > MAX_REGION
+        listed_only = {name for name in fringe if seen[name] is _LISTED} if fringe else set()
+        return order, listed_only, direct or len(order) > MAX_REGION
 
     def copy_chain(self, value: str) -> list[str]:
         """``value`` and the values it copies through ``Identity``, ``Cast`` and ``CastLike``, nearest first (a
@@ -262,28 +269,35 @@ class _Walker:
         defining node's inputs are added by the caller, as positions)."""
         facts = self._value_facts.get(value)
         if facts is None:
-            index = self.index
-            spec = index.specs.get(value)
-            k = index.producer.get(value)
-            if k is not None:
-                op, domain, _, outputs, _, _ = self.node_facts(k)
-                entered = domain in _DEFAULT_DOMAINS and op in ENTERED_OPS
-                kind = ("node" if entered else "computed", op, domain, outputs.index(value), len(outputs), self.attributes(k) if entered else b"")
-            elif value in index.initializers:
-                if index.is_input_name(value):
-                    kind = ("initializer-input",)
-                else:
-                    constant = index.constant(value)
-                    kind = ("initializer", None if constant is None else (str(constant.dtype), constant.shape, constant.tobytes()))
-            elif index.is_input_name(value):
-                kind = ("input",)
-            else:
-                kind = ("undefined",)
-            facts = (0, None, kind, value in self.outputs) if spec is None else (spec.dtype, spec.shape, kind, value in self.outputs)
-            # One tuple per distinct fact: most values of a step share theirs, and equal keys then compare
-            # by identity.
-            facts = self._value_facts[value] = self._distinct.setdefault(facts, facts)
+            facts = self._value_facts[value] = self._facts_of(value)
         return facts
+
+    def _facts_of(self, value: str) -> tuple:
+        """:meth:`value_facts`, uncached."""
+        index = self.index
+        k = index.producer.get(value)
+        if k is not None:
+            op, domain, _, outputs, _, has_attributes = self._node_facts[k] or self.node_facts(k)
+            if domain in _DEFAULT_DOMAINS and op in ENTERED_OPS:
+                attributes = self.attributes(k) if has_attributes else b""
+                kind: tuple = ("node", op, domain, outputs.index(value) if len(outputs) > 1 else 0, len(outputs), attributes)
+            else:
+                kind = ("computed", op, domain, outputs.index(value) if len(outputs) > 1 else 0, len(outputs), b"")
+        elif value in index.initializers:
+            if index.is_input_name(value):
+                kind = ("initializer-input",)
+            else:
+                constant = index.constant(value)
+                kind = ("initializer", None if constant is None else (str(constant.dtype), constant.shape, constant.tobytes()))
+        elif index.is_input_name(value):
+            kind = ("input",)
+        else:
+            kind = ("undefined",)
+        spec = index.specs.get(value)
+        facts = (0, None, kind, value in self.outputs) if spec is None else (spec.dtype, spec.shape, kind, value in self.outputs)
+        # One tuple per distinct fact: most values of a step share theirs, and equal keys then compare by
+        # identity.
+        return self._distinct.setdefault(facts, facts)
 
     def is_constant(self, value: str) -> bool:
         """A small compile-time constant (``GraphIndex.constant``: its bytes are keyed)."""
@@ -427,6 +441,12 @@ def _union(walker: _Walker, outputs: Sequence[str], appearances: dict[str, list[
     for value, readers in appearances.items():
         if len(readers) < 2:
             continue
+        root = find(readers[0])
+        for other in readers:
+            if find(other) != root:
+                break
+        else:
+            continue  # linked already (a buffer's values, read by its parameter's region too)
         links = _links(walker, value, len(readers))
         if links is None:
             # A one-element value read by many regions: a learning rate links nothing, but the regions of
@@ -587,8 +607,8 @@ def _name_facts(
     outputs = walker.outputs
     is_constant = walker.is_constant
     names: list = [None] * len(values)
-    for rank, position in enumerate(sorted(range(len(values)), key=values.__getitem__)):
-        value = values[position]
+    for rank, value in enumerate(sorted(values)):
+        position = ids[value]
         before = bisect.bisect_left(shared_names, value) if shared_names else 0
         is_output = value in outputs
         facts = structure[position][0]

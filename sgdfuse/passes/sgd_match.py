@@ -266,6 +266,26 @@ _BUFFER_NAME = re.compile(r"(^|[^a-z])(momentum|moments?|velocity|veloc|buf|buff
 _GRADIENT_NAME = re.compile(r"(^|[^a-z])(grad|grads|gradient|gradients|g|dw|dp)([^a-z]|\d|$)", re.I)
 
 
+def _names_buffer(name: str) -> bool:
+    """``_BUFFER_NAME`` matches ``name``. An ASCII name holding none of the pattern's words' cores (each
+    alternative contains one; ``lot`` rather than ``slot``, whose ``s`` the ignore-case match also reads
+    as ``ſ``) cannot match, which rules out most names without the regex; other names are searched."""
+    if name.isascii():
+        low = name.lower()
+        if not ("mom" in low or "buf" in low or "veloc" in low or "accum" in low or "lot" in low or "trace" in low):
+            return False
+    return _BUFFER_NAME.search(name) is not None
+
+
+def _names_gradient(name: str) -> bool:
+    """``_GRADIENT_NAME`` matches ``name`` (an ASCII name without ``g``, ``dw`` or ``dp`` cannot)."""
+    if name.isascii():
+        low = name.lower()
+        if not ("g" in low or "dw" in low or "dp" in low):
+            return False
+    return _GRADIENT_NAME.search(name) is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class Guard:
     """A guarded state output ``output = Where(condition, old, new)`` (or with the branches swapped).
@@ -431,8 +451,11 @@ def name_facts_of(index: GraphIndex, pins: RolePins, named_next: Mapping[str, st
     graph outputs only (the matcher asks it of the candidate and its buffers); ``next`` is the output named as
     its next value (``named_next``, :func:`_named_next`)."""
 
+    is_buffer = pins.is_buffer if pins.buffers else lambda name: None
+    state = pins.state
+
     def name_facts(value: str, is_output: bool) -> tuple:
-        flags = (bool(_BUFFER_NAME.search(value)), bool(_GRADIENT_NAME.search(value)), pins.is_buffer(value), value in pins.state)
+        flags = (_names_buffer(value), _names_gradient(value), is_buffer(value), value in state)
         return flags, _previous_by_name(index, value, pins) if is_output else None, named_next.get(value)
 
     return name_facts
@@ -1717,11 +1740,15 @@ _STATE_PREFIXES = ("new_", "next_", "updated_", "out_")
 def previous_by_name(output: str, inputs: Iterable[str]) -> str | None:
     """The input whose name marks ``output`` as its next value (``buf`` for ``buf_out``, ``new_buf``,
     ``buf_new``, ``buf_next``, ``buf_updated``, ``next_buf``, ...), or None when the names say nothing."""
+    # One call each rules out the names with none of the suffixes or prefixes (most of them).
+    suffixed, prefixed = output.endswith(_STATE_SUFFIXES), output.startswith(_STATE_PREFIXES)
+    if not (suffixed or prefixed):
+        return None
     names = inputs if isinstance(inputs, (set, frozenset, dict)) else set(inputs)
-    for suffix in _STATE_SUFFIXES:
+    for suffix in _STATE_SUFFIXES if suffixed else ():
         if output.endswith(suffix) and output[: -len(suffix)] in names:
             return output[: -len(suffix)]
-    for prefix in _STATE_PREFIXES:
+    for prefix in _STATE_PREFIXES if prefixed else ():
         if output.startswith(prefix) and output[len(prefix):] in names:
             return output[len(prefix):]
     return None
