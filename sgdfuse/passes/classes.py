@@ -102,7 +102,7 @@ _LEAF_STEP: tuple = (None, (), False, ())
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
 _LISTED, _WALKED = "listed", "walked"
-"""What :meth:`_Walker.region` has seen of a value."""
+"""What the region walk (:func:`_walk_regions`) has seen of a value."""
 
 
 class _Walker:
@@ -171,48 +171,6 @@ class _Walker:
                 step = (k, inputs, direct, ())
             self._node_steps[k] = step
         return step
-
-    def region(self, output: str) -> tuple[list[str], set[str], bool]:
-        """Values of ``output``'s region in walk order (depth first, inputs in order), those only listed as
-        operands of a leaf's producer (not entered), and whether the region must be solved directly: it holds
-        a node of :data:`DIRECT_OPS` or one with a subgraph, or it is larger than :data:`MAX_REGION`.
-
-        Raises:
-            _TooLarge: the region has more than :data:`MAX_WALK` values."""
-        # One table for what the walk has seen of a value: _LISTED (only as an operand of a leaf's producer)
-        # or _WALKED (its producer's inputs are taken); one look-up per operand instead of two sets'.
-        seen = {output: _WALKED}
-        seen_get = seen.get
-        order = [output]
-        fringe: list[str] = []
-        stack = [output]
-        direct = False
-        steps_get = self._steps.get
-        step = self.step
-        while stack:
-            value = stack.pop()
-            found = steps_get(value)
-            _, inputs, makes_direct, operands = step(value) if found is None else found
-            if makes_direct:
-                direct = True
-            for name in inputs:
-                if name:
-                    was = seen_get(name)
-                    if was is not _WALKED:
-                        seen[name] = _WALKED
-                        stack.append(name)
-                        if was is None:
-                            order.append(name)
-            if operands:
-                for name in operands:
-                    if name and name not in seen:
-                        seen[name] = _LISTED
-                        order.append(name)
-                        fringe.append(name)
-            if len(order) > MAX_WALK:
-                raise _TooLarge(output)
-        listed_only = {name for name in fringe if seen[name] is _LISTED} if fringe else set()
-        return order, listed_only, direct or len(order) > MAX_REGION
 
     def copy_chain(self, value: str) -> list[str]:
         """``value`` and the values it copies through ``Identity``, ``Cast`` and ``CastLike``, nearest first (a
@@ -380,20 +338,34 @@ def clusters_of(
 def _walk_regions(
     walker: _Walker, outputs: Sequence[str]
 ) -> tuple[dict[str, list[str] | None], dict[str, set[str]], set[str], dict[str, list[str]]]:
-    """Walk the outputs' regions: ``(regions, fringes, direct, appearances)``, the region of each output
-    (None: a tensor inside a region walked already, whose region is itself alone), its values listed only as
-    operands of a leaf's producer, the outputs to solve directly, and per value the outputs whose regions
-    hold it (operands of a leaf's producer only when they are copies of a graph output's value)."""
+    """Walk the outputs' regions: ``(regions, fringes, direct, appearances)``.
+
+    - ``regions``: each output's region, its values in walk order (depth first, inputs in order); None for a
+      tensor inside a region walked already, whose region is itself alone;
+    - ``fringes``: the values of each region only listed as operands of a leaf's producer, not entered (the
+      matcher reads them to name a buffer hidden behind the leaf);
+    - ``direct``: the outputs to solve directly: behind their copies they come out of an op the walk does
+      not enter, or their region holds a node of :data:`DIRECT_OPS` or one with a subgraph, or it has more
+      than :data:`MAX_REGION` values;
+    - ``appearances``: per value, the outputs whose regions hold it (an operand of a leaf's producer only
+      when it is (a copy of) a graph output's value: an activation a gradient's ``MatMul`` reads links
+      nothing).
+
+    Raises:
+        _TooLarge: a region has more than :data:`MAX_WALK` values.
+    """
     regions: dict[str, list[str] | None] = {}
     fringes: dict[str, set[str]] = {}
     direct: set[str] = set()
     appearances: dict[str, list[str]] = {}
-    # An operand of a leaf's producer matters to the matcher only when it is (a copy of) a graph output's value.
+    appearances_get = appearances.get
     output_copies = set()
     for o in outputs:
         output_copies.update(walker.copy_chain(o))
     linking: dict[str, bool] = {}
     spec = walker.index.spec
+    steps_get = walker._steps.get
+    step = walker.step
     # Later outputs first: a parameter update's region holds its buffer output's, whose own region then adds
     # nothing (every value reachable from a value of a region is in it) and is not walked again.
     walked: set[str] = set()
@@ -405,25 +377,64 @@ def _walk_regions(
             regions[o], fringes[o] = None, set()
             appearances[o].append(o)
             continue
-        values, fringe, must = walker.region(o)
-        regions[o] = values
+        # One table for what the walk has seen of a value: _LISTED (only as an operand of a leaf's producer)
+        # or _WALKED (its producer's inputs are taken). A value's appearance is recorded when it is walked,
+        # or at the end when it stayed listed only.
+        seen = {o: _WALKED}
+        seen_get = seen.get
+        order = [o]
+        listed: list[str] = []
+        stack = [o]
+        must = False
+        walked.add(o)
+        readers = appearances_get(o)
+        if readers is None:
+            appearances[o] = [o]
+        else:
+            readers.append(o)
+        while stack:
+            value = stack.pop()
+            found = steps_get(value)
+            _, inputs, makes_direct, operands = step(value) if found is None else found
+            if makes_direct:
+                must = True
+            for name in inputs:
+                if name:
+                    was = seen_get(name)
+                    if was is not _WALKED:
+                        seen[name] = _WALKED
+                        stack.append(name)
+                        if was is None:
+                            order.append(name)
+                        walked.add(name)
+                        readers = appearances_get(name)
+                        if readers is None:
+                            appearances[name] = [o]
+                        else:
+                            readers.append(o)
+            if operands:
+                for name in operands:
+                    if name and name not in seen:
+                        seen[name] = _LISTED
+                        order.append(name)
+                        listed.append(name)
+            if len(order) > MAX_WALK:
+                raise _TooLarge(o)
+        fringe = {name for name in listed if seen[name] is _LISTED} if listed else set()
+        regions[o] = order
         fringes[o] = fringe
-        if must:
+        if must or len(order) > MAX_REGION:
             direct.add(o)
-        for value in values:
-            if fringe and value in fringe:
-                links = linking.get(value)
-                if links is None:
-                    links = linking[value] = not output_copies.isdisjoint(walker.copy_chain(value))
-                if not links:
-                    continue
-            else:
-                walked.add(value)
-            readers = appearances.get(value)
-            if readers is None:
-                appearances[value] = [o]
-            else:
-                readers.append(o)
+        for name in fringe:
+            links = linking.get(name)
+            if links is None:
+                links = linking[name] = not output_copies.isdisjoint(walker.copy_chain(name))
+            if links:
+                readers = appearances_get(name)
+                if readers is None:
+                    appearances[name] = [o]
+                else:
+                    readers.append(o)
     return regions, fringes, direct, appearances
 
 
@@ -530,8 +541,9 @@ def _key(
 def _structure(walker: _Walker, values: list[str], ids: dict[str, int], walked: set[str]) -> tuple[list[tuple], list[int], list[int], set[str]]:
     """Per value of a cluster, how it is defined: ``(facts, "operand of a leaf's producer")`` for a value
     only listed, ``(facts, None, operands)`` for a leaf and ``(facts, node position, inputs)`` for a value
-    the walk enters, each input as a position (local) or a name (shared). Also the cluster's nodes in
-    canonical order, the positions of the values they compute and the shared values read."""
+    the walk enters, each input as a position (local) or a name (shared; "" for an input left out). Also
+    the cluster's nodes in canonical order, the positions of the values they compute and the shared values
+    read."""
     steps_get = walker._steps.get
     step_of = walker.step
     facts_get = walker._value_facts.get
@@ -539,7 +551,7 @@ def _structure(walker: _Walker, values: list[str], ids: dict[str, int], walked: 
     ids_get = ids.get
     node_ids: dict[int, int] = {}
     nodes: list[int] = []
-    shared_read: set[str] = set()
+    read: set[str] = set()
     structure: list[tuple] = []
     computed: list[int] = []
     for position, value in enumerate(values):
@@ -553,26 +565,20 @@ def _structure(walker: _Walker, values: list[str], ids: dict[str, int], walked: 
         if step is None:
             step = step_of(value)
         k = step[0]
-        refs = []
-        for name in step[1] if k is not None else step[3]:
-            if not name:
-                refs.append("")
-                continue
-            at = ids_get(name)
-            if at is None:
-                shared_read.add(name)
-                refs.append(name)
-            else:
-                refs.append(at)
+        names = step[1] if k is not None else step[3]
+        # An input is its position when local, else its own name ("" stays "": no value is named so).
+        refs = tuple(map(ids_get, names, names))
+        read.update(names)
         if k is None:
-            structure.append((facts, None, tuple(refs)))
+            structure.append((facts, None, refs))
             continue
         computed.append(position)
         node_id = node_ids.get(k)
         if node_id is None:
             node_id = node_ids[k] = len(nodes)
             nodes.append(k)
-        structure.append((facts, node_id, tuple(refs)))
+        structure.append((facts, node_id, refs))
+    shared_read = {name for name in read if name and name not in ids}
     return structure, nodes, computed, shared_read
 
 
@@ -607,9 +613,10 @@ def _name_facts(
     outputs = walker.outputs
     is_constant = walker.is_constant
     names: list = [None] * len(values)
+    bisect_left = bisect.bisect_left
     for rank, value in enumerate(sorted(values)):
         position = ids[value]
-        before = bisect.bisect_left(shared_names, value) if shared_names else 0
+        before = bisect_left(shared_names, value) if shared_names else 0
         is_output = value in outputs
         facts = structure[position][0]
         if not is_output and (facts[0] not in _NAMED_DTYPES or (facts[2][0] == "initializer" or facts[2][:2] == ("node", "Constant")) and is_constant(value)):
@@ -618,7 +625,13 @@ def _name_facts(
             names[position] = (rank, before)
             continue
         flags, previous, named_next = name_facts(value, is_output)
-        names[position] = (rank, before, flags, _named(previous, ids, shared), _named(named_next, ids, shared))
+        names[position] = (
+            rank,
+            before,
+            flags,
+            None if previous is None else _named(previous, ids, shared),
+            None if named_next is None else _named(named_next, ids, shared),
+        )
     return names
 
 

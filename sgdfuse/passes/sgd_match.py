@@ -266,24 +266,17 @@ _BUFFER_NAME = re.compile(r"(^|[^a-z])(momentum|moments?|velocity|veloc|buf|buff
 _GRADIENT_NAME = re.compile(r"(^|[^a-z])(grad|grads|gradient|gradients|g|dw|dp)([^a-z]|\d|$)", re.I)
 
 
-def _names_buffer(name: str) -> bool:
-    """``_BUFFER_NAME`` matches ``name``. An ASCII name holding none of the pattern's words' cores (each
-    alternative contains one; ``lot`` rather than ``slot``, whose ``s`` the ignore-case match also reads
-    as ``ſ``) cannot match, which rules out most names without the regex; other names are searched."""
+def _convention_flags(name: str) -> tuple[bool, bool]:
+    """Whether ``_BUFFER_NAME`` and ``_GRADIENT_NAME`` match ``name``. An ASCII name holding none of a pattern's
+    words' cores cannot match it (each alternative contains one: ``mom``, ``buf``, ``veloc``, ``accum``,
+    ``lot`` rather than ``slot``, whose ``s`` the ignore-case match also reads as ``ſ``, ``trace``; ``g``,
+    ``dw``, ``dp``), which rules out most names without the regex; other names are searched."""
     if name.isascii():
         low = name.lower()
-        if not ("mom" in low or "buf" in low or "veloc" in low or "accum" in low or "lot" in low or "trace" in low):
-            return False
-    return _BUFFER_NAME.search(name) is not None
-
-
-def _names_gradient(name: str) -> bool:
-    """``_GRADIENT_NAME`` matches ``name`` (an ASCII name without ``g``, ``dw`` or ``dp`` cannot)."""
-    if name.isascii():
-        low = name.lower()
-        if not ("g" in low or "dw" in low or "dp" in low):
-            return False
-    return _GRADIENT_NAME.search(name) is not None
+        buffer = ("mom" in low or "buf" in low or "veloc" in low or "accum" in low or "lot" in low or "trace" in low) and _BUFFER_NAME.search(name) is not None
+        gradient = ("g" in low or "dw" in low or "dp" in low) and _GRADIENT_NAME.search(name) is not None
+        return buffer, gradient
+    return _BUFFER_NAME.search(name) is not None, _GRADIENT_NAME.search(name) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,10 +446,12 @@ def name_facts_of(index: GraphIndex, pins: RolePins, named_next: Mapping[str, st
 
     is_buffer = pins.is_buffer if pins.buffers else lambda name: None
     state = pins.state
+    next_of = named_next.get
 
     def name_facts(value: str, is_output: bool) -> tuple:
-        flags = (_names_buffer(value), _names_gradient(value), is_buffer(value), value in state)
-        return flags, _previous_by_name(index, value, pins) if is_output else None, named_next.get(value)
+        buffer, gradient = _convention_flags(value)
+        flags = (buffer, gradient, is_buffer(value), value in state)
+        return flags, _previous_by_name(index, value, pins) if is_output else None, next_of(value)
 
     return name_facts
 
