@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
@@ -514,19 +515,16 @@ def _key(
     """Fill ``cluster.values``, ``cluster.nodes`` and ``cluster.key``: the values are the outputs' regions in
     turn (each in its walk order) without repeats or shared values, which is canonical: two members of a
     class list corresponding values at the same positions."""
-    ids: dict[str, int] = {}
-    values: list[str] = []
-    walked: set[str] = set()
-    for o in cluster.outputs:
-        fringe = fringes[o]
-        for value in regions[o] or (o,):
-            if not fringe or value not in fringe:
-                walked.add(value)
-            if value not in ids and value not in shared:
-                ids[value] = len(values)
-                values.append(value)
+    walks = [regions[o] or (o,) for o in cluster.outputs]
+    values = [value for value in dict.fromkeys(itertools.chain.from_iterable(walks)) if value not in shared]
     if len(values) > MAX_REGION:
         return
+    ids = dict(zip(values, range(len(values))))
+    # A value is walked (its producer entered) when some output's region walks it, not only lists it.
+    walked: set[str] = set()
+    for o, walk in zip(cluster.outputs, walks):
+        fringe = fringes[o]
+        walked.update(set(walk).difference(fringe) if fringe else walk)
     structure, nodes, computed, shared_read = _structure(walker, values, ids, walked)
     read_outside = _read_outside(walker, values, computed, set(nodes))
     # The matcher sorts names it reaches through a shared value too (a gradient read behind a shared copy):
