@@ -33,7 +33,9 @@ import bisect
 import dataclasses
 import itertools
 import logging
+import sys
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
 import onnx
 
@@ -102,6 +104,9 @@ _LEAF_STEP: tuple = (None, (), False, ())
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
+_NOTHING: frozenset[str] = frozenset()
+"""The fringe of a region without one (one object for all of them)."""
+
 _LISTED, _WALKED = "listed", "walked"
 """What the region walk (:func:`_walk_regions`) has seen of a value."""
 
@@ -135,7 +140,9 @@ class _Walker:
             subgraph = False
             if attributes:
                 subgraph = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in attributes)
-            facts = (node.op_type, node.domain, tuple(node.input), tuple(node.output), subgraph, bool(attributes))
+            # Interned: protobuf hands out new strings at every read; the index holds these names already.
+            intern = sys.intern
+            facts = (intern(node.op_type), intern(node.domain), tuple(map(intern, node.input)), tuple(map(intern, node.output)), subgraph, bool(attributes))
             self._node_facts[k] = facts
         return facts
 
@@ -338,7 +345,7 @@ def clusters_of(
 
 def _walk_regions(
     walker: _Walker, outputs: Sequence[str]
-) -> tuple[dict[str, list[str] | None], dict[str, set[str]], set[str], dict[str, list[str]]]:
+) -> tuple[dict[str, list[str] | None], dict[str, AbstractSet[str]], set[str], dict[str, list[str]]]:
     """Walk the outputs' regions: ``(regions, fringes, direct, appearances)``.
 
     - ``regions``: each output's region, its values in walk order (depth first, inputs in order); None for a
@@ -356,7 +363,7 @@ def _walk_regions(
         _TooLarge: a region has more than :data:`MAX_WALK` values.
     """
     regions: dict[str, list[str] | None] = {}
-    fringes: dict[str, set[str]] = {}
+    fringes: dict[str, AbstractSet[str]] = {}
     direct: set[str] = set()
     appearances: dict[str, list[str]] = {}
     appearances_get = appearances.get
@@ -375,7 +382,7 @@ def _walk_regions(
             direct.add(o)
         if o in walked and spec(o).num_elements() != 1:
             # A tensor links its reader's region with its own, so both land in one cluster anyway.
-            regions[o], fringes[o] = None, set()
+            regions[o], fringes[o] = None, _NOTHING
             appearances[o].append(o)
             continue
         # One table for what the walk has seen of a value: _LISTED (only as an operand of a leaf's producer)
@@ -421,7 +428,7 @@ def _walk_regions(
                         listed.append(name)
             if len(order) > MAX_WALK:
                 raise _TooLarge(o)
-        fringe = {name for name in listed if seen[name] is _LISTED} if listed else set()
+        fringe = {name for name in listed if seen[name] is _LISTED} if listed else _NOTHING
         regions[o] = order
         fringes[o] = fringe
         if must or len(order) > MAX_REGION:
@@ -497,7 +504,7 @@ def _links(walker: _Walker, value: str, readers: int) -> bool | None:
     return None
 
 
-def _loose(walker: _Walker, values: list[str], fringe: set[str], shared: set[str]) -> bool:
+def _loose(walker: _Walker, values: list[str], fringe: AbstractSet[str], shared: set[str]) -> bool:
     """True when every leaf of the region that is not a constant is shared with other clusters."""
     steps_get = walker._steps.get
     for value in values:
@@ -510,7 +517,7 @@ def _loose(walker: _Walker, values: list[str], fringe: set[str], shared: set[str
 
 
 def _key(
-    walker: _Walker, cluster: Cluster, regions: dict[str, list[str] | None], fringes: dict[str, set[str]], shared: set[str], name_facts: Callable[[str, bool], tuple]
+    walker: _Walker, cluster: Cluster, regions: dict[str, list[str] | None], fringes: dict[str, AbstractSet[str]], shared: set[str], name_facts: Callable[[str, bool], tuple]
 ) -> None:
     """Fill ``cluster.values``, ``cluster.nodes`` and ``cluster.key``: the values are the outputs' regions in
     turn (each in its walk order) without repeats or shared values, which is canonical: two members of a
