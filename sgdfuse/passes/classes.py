@@ -128,7 +128,6 @@ class _Walker:
         self._steps: dict[str, tuple] = {}
         self._constants: dict[str, bool] = {}
         self._below: dict[frozenset[str], list[str]] = {}
-        self._chains: dict[str, list[str]] = {}
         self.outputs = set(index.graph_outputs)
 
     def node_facts(self, k: int) -> tuple:
@@ -182,11 +181,7 @@ class _Walker:
 
     def copy_chain(self, value: str) -> list[str]:
         """``value`` and the values it copies through ``Identity``, ``Cast`` and ``CastLike``, nearest first (a
-        superset of the matcher's own copy rule, which follows only float-to-float casts); cached."""
-        chain = self._chains.get(value)
-        if chain is not None:
-            return chain
-        start = value
+        superset of the matcher's own copy rule, which follows only float-to-float casts)."""
         chain = [value]
         seen = {value}
         producer = self.index.producer
@@ -200,7 +195,6 @@ class _Walker:
             value = inputs[0]
             seen.add(value)
             chain.append(value)
-        self._chains[start] = chain
         return chain
 
     def copies(self, value: str) -> set[str]:
@@ -221,10 +215,10 @@ class _Walker:
             cached = self._below[roots] = sorted(seen)
         return cached
 
-    def behind_copies_not_entered(self, output: str) -> bool:
-        """True when ``output``, past its copies, comes out of an op the walk does not enter (the matcher then
-        looks behind that op for an update it passes through)."""
-        k = self.index.producer.get(self.copy_chain(output)[-1])
+    def behind_copies_not_entered(self, output: str, chain: list[str] | None = None) -> bool:
+        """True when ``output``, past its copies (``chain``, its :meth:`copy_chain` if known), comes out of an op
+        the walk does not enter (the matcher then looks behind that op for an update it passes through)."""
+        k = self.index.producer.get((chain or self.copy_chain(output))[-1])
         if k is None:
             return False
         op, domain = self.node_facts(k)[:2]
@@ -367,9 +361,10 @@ def _walk_regions(
     direct: set[str] = set()
     appearances: dict[str, list[str]] = {}
     appearances_get = appearances.get
+    chains = {o: walker.copy_chain(o) for o in outputs}
     output_copies = set()
-    for o in outputs:
-        output_copies.update(walker.copy_chain(o))
+    for chain in chains.values():
+        output_copies.update(chain)
     linking: dict[str, bool] = {}
     spec = walker.index.spec
     steps_get = walker._steps.get
@@ -378,7 +373,7 @@ def _walk_regions(
     # nothing (every value reachable from a value of a region is in it) and is not walked again.
     walked: set[str] = set()
     for o in reversed(outputs):
-        if walker.behind_copies_not_entered(o):
+        if walker.behind_copies_not_entered(o, chains[o]):
             direct.add(o)
         if o in walked and spec(o).num_elements() != 1:
             # A tensor links its reader's region with its own, so both land in one cluster anyway.
