@@ -151,10 +151,6 @@ class _Walker:
             return b""
         return b"".join(a.SerializeToString(deterministic=True) for a in self._nodes[k].attribute)
 
-    def entered(self, value: str) -> int | None:
-        """The producer of ``value`` when the walk enters it, else None (a leaf)."""
-        return self.step(value)[0]
-
     def step(self, value: str) -> tuple[int | None, tuple[str, ...], bool, tuple[str, ...]]:
         """``(producer entered or None, its inputs, whether the producer makes the region direct, the inputs of
         a producer not entered)``: the matcher reads the operands of a leaf's producer (to name a buffer
@@ -196,10 +192,6 @@ class _Walker:
             seen.add(value)
             chain.append(value)
         return chain
-
-    def copies(self, value: str) -> set[str]:
-        """The values of :meth:`copy_chain`, as a set."""
-        return set(self.copy_chain(value))
 
     def shared_below(self, roots: frozenset[str]) -> list[str]:
         """``roots`` and every value the walk enters below them, sorted (cached per set of roots)."""
