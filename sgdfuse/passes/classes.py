@@ -114,7 +114,7 @@ _LISTED, _WALKED = "listed", "walked"
 class _Walker:
     """Regions of graph outputs, with per-node facts read from the protobuf once.
 
-    Every table here is filled lazily and looked up inline by the hot loops (:meth:`region`, :func:`_key`):
+    Every table here is filled lazily and looked up inline by the hot loops (:func:`_walk_regions`, :func:`_key`):
     at ten thousand updates the walk asks for a value's step some four hundred thousand times, and a method
     call per ask cost more than the look-up it wraps."""
 
