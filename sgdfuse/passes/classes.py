@@ -31,8 +31,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import logging
+import sys
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
 import onnx
 
@@ -96,12 +99,31 @@ class Cluster:
     key: tuple | None = None
 
 
+_LEAF_STEP: tuple = (None, (), False, ())
+"""The step of a value no node produces (a graph input, an initializer, an undefined name)."""
+
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+_NOTHING: frozenset[str] = frozenset()
+"""The fringe of a region without one (one object for all of them)."""
+
+_LISTED, _WALKED = "listed", "walked"
+"""What the region walk (:func:`_walk_regions`) has seen of a value."""
+
+
 class _Walker:
-    """Regions of graph outputs, with per-node facts read from the protobuf once."""
+    """Regions of graph outputs, with per-node facts read from the protobuf once.
+
+    Every table here is filled lazily and looked up inline by the hot loops (:func:`_walk_regions`, :func:`_key`):
+    at ten thousand updates the walk asks for a value's step some four hundred thousand times, and a method
+    call per ask cost more than the look-up it wraps."""
 
     def __init__(self, index: GraphIndex) -> None:
         self.index = index
-        self._node_facts: dict[int, tuple] = {}
+        self._nodes = index.graph.node
+        self._node_facts: list[tuple | None] = [None] * len(self._nodes)
+        self._node_steps: list[tuple | None] = [None] * len(self._nodes)
+        self._distinct: dict[tuple, tuple] = {}
         self._value_facts: dict[str, tuple] = {}
         self._steps: dict[str, tuple] = {}
         self._constants: dict[str, bool] = {}
@@ -109,25 +131,25 @@ class _Walker:
         self.outputs = set(index.graph_outputs)
 
     def node_facts(self, k: int) -> tuple:
-        """``(op_type, domain, inputs, outputs, has subgraph)`` of node ``k``."""
-        facts = self._node_facts.get(k)
+        """``(op_type, domain, inputs, outputs, has subgraph, has attributes)`` of node ``k``."""
+        facts = self._node_facts[k]
         if facts is None:
-            node = self.index.graph.node[k]
+            node = self._nodes[k]
+            attributes = node.attribute
             subgraph = False
-            if node.attribute:
-                subgraph = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
-            facts = (node.op_type, node.domain, tuple(node.input), tuple(node.output), subgraph)
+            if attributes:
+                subgraph = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in attributes)
+            # Interned: protobuf hands out new strings at every read; the index holds these names already.
+            intern = sys.intern
+            facts = (intern(node.op_type), intern(node.domain), tuple(map(intern, node.input)), tuple(map(intern, node.output)), subgraph, bool(attributes))
             self._node_facts[k] = facts
         return facts
 
     def attributes(self, k: int) -> bytes:
         """Node ``k``'s attributes, serialised deterministically (a ``Constant``'s value, a ``Cast``'s type)."""
-        node = self.index.graph.node[k]
-        return b"".join(a.SerializeToString(deterministic=True) for a in node.attribute) if node.attribute else b""
-
-    def entered(self, value: str) -> int | None:
-        """The producer of ``value`` when the walk enters it, else None (a leaf)."""
-        return self.step(value)[0]
+        if not self.node_facts(k)[5]:
+            return b""
+        return b"".join(a.SerializeToString(deterministic=True) for a in self._nodes[k].attribute)
 
     def step(self, value: str) -> tuple[int | None, tuple[str, ...], bool, tuple[str, ...]]:
         """``(producer entered or None, its inputs, whether the producer makes the region direct, the inputs of
@@ -136,71 +158,40 @@ class _Walker:
         step = self._steps.get(value)
         if step is None:
             k = self.index.producer.get(value)
-            if k is None:
-                step = (None, (), False, ())
-            else:
-                op, domain, inputs, _, subgraph = self.node_facts(k)
-                direct = subgraph or op in DIRECT_OPS
-                if domain not in ("", "ai.onnx") or op not in ENTERED_OPS:
-                    step = (None, (), direct, inputs)
-                else:
-                    step = (k, inputs, direct, ())
+            step = _LEAF_STEP if k is None else self._node_step(k)
             self._steps[value] = step
         return step
 
-    def region(self, output: str) -> tuple[list[str], set[str], bool]:
-        """Values of ``output``'s region in walk order (depth first, inputs in order), those only listed as
-        operands of a leaf's producer (not entered), and whether the region must be solved directly: it holds
-        a node of :data:`DIRECT_OPS` or one with a subgraph, or it is larger than :data:`MAX_REGION`.
-
-        Raises:
-            _TooLarge: the region has more than :data:`MAX_WALK` values."""
-        listed = {output}
-        walked = {output}
-        order = [output]
-        fringe: set[str] = set()
-        stack = [output]
-        direct = False
-        step = self.step
-        while stack:
-            _, inputs, makes_direct, operands = step(stack.pop())
-            if makes_direct:
-                direct = True
-            for name in inputs:
-                if name and name not in walked:
-                    walked.add(name)
-                    stack.append(name)
-                    if name not in listed:
-                        listed.add(name)
-                        order.append(name)
-            for name in operands:
-                if name and name not in listed:
-                    listed.add(name)
-                    order.append(name)
-                    fringe.add(name)
-            if len(order) > MAX_WALK:
-                raise _TooLarge(output)
-        return order, fringe - walked, direct or len(order) > MAX_REGION
+    def _node_step(self, k: int) -> tuple:
+        """The step of every output of node ``k`` (one tuple, shared by them)."""
+        step = self._node_steps[k]
+        if step is None:
+            op, domain, inputs, _, subgraph, _ = self.node_facts(k)
+            direct = subgraph or op in DIRECT_OPS
+            if domain not in _DEFAULT_DOMAINS or op not in ENTERED_OPS:
+                step = (None, (), direct, inputs)
+            else:
+                step = (k, inputs, direct, ())
+            self._node_steps[k] = step
+        return step
 
     def copy_chain(self, value: str) -> list[str]:
         """``value`` and the values it copies through ``Identity``, ``Cast`` and ``CastLike``, nearest first (a
         superset of the matcher's own copy rule, which follows only float-to-float casts)."""
         chain = [value]
         seen = {value}
+        producer = self.index.producer
         while True:
-            k = self.index.producer.get(value)
+            k = producer.get(value)
             if k is None:
-                return chain
+                break
             op, domain, inputs = self.node_facts(k)[:3]
-            if domain not in ("", "ai.onnx") or op not in ("Identity", "Cast", "CastLike") or not inputs or not inputs[0] or inputs[0] in seen:
-                return chain
+            if domain not in _DEFAULT_DOMAINS or op not in ("Identity", "Cast", "CastLike") or not inputs or not inputs[0] or inputs[0] in seen:
+                break
             value = inputs[0]
             seen.add(value)
             chain.append(value)
-
-    def copies(self, value: str) -> set[str]:
-        """The values of :meth:`copy_chain`, as a set."""
-        return set(self.copy_chain(value))
+        return chain
 
     def shared_below(self, roots: frozenset[str]) -> list[str]:
         """``roots`` and every value the walk enters below them, sorted (cached per set of roots)."""
@@ -216,41 +207,49 @@ class _Walker:
             cached = self._below[roots] = sorted(seen)
         return cached
 
-    def behind_copies_not_entered(self, output: str) -> bool:
-        """True when ``output``, past its copies, comes out of an op the walk does not enter (the matcher then
-        looks behind that op for an update it passes through)."""
-        k = self.index.producer.get(self.copy_chain(output)[-1])
+    def behind_copies_not_entered(self, output: str, chain: list[str] | None = None) -> bool:
+        """True when ``output``, past its copies (``chain``, its :meth:`copy_chain` if known), comes out of an op
+        the walk does not enter (the matcher then looks behind that op for an update it passes through)."""
+        k = self.index.producer.get((chain or self.copy_chain(output))[-1])
         if k is None:
             return False
         op, domain = self.node_facts(k)[:2]
-        return domain not in ("", "ai.onnx") or op not in ENTERED_OPS
+        return domain not in _DEFAULT_DOMAINS or op not in ENTERED_OPS
 
     def value_facts(self, value: str) -> tuple:
         """What the key holds of ``value`` besides its name facts: its spec and how it is defined (the
         defining node's inputs are added by the caller, as positions)."""
         facts = self._value_facts.get(value)
         if facts is None:
-            index = self.index
-            spec = index.spec(value)
-            shape = spec.shape
-            k = index.producer.get(value)
-            if k is not None:
-                op, domain, _, outputs, _ = self.node_facts(k)
-                entered = domain in ("", "ai.onnx") and op in ENTERED_OPS
-                kind: tuple = ("node" if entered else "computed", op, domain, outputs.index(value), len(outputs), self.attributes(k) if entered else b"")
-            elif value in index.initializers:
-                if index.is_input_name(value):
-                    kind = ("initializer-input",)
-                else:
-                    constant = index.constant(value)
-                    kind = ("initializer", None if constant is None else (str(constant.dtype), constant.shape, constant.tobytes()))
-            elif index.is_input_name(value):
-                kind = ("input",)
-            else:
-                kind = ("undefined",)
-            facts = (spec.dtype, shape, kind, value in self.outputs)
-            self._value_facts[value] = facts
+            facts = self._value_facts[value] = self._facts_of(value)
         return facts
+
+    def _facts_of(self, value: str) -> tuple:
+        """:meth:`value_facts`, uncached."""
+        index = self.index
+        k = index.producer.get(value)
+        if k is not None:
+            op, domain, _, outputs, _, has_attributes = self._node_facts[k] or self.node_facts(k)
+            if domain in _DEFAULT_DOMAINS and op in ENTERED_OPS:
+                attributes = self.attributes(k) if has_attributes else b""
+                kind: tuple = ("node", op, domain, outputs.index(value) if len(outputs) > 1 else 0, len(outputs), attributes)
+            else:
+                kind = ("computed", op, domain, outputs.index(value) if len(outputs) > 1 else 0, len(outputs), b"")
+        elif value in index.initializers:
+            if index.is_input_name(value):
+                kind = ("initializer-input",)
+            else:
+                constant = index.constant(value)
+                kind = ("initializer", None if constant is None else (str(constant.dtype), constant.shape, constant.tobytes()))
+        elif index.is_input_name(value):
+            kind = ("input",)
+        else:
+            kind = ("undefined",)
+        spec = index.specs.get(value)
+        facts = (0, None, kind, value in self.outputs) if spec is None else (spec.dtype, spec.shape, kind, value in self.outputs)
+        # One tuple per distinct fact: most values of a step share theirs, and equal keys then compare by
+        # identity.
+        return self._distinct.setdefault(facts, facts)
 
     def is_constant(self, value: str) -> bool:
         """A small compile-time constant (``GraphIndex.constant``: its bytes are keyed)."""
@@ -286,38 +285,157 @@ def clusters_of(
     values alone).
     """
     walker = _Walker(index)
-    regions: dict[str, list[str]] = {}
-    fringes: dict[str, set[str]] = {}
+    regions, fringes, direct, appearances = _walk_regions(walker, outputs)
+    cluster_of, members = _union(walker, outputs, appearances)
+    shared = set()
+    for value, readers in appearances.items():
+        if len(readers) > 1:
+            root = cluster_of[readers[0]]
+            for o in readers:
+                if cluster_of[o] != root:
+                    shared.add(value)
+                    break
+    del appearances
+
+    # Outputs computed from shared values alone (a learning-rate schedule lr*0.99): the matcher may pair them
+    # with any cluster whose region holds their form's leaves, so they go along as keyed extras.
+    loose = [o for o, values in regions.items() if values is not None and _loose(walker, values, fringes[o], shared)]
+    loose_leaves = {o: form_leaves(o) for o in loose}
+
+    clusters: list[Cluster] = []
+    pending: set[int] = set()
+    # The loose outputs' own results come from solving them together, directly.
+    loose_cluster = Cluster([o for o in outputs if o in loose_leaves])
+    for outs in members.values():
+        if loose_leaves:
+            outs = [o for o in outs if o not in loose_leaves]
+            if not outs:
+                continue
+        cluster = Cluster(outs)
+        if loose_leaves:
+            region_values = {value for o in outs for value in regions[o] or (o,)}
+            cluster.extras = [v for v, leaves in loose_leaves.items() if leaves and leaves <= region_values]
+        if not any(o in direct or o in shared for o in outs):
+            pending.add(id(cluster))
+        clusters.append(cluster)
+    if loose_cluster.outputs:
+        clusters.append(loose_cluster)
+
+    def keyed(cluster: Cluster) -> Cluster:
+        if id(cluster) in pending:
+            _key(walker, cluster, regions, fringes, shared, name_facts)
+        return cluster
+
+    return (keyed(c) for c in clusters) if lazy else [keyed(c) for c in clusters]
+
+
+def _walk_regions(
+    walker: _Walker, outputs: Sequence[str]
+) -> tuple[dict[str, list[str] | None], dict[str, AbstractSet[str]], set[str], dict[str, list[str]]]:
+    """Walk the outputs' regions: ``(regions, fringes, direct, appearances)``.
+
+    - ``regions``: each output's region, its values in walk order (depth first, inputs in order); None for a
+      tensor inside a region walked already, whose region is itself alone;
+    - ``fringes``: the values of each region only listed as operands of a leaf's producer, not entered (the
+      matcher reads them to name a buffer hidden behind the leaf);
+    - ``direct``: the outputs to solve directly: behind their copies they come out of an op the walk does
+      not enter, or their region holds a node of :data:`DIRECT_OPS` or one with a subgraph, or it has more
+      than :data:`MAX_REGION` values;
+    - ``appearances``: per value, the outputs whose regions hold it (an operand of a leaf's producer only
+      when it is (a copy of) a graph output's value: an activation a gradient's ``MatMul`` reads links
+      nothing).
+
+    Raises:
+        _TooLarge: a region has more than :data:`MAX_WALK` values.
+    """
+    regions: dict[str, list[str] | None] = {}
+    fringes: dict[str, AbstractSet[str]] = {}
     direct: set[str] = set()
     appearances: dict[str, list[str]] = {}
-    # An operand of a leaf's producer matters to the matcher only when it is (a copy of) a graph output's value.
-    output_copies = set().union(*(walker.copies(o) for o in outputs)) if outputs else set()
+    appearances_get = appearances.get
+    chains = {o: walker.copy_chain(o) for o in outputs}
+    output_copies = set()
+    for chain in chains.values():
+        output_copies.update(chain)
+    linking: dict[str, bool] = {}
+    spec = walker.index.spec
+    steps_get = walker._steps.get
+    step = walker.step
     # Later outputs first: a parameter update's region holds its buffer output's, whose own region then adds
     # nothing (every value reachable from a value of a region is in it) and is not walked again.
     walked: set[str] = set()
-    contained: set[str] = set()
     for o in reversed(outputs):
-        if walker.behind_copies_not_entered(o):
+        if walker.behind_copies_not_entered(o, chains[o]):
             direct.add(o)
-        if o in walked and walker.index.spec(o).num_elements() != 1:
+        if o in walked and spec(o).num_elements() != 1:
             # A tensor links its reader's region with its own, so both land in one cluster anyway.
-            regions[o], fringes[o] = [o], set()
-            contained.add(o)
+            regions[o], fringes[o] = None, _NOTHING
             appearances[o].append(o)
             continue
-        values, fringe, must = walker.region(o)
-        regions[o] = values
+        # One table for what the walk has seen of a value: _LISTED (only as an operand of a leaf's producer)
+        # or _WALKED (its producer's inputs are taken). A value's appearance is recorded when it is walked,
+        # or at the end when it stayed listed only.
+        seen = {o: _WALKED}
+        seen_get = seen.get
+        order = [o]
+        listed: list[str] = []
+        stack = [o]
+        must = False
+        walked.add(o)
+        readers = appearances_get(o)
+        if readers is None:
+            appearances[o] = [o]
+        else:
+            readers.append(o)
+        while stack:
+            value = stack.pop()
+            found = steps_get(value)
+            _, inputs, makes_direct, operands = step(value) if found is None else found
+            if makes_direct:
+                must = True
+            for name in inputs:
+                if name:
+                    was = seen_get(name)
+                    if was is not _WALKED:
+                        seen[name] = _WALKED
+                        stack.append(name)
+                        if was is None:
+                            order.append(name)
+                        walked.add(name)
+                        readers = appearances_get(name)
+                        if readers is None:
+                            appearances[name] = [o]
+                        else:
+                            readers.append(o)
+            if operands:
+                for name in operands:
+                    if name and name not in seen:
+                        seen[name] = _LISTED
+                        order.append(name)
+                        listed.append(name)
+            if len(order) > MAX_WALK:
+                raise _TooLarge(o)
+        fringe = {name for name in listed if seen[name] is _LISTED} if listed else _NOTHING
+        regions[o] = order
         fringes[o] = fringe
-        if must:
+        if must or len(order) > MAX_REGION:
             direct.add(o)
-        for value in values:
-            if value in fringe:
-                if not (walker.copies(value) & output_copies):
-                    continue
-            else:
-                walked.add(value)
-            appearances.setdefault(value, []).append(o)
+        for name in fringe:
+            links = linking.get(name)
+            if links is None:
+                links = linking[name] = not output_copies.isdisjoint(walker.copy_chain(name))
+            if links:
+                readers = appearances_get(name)
+                if readers is None:
+                    appearances[name] = [o]
+                else:
+                    readers.append(o)
+    return regions, fringes, direct, appearances
 
+
+def _union(walker: _Walker, outputs: Sequence[str], appearances: dict[str, list[str]]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Link the outputs whose regions share a value (:func:`_links`): each output's cluster root, and each
+    root's outputs in graph order."""
     parent = {o: o for o in outputs}
 
     def find(o: str) -> str:
@@ -329,6 +447,12 @@ def clusters_of(
     for value, readers in appearances.items():
         if len(readers) < 2:
             continue
+        root = find(readers[0])
+        for other in readers:
+            if find(other) != root:
+                break
+        else:
+            continue  # linked already (a buffer's values, read by its parameter's region too)
         links = _links(walker, value, len(readers))
         if links is None:
             # A one-element value read by many regions: a learning rate links nothing, but the regions of
@@ -344,41 +468,15 @@ def clusters_of(
             if other_root != root:
                 parent[other_root] = root
     members: dict[str, list[str]] = {}
+    cluster_of: dict[str, str] = {}
     for o in outputs:
-        members.setdefault(find(o), []).append(o)
-    cluster_of = {o: find(o) for o in outputs}
-    shared = {value for value, readers in appearances.items() if len({cluster_of[o] for o in readers}) > 1}
-
-    # Outputs computed from shared values alone (a learning-rate schedule lr*0.99): the matcher may pair them
-    # with any cluster whose region holds their form's leaves, so they go along as keyed extras.
-    loose = [o for o, values in regions.items() if o not in contained and _loose(walker, values, fringes[o], shared)]
-    loose_leaves = {o: form_leaves(o) for o in loose}
-
-    clusters: list[Cluster] = []
-    pending: list[Cluster] = []
-    # The loose outputs' own results come from solving them together, directly.
-    loose_cluster = Cluster([o for o in outputs if o in loose_leaves])
-    for root, outs in members.items():
-        outs = [o for o in outs if o not in loose_leaves]
-        if not outs:
-            continue
-        cluster = Cluster(outs)
-        if loose_leaves:
-            region_values = {value for o in outs for value in regions[o]}
-            cluster.extras = [v for v, leaves in loose_leaves.items() if leaves and leaves <= region_values]
-        if not any(o in direct or o in shared for o in outs):
-            pending.append(cluster)
-        clusters.append(cluster)
-    if loose_cluster.outputs:
-        clusters.append(loose_cluster)
-
-    def keyed(cluster: Cluster) -> Cluster:
-        if id(cluster) in pending_ids:
-            _key(walker, cluster, regions, fringes, shared, name_facts)
-        return cluster
-
-    pending_ids = {id(c) for c in pending}
-    return (keyed(c) for c in clusters) if lazy else [keyed(c) for c in clusters]
+        root = cluster_of[o] = find(o)
+        found = members.get(root)
+        if found is None:
+            members[root] = [o]
+        else:
+            found.append(o)
+    return cluster_of, members
 
 
 def _links(walker: _Walker, value: str, readers: int) -> bool | None:
@@ -393,84 +491,124 @@ def _links(walker: _Walker, value: str, readers: int) -> bool | None:
     return None
 
 
-def _loose(walker: _Walker, values: list[str], fringe: set[str], shared: set[str]) -> bool:
+def _loose(walker: _Walker, values: list[str], fringe: AbstractSet[str], shared: set[str]) -> bool:
     """True when every leaf of the region that is not a constant is shared with other clusters."""
-    entered = walker.entered
+    steps_get = walker._steps.get
     for value in values:
-        if entered(value) is None and value not in shared and value not in fringe and not walker.is_constant(value):
+        step = steps_get(value)
+        if step is None:
+            step = walker.step(value)
+        if step[0] is None and value not in shared and value not in fringe and not walker.is_constant(value):
             return False
     return True
 
 
 def _key(
-    walker: _Walker, cluster: Cluster, regions: dict[str, list[str]], fringes: dict[str, set[str]], shared: set[str], name_facts: Callable[[str, bool], tuple]
+    walker: _Walker, cluster: Cluster, regions: dict[str, list[str] | None], fringes: dict[str, AbstractSet[str]], shared: set[str], name_facts: Callable[[str, bool], tuple]
 ) -> None:
     """Fill ``cluster.values``, ``cluster.nodes`` and ``cluster.key``: the values are the outputs' regions in
     turn (each in its walk order) without repeats or shared values, which is canonical: two members of a
     class list corresponding values at the same positions."""
-    ids: dict[str, int] = {}
-    values: list[str] = []
-    walked: set[str] = set()
-    for o in cluster.outputs:
-        fringe = fringes[o]
-        for value in regions[o]:
-            if value not in fringe:
-                walked.add(value)
-            if value not in ids and value not in shared:
-                ids[value] = len(values)
-                values.append(value)
+    walks = [regions[o] or (o,) for o in cluster.outputs]
+    values = [value for value in dict.fromkeys(itertools.chain.from_iterable(walks)) if value not in shared]
     if len(values) > MAX_REGION:
         return
-    step = walker.step
+    ids = dict(zip(values, range(len(values))))
+    # A value is walked (its producer entered) when some output's region walks it, not only lists it.
+    walked: set[str] = set()
+    for o, walk in zip(cluster.outputs, walks):
+        fringe = fringes[o]
+        walked.update(set(walk).difference(fringe) if fringe else walk)
+    structure, nodes, computed, shared_read = _structure(walker, values, ids, walked)
+    read_outside = _read_outside(walker, values, computed, set(nodes))
+    # The matcher sorts names it reaches through a shared value too (a gradient read behind a shared copy):
+    # each local name's place among every shared name below the ones the cluster reads is in the key.
+    shared_names = walker.shared_below(frozenset(shared_read))
+    names = _name_facts(walker, values, structure, ids, shared, shared_names, name_facts)
+    cluster.values = values
+    cluster.nodes = nodes
+    cluster.key = (tuple(ids[o] for o in cluster.outputs), tuple(cluster.extras), tuple(structure), tuple(names), read_outside)
+
+
+def _structure(walker: _Walker, values: list[str], ids: dict[str, int], walked: set[str]) -> tuple[list[tuple], list[int], list[int], set[str]]:
+    """Per value of a cluster, how it is defined: ``(facts, "operand of a leaf's producer")`` for a value
+    only listed, ``(facts, None, operands)`` for a leaf and ``(facts, node position, inputs)`` for a value
+    the walk enters, each input as a position (local) or a name (shared; "" for an input left out). Also
+    the cluster's nodes in canonical order, the positions of the values they compute and the shared values
+    read."""
+    steps_get = walker._steps.get
+    step_of = walker.step
+    facts_get = walker._value_facts.get
     value_facts = walker.value_facts
-    is_constant = walker.is_constant
-    consumers, subgraph_reads, outputs = walker.index.consumers, walker.index.subgraph_reads, walker.outputs
+    ids_get = ids.get
     node_ids: dict[int, int] = {}
     nodes: list[int] = []
-    shared_read: set[str] = set()
-    structure = []
+    read: set[str] = set()
+    structure: list[tuple] = []
     computed: list[int] = []
     for position, value in enumerate(values):
+        facts = facts_get(value)
+        if facts is None:
+            facts = value_facts(value)
         if value not in walked:
-            structure.append((value_facts(value), "operand of a leaf's producer"))
+            structure.append((facts, "operand of a leaf's producer"))
             continue
-        k, inputs, _, operands = step(value)
-        refs = []
-        for name in inputs if k is not None else operands:
-            if not name:
-                refs.append("")
-                continue
-            at = ids.get(name)
-            if at is None:
-                shared_read.add(name)
-                refs.append(name)
-            else:
-                refs.append(at)
+        step = steps_get(value)
+        if step is None:
+            step = step_of(value)
+        k = step[0]
+        names = step[1] if k is not None else step[3]
+        # An input is its position when local, else its own name ("" stays "": no value is named so).
+        refs = tuple(map(ids_get, names, names))
+        read.update(names)
         if k is None:
-            structure.append((value_facts(value), None, tuple(refs)))
+            structure.append((facts, None, refs))
             continue
         computed.append(position)
         node_id = node_ids.get(k)
         if node_id is None:
             node_id = node_ids[k] = len(nodes)
             nodes.append(k)
-        structure.append((value_facts(value), node_id, tuple(refs)))
-    # Which computed values something outside the region reads: the rewrite keeps their nodes, and the
-    # verification probes them, so members of a class must agree on it too.
-    inside = node_ids
-    read_outside = tuple(
-        position
-        for position in computed
-        if values[position] in subgraph_reads or any(c not in inside for c in consumers.get(values[position], ()))
-    )
-    # The matcher sorts names it reaches through a shared value too (a gradient read behind a shared copy):
-    # each local name's place among every shared name below the ones the cluster reads is in the key.
-    shared_names = walker.shared_below(frozenset(shared_read))
-    order = sorted(range(len(values)), key=values.__getitem__)
-    names: list = [None] * len(values)
-    for rank, position in enumerate(order):
+        structure.append((facts, node_id, refs))
+    shared_read = {name for name in read if name and name not in ids}
+    return structure, nodes, computed, shared_read
+
+
+def _read_outside(walker: _Walker, values: list[str], computed: list[int], inside: set[int]) -> tuple[int, ...]:
+    """Positions of the computed values something outside the region reads: the rewrite keeps their nodes,
+    and the verification probes them, so members of a class must agree on it too."""
+    consumers_get, subgraph_reads = walker.index.consumers.get, walker.index.subgraph_reads
+    read: list[int] = []
+    for position in computed:
         value = values[position]
-        before = bisect.bisect_left(shared_names, value) if shared_names else 0
+        if value in subgraph_reads:
+            read.append(position)
+            continue
+        for c in consumers_get(value, ()):
+            if c not in inside:
+                read.append(position)
+                break
+    return tuple(read)
+
+
+def _name_facts(
+    walker: _Walker,
+    values: list[str],
+    structure: list[tuple],
+    ids: dict[str, int],
+    shared: set[str],
+    shared_names: list[str],
+    name_facts: Callable[[str, bool], tuple],
+) -> list[tuple]:
+    """Per value, its rank among the cluster's names and among the shared names below it, and (for a float
+    value that is not a small constant) every fact the matcher draws from its name."""
+    outputs = walker.outputs
+    is_constant = walker.is_constant
+    names: list = [None] * len(values)
+    bisect_left = bisect.bisect_left
+    for rank, value in enumerate(sorted(values)):
+        position = ids[value]
+        before = bisect_left(shared_names, value) if shared_names else 0
         is_output = value in outputs
         facts = structure[position][0]
         if not is_output and (facts[0] not in _NAMED_DTYPES or (facts[2][0] == "initializer" or facts[2][:2] == ("node", "Constant")) and is_constant(value)):
@@ -479,10 +617,14 @@ def _key(
             names[position] = (rank, before)
             continue
         flags, previous, named_next = name_facts(value, is_output)
-        names[position] = (rank, before, flags, _named(previous, ids, shared), _named(named_next, ids, shared))
-    cluster.values = values
-    cluster.nodes = nodes
-    cluster.key = (tuple(ids[o] for o in cluster.outputs), tuple(cluster.extras), tuple(structure), tuple(names), read_outside)
+        names[position] = (
+            rank,
+            before,
+            flags,
+            None if previous is None else _named(previous, ids, shared),
+            None if named_next is None else _named(named_next, ids, shared),
+        )
+    return names
 
 
 def _named(name: str | None, ids: dict[str, int], shared: set[str]) -> tuple | None:

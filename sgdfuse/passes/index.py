@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 
 import numpy as np
@@ -83,7 +84,7 @@ class GraphIndex:
                 return None
             if tensor.data_location == onnx.TensorProto.EXTERNAL:
                 return None
-            if int(np.prod(tensor.dims, dtype=np.int64)) > SMALL_CONSTANT_ELEMENTS:
+            if math.prod(tensor.dims) > SMALL_CONSTANT_ELEMENTS:
                 return None
             return tensor_to_array(tensor)
         node = self.node(value)
@@ -93,7 +94,7 @@ class GraphIndex:
             if attribute.ref_attr_name:
                 return None
             if attribute.name == "value":
-                if int(np.prod(attribute.t.dims, dtype=np.int64)) > SMALL_CONSTANT_ELEMENTS:
+                if math.prod(attribute.t.dims) > SMALL_CONSTANT_ELEMENTS:
                     return None
                 if attribute.t.data_location == onnx.TensorProto.EXTERNAL:
                     return None  # never read here: external data is read only through sgdfuse.external_data
@@ -147,8 +148,9 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
 
     Shapes and dtypes come from the graph's declarations and, when ``infer_shapes``, from ONNX shape
     inference run on the model with initializer data stripped (so no weight bytes are copied or read).
-    Inference failures are logged and tolerated: unknown shapes only make the matcher
-    more careful.
+    Inference is skipped when it could add nothing (:func:`_inference_adds_nothing`: every value already has
+    a declared shape and there is no subgraph). Inference failures are logged and tolerated: unknown shapes
+    only make the matcher more careful.
     """
     graph = model.graph
     producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph)
@@ -157,9 +159,9 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     _add_specs(specs, graph.input, types)
     _add_specs(specs, graph.output, types)
     _add_specs(specs, graph.value_info, types)
-    if infer_shapes:
-        _add_specs(specs, _inferred_value_infos(model, subgraph_nodes), types)
     initializers = {t.name: t for t in graph.initializer}
+    if infer_shapes and not _inference_adds_nothing(graph, specs, producer, initializers, subgraph_nodes):
+        _add_specs(specs, _inferred_value_infos(model, subgraph_nodes), types)
     for name, tensor in initializers.items():
         specs[name] = TensorSpec(name, tuple(int(d) for d in tensor.dims), tensor.data_type)
 
@@ -176,28 +178,59 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     )
 
 
+def _inference_adds_nothing(
+    graph: onnx.GraphProto, specs: dict[str, TensorSpec], producer: dict[str, int], initializers: dict[str, onnx.TensorProto], subgraph_nodes: list[int]
+) -> bool:
+    """True when ONNX shape inference cannot change ``specs`` (the declared ones): there is no subgraph (whose
+    value infos it would add) and every name it could report has a declared shape already or is an
+    initializer.
+
+    Inference reports, in the main graph's ``value_info``, the declared value infos (refined in place) and one
+    entry per node output it types that is declared nowhere (onnx/shape_inference/implementation.cc: a
+    declared type is merged, an undeclared one added). :func:`_add_specs` keeps the first spec with a shape,
+    and an initializer's own spec replaces any: so when every node output and every declared value info
+    already has a shape (or is an initializer), nothing inferred is taken, and running it would only cost
+    time and memory (the C++ pass holds many times the model's size)."""
+    if subgraph_nodes:
+        return False
+    for names in (producer, (info.name for info in graph.value_info)):
+        for name in names:
+            known = specs.get(name)
+            if (known is None or known.shape is None) and name not in initializers:
+                return False
+    return True
+
+
 def _sweep_nodes(graph: onnx.GraphProto) -> tuple[dict[str, int], dict[str, list[int]], set[str], list[int]]:
     """Producer, consumers, outer-scope reads of subgraphs and the nodes holding subgraphs (GraphIndex)."""
     producer: dict[str, int] = {}
     consumers: dict[str, list[int]] = {}
     subgraph_reads: set[str] = set()
     subgraph_nodes: list[int] = []
-    # Interned: protobuf hands out a new string at every read, and each table would keep its own copy.
+    # Interned: protobuf hands out a new string at every read, and each table would keep its own copy. A name
+    # read again (a learning rate read by every update) is interned once, when its entry is made.
     intern = sys.intern
+    readers_of = consumers.get
     for index, node in enumerate(graph.node):
         for name in node.output:
             if name:
                 producer[intern(name)] = index
         for name in node.input:
             if name:
-                consumers.setdefault(intern(name), []).append(index)
-        held = False
-        for attribute in node.attribute:
-            for sub in _subgraphs(attribute):
-                subgraph_reads.update(_outer_reads(sub))
-                held = True
-        if held:
-            subgraph_nodes.append(index)
+                readers = readers_of(name)
+                if readers is None:
+                    consumers[intern(name)] = [index]
+                else:
+                    readers.append(index)
+        attributes = node.attribute
+        if attributes:
+            held = False
+            for attribute in attributes:
+                for sub in _subgraphs(attribute):
+                    subgraph_reads.update(_outer_reads(sub))
+                    held = True
+            if held:
+                subgraph_nodes.append(index)
     return producer, consumers, subgraph_reads, subgraph_nodes
 
 
@@ -205,18 +238,25 @@ def _add_specs(specs: dict[str, TensorSpec], infos, types: dict[bytes, tuple | N
     """Add the tensor types of ``infos`` to ``specs``: the first spec with a shape wins (declarations are
     added before inference). ``types`` caches each distinct serialised type's (shape, dtype): a training
     graph has tens of thousands of values but a few dozen types, and equal shapes are then one tuple."""
+    known_spec = specs.get
+    cached = types.get
     for info in infos:
-        name = sys.intern(info.name)
-        known = specs.get(name)
+        name = info.name
+        known = known_spec(name)
         if known is not None and known.shape is not None:
             continue
         type_proto = info.type
         key = type_proto.SerializeToString()
-        if key not in types:
-            types[key] = tensor_type_of(type_proto)
-        found = types[key]
+        found = cached(key, _UNREAD)
+        if found is _UNREAD:
+            found = types[key] = tensor_type_of(type_proto)
         if found is not None:
+            name = sys.intern(name)
             specs[name] = TensorSpec(name, found[0], found[1])
+
+
+_UNREAD = object()
+"""A type not yet in the cache of :func:`_add_specs` (None there is a type that is not a tensor's)."""
 
 
 def tensor_type_of(type_proto: onnx.TypeProto) -> tuple[tuple[int | str | None, ...] | None, int] | None:
@@ -289,7 +329,7 @@ def _value_infos(inferred: onnx.ModelProto, subgraph_nodes: list[int] | None) ->
 
 
 def _is_large(tensor: onnx.TensorProto) -> bool:
-    return int(np.prod(tensor.dims, dtype=np.int64)) > SMALL_CONSTANT_ELEMENTS
+    return math.prod(tensor.dims) > SMALL_CONSTANT_ELEMENTS
 
 
 def _strip_data(tensor: onnx.TensorProto) -> None:

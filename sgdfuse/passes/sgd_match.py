@@ -138,8 +138,11 @@ class Match:
         members, stay), its equations rewritten from the renamed forms."""
         name = lambda value: names.get(value, value)  # noqa: E731
         parameter_form, buffer_form = self.equation_forms
-        return dataclasses.replace(
-            self,
+        # A copy of every field, then the renamed ones (what dataclasses.replace does, without its per-field
+        # introspection: this runs once per renamed update, ten thousand times on a large step).
+        renamed = object.__new__(type(self))
+        renamed.__dict__.update(
+            self.__dict__,
             parameters=name(self.parameters),
             gradient=name(self.gradient),
             accum=name(self.accum),
@@ -154,7 +157,8 @@ class Match:
             ),
             rounded=dict(self.rounded),
             equation_forms=(_renamed_form(parameter_form, names), _renamed_form(buffer_form, names)),
-        ).with_equations()
+        )
+        return renamed.with_equations()
 
 
 def _renamed_poly(poly: Poly, names: Mapping[str, str]) -> Poly:
@@ -264,6 +268,19 @@ output is written in place), in the order consulted (``Match.roles_from``):
 
 _BUFFER_NAME = re.compile(r"(^|[^a-z])(momentum|moments?|velocity|veloc|buf|buffer|bufs|accum|accumulator|slot|trace|mom)([^a-z]|$)", re.I)
 _GRADIENT_NAME = re.compile(r"(^|[^a-z])(grad|grads|gradient|gradients|g|dw|dp)([^a-z]|\d|$)", re.I)
+
+
+def _convention_flags(name: str) -> tuple[bool, bool]:
+    """Whether ``_BUFFER_NAME`` and ``_GRADIENT_NAME`` match ``name``. An ASCII name holding none of a pattern's
+    words' cores cannot match it (each alternative contains one: ``mom``, ``buf``, ``veloc``, ``accum``,
+    ``lot`` rather than ``slot``, whose ``s`` the ignore-case match also reads as ``ſ``, ``trace``; ``g``,
+    ``dw``, ``dp``), which rules out most names without the regex; other names are searched."""
+    if name.isascii():
+        low = name.lower()
+        buffer = ("mom" in low or "buf" in low or "veloc" in low or "accum" in low or "lot" in low or "trace" in low) and _BUFFER_NAME.search(name) is not None
+        gradient = ("g" in low or "dw" in low or "dp" in low) and _GRADIENT_NAME.search(name) is not None
+        return buffer, gradient
+    return _BUFFER_NAME.search(name) is not None, _GRADIENT_NAME.search(name) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -431,9 +448,14 @@ def name_facts_of(index: GraphIndex, pins: RolePins, named_next: Mapping[str, st
     graph outputs only (the matcher asks it of the candidate and its buffers); ``next`` is the output named as
     its next value (``named_next``, :func:`_named_next`)."""
 
+    is_buffer = pins.is_buffer if pins.buffers else lambda name: None
+    state = pins.state
+    next_of = named_next.get
+
     def name_facts(value: str, is_output: bool) -> tuple:
-        flags = (bool(_BUFFER_NAME.search(value)), bool(_GRADIENT_NAME.search(value)), pins.is_buffer(value), value in pins.state)
-        return flags, _previous_by_name(index, value, pins) if is_output else None, named_next.get(value)
+        buffer, gradient = _convention_flags(value)
+        flags = (buffer, gradient, is_buffer(value), value in state)
+        return flags, _previous_by_name(index, value, pins) if is_output else None, next_of(value)
 
     return name_facts
 
@@ -1717,11 +1739,15 @@ _STATE_PREFIXES = ("new_", "next_", "updated_", "out_")
 def previous_by_name(output: str, inputs: Iterable[str]) -> str | None:
     """The input whose name marks ``output`` as its next value (``buf`` for ``buf_out``, ``new_buf``,
     ``buf_new``, ``buf_next``, ``buf_updated``, ``next_buf``, ...), or None when the names say nothing."""
+    # One call each rules out the names with none of the suffixes or prefixes (most of them).
+    suffixed, prefixed = output.endswith(_STATE_SUFFIXES), output.startswith(_STATE_PREFIXES)
+    if not (suffixed or prefixed):
+        return None
     names = inputs if isinstance(inputs, (set, frozenset, dict)) else set(inputs)
-    for suffix in _STATE_SUFFIXES:
+    for suffix in _STATE_SUFFIXES if suffixed else ():
         if output.endswith(suffix) and output[: -len(suffix)] in names:
             return output[: -len(suffix)]
-    for prefix in _STATE_PREFIXES:
+    for prefix in _STATE_PREFIXES if prefixed else ():
         if output.startswith(prefix) and output[len(prefix):] in names:
             return output[len(prefix):]
     return None
