@@ -347,3 +347,51 @@ def test_build_is_cached_and_compiled_without_contraction(kernel):
     record = json.loads((kernel.path.parent / "build.json").read_text())
     assert "-ffp-contract=off" in record["command"] and not any("fast-math" in f and "-fno" not in f for f in record["command"])
     assert kernel.api_version >= ortkernel.MIN_API_VERSION
+
+
+# --- buffers bound over one another (IOBinding) -------------------------------------------------------------
+
+def _bound_run(session, feeds: dict, outputs: list[np.ndarray]) -> None:
+    binding = session.io_binding()
+    for name, array in feeds.items():
+        binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+    for name, array in zip(OUTPUT_NAMES, outputs):
+        binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+    session.run_with_iobinding(binding)
+
+
+STATE_INPUTS = ("parameters", "gradient", "accum", "stat")
+OWN_INPUT = {"parameters_out": "parameters", "accum_out": "accum", "stat_out": "stat"}
+
+
+@pytest.mark.parametrize("dtype", [F32, F16], ids=["FLOAT", "FLOAT16"])
+@pytest.mark.parametrize("n", [9, (1 << 18) + 3], ids=["short", "streamed"])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_an_output_bound_over_another_input_gives_the_contract_result(with_kernel, dtype, n, momentum):
+    """Each output written into the buffer of an input that is not its own (parameters_out over accum, say):
+    the kernel reads every input before any write reaches it, as if the buffers were apart. Writing an output
+    over its own input (in place) is the fast path and is checked too."""
+    attributes = SgdAttributes(0.25, 0.5, False)
+    session = make_session(_model(dtype, PROPERTY_OPSET, None, [("", attributes)]))
+    cases = [{o: i} for o in OUTPUT_NAMES for i in STATE_INPUTS if OWN_INPUT[o] != i] + [dict(OWN_INPUT)]
+    for case in cases:
+        rng = np.random.default_rng(len(case))
+        feeds = {name: rng.standard_normal(n).astype(np.float32).astype(dtype) for name in INPUT_NAMES}
+        feeds["learning_rate"] = np.array([0.5], dtype)
+        feeds["momentum"] = np.array([momentum], dtype)
+        feeds["stat"] = (rng.random(n) < 0.5).astype(dtype)
+        originals = {name: array.copy() for name, array in feeds.items()}
+        expected = sgd(*(originals[name] for name in INPUT_NAMES), dampening=attributes.dampening,
+                       weight_decay=attributes.weight_decay, nesterov=attributes.nesterov)
+        outputs = [feeds[case[o]] if o in case else np.empty(n, dtype) for o in OUTPUT_NAMES]
+        _bound_run(session, feeds, outputs)
+        for name, have, want in zip(OUTPUT_NAMES, outputs, expected):
+            _assert_bitwise_equal(f"{case}: {name}", have, np.asarray(want).astype(dtype), originals, attributes)
+
+
+def test_outputs_bound_to_one_buffer_are_refused(with_kernel):
+    session = make_session(_model(F32, PROPERTY_OPSET, None, [("", SgdAttributes())]))
+    feeds = _feeds(F32)
+    shared = np.empty(5, np.float32)
+    with pytest.raises(Exception, match="outputs bound to overlapping memory"):
+        _bound_run(session, feeds, [shared, shared, np.empty(5, np.float32)])

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -134,11 +135,18 @@ struct Attributes {
 // The contract's clauses are decided once per call (the attributes and the momentum are the same for
 // every element), so each instantiation is one straight loop the compiler can vectorise without changing
 // a single rounding (elementwise, no reassociation).
+//
+// No pointer is declared __restrict__: an output may be its own input (in place, bound with IOBinding), and
+// restrict would let the compiler move the store of stat_out's zero before the load of stat that dampening
+// reads. Element i reads only inputs at i and writes only outputs at i, so the loop has no dependence
+// between iterations (GCC ivdep), and every load of an iteration comes before its stores. Any other overlap
+// of outputs and inputs is resolved before the loops run (compute_with).
 template <typename T, bool kWeightDecay, bool kDampening, bool kNesterov, bool kWriteState>
-void update_portable(size_t n, const typename T::Storage* __restrict__ p, const typename T::Storage* __restrict__ g,
-            const typename T::Storage* __restrict__ a, const typename T::Storage* __restrict__ s, typename T::Compute lr,
-            typename T::Compute m, typename T::Compute d, typename T::Compute wd, typename T::Storage* __restrict__ p_out, typename T::Storage* __restrict__ a_out,
-            typename T::Storage* __restrict__ s_out) {
+void update_portable(size_t n, const typename T::Storage* p, const typename T::Storage* g,
+            const typename T::Storage* a, const typename T::Storage* s, typename T::Compute lr,
+            typename T::Compute m, typename T::Compute d, typename T::Compute wd, typename T::Storage* p_out, typename T::Storage* a_out,
+            typename T::Storage* s_out) {
+#pragma GCC ivdep
   for (size_t i = 0; i < n; ++i) {
     using C = typename T::Compute;
     const C pf = T::load(p[i]);
@@ -171,12 +179,12 @@ void update_portable(size_t n, const typename T::Storage* __restrict__ p, const 
 // operations in the same order as update_portable (AVX add/sub/mul round each result once; no FMA is
 // enabled here). Returns how many elements it did; update_portable does the rest.
 template <bool kWeightDecay, bool kDampening, bool kNesterov, bool kWriteState>
-__attribute__((target("avx,f16c"))) size_t update_f16c(size_t n, const uint16_t* __restrict__ p,
-                                                        const uint16_t* __restrict__ g,
-                                                        const uint16_t* __restrict__ a,
-                                                        const uint16_t* __restrict__ s, float lr, float m, float d,
-                                                        float wd, uint16_t* __restrict__ p_out,
-                                                        uint16_t* __restrict__ a_out, uint16_t* __restrict__ s_out) {
+__attribute__((target("avx,f16c"))) size_t update_f16c(size_t n, const uint16_t* p,
+                                                        const uint16_t* g,
+                                                        const uint16_t* a,
+                                                        const uint16_t* s, float lr, float m, float d,
+                                                        float wd, uint16_t* p_out,
+                                                        uint16_t* a_out, uint16_t* s_out) {
   const __m256 vlr = _mm256_set1_ps(lr), vm = _mm256_set1_ps(m), vd = _mm256_set1_ps(d);
   const __m256 vwd = _mm256_set1_ps(wd), one = _mm256_set1_ps(1.0f);
   const __m128i zero = _mm_setzero_si128();
@@ -228,9 +236,9 @@ bool has_f16c() {
 constexpr size_t kStreamMinElements = size_t{1} << 18;  // 1 MiB per FLOAT tensor
 
 template <bool kWeightDecay, bool kDampening, bool kNesterov>
-size_t update_f32_stream(size_t n, const float* __restrict__ p, const float* __restrict__ g,
-                         const float* __restrict__ a, const float* __restrict__ s, float lr, float m, float d,
-                         float wd, float* __restrict__ p_out, float* __restrict__ a_out, float* __restrict__ s_out) {
+size_t update_f32_stream(size_t n, const float* p, const float* g,
+                         const float* a, const float* s, float lr, float m, float d,
+                         float wd, float* p_out, float* a_out, float* s_out) {
   const auto misaligned = (reinterpret_cast<uintptr_t>(p_out) | reinterpret_cast<uintptr_t>(a_out) |
                            reinterpret_cast<uintptr_t>(s_out)) & 15u;
   if (n < kStreamMinElements || misaligned != 0) return 0;
@@ -293,9 +301,9 @@ void dispatch_state(bool write_state, size_t n, const typename T::Storage* p, co
     update<T, kWeightDecay, kDampening, kNesterov, true>(n, p, g, a, s, lr, m, d, wd, p_out, a_out, s_out);
   } else {
     update<T, kWeightDecay, kDampening, kNesterov, false>(n, p, g, a, s, lr, m, d, wd, p_out, a_out, s_out);
-    // Momentum zero: the contract keeps accum and stat as given, bit for bit.
-    std::memcpy(a_out, a, n * sizeof(typename T::Storage));
-    std::memcpy(s_out, s, n * sizeof(typename T::Storage));
+    // Momentum zero: the contract keeps accum and stat as given, bit for bit (nothing to copy in place).
+    if (a_out != a) std::memcpy(a_out, a, n * sizeof(typename T::Storage));
+    if (s_out != s) std::memcpy(s_out, s, n * sizeof(typename T::Storage));
   }
 }
 
@@ -427,6 +435,25 @@ double scalar_value(ONNXTensorElementDataType type, const void* data) {
   }
 }
 
+// Bytes per element of the kernel's storage types.
+size_t element_size(ONNXTensorElementDataType type) {
+  switch (type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16:
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16:
+      return 2;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE:
+      return 8;
+    default:
+      return 4;
+  }
+}
+
+// Whether two buffers of ``bytes`` bytes share any byte.
+bool overlap(const void* x, const void* y, size_t bytes) {
+  const auto a = reinterpret_cast<uintptr_t>(x), b = reinterpret_cast<uintptr_t>(y);
+  return bytes != 0 && a < b + bytes && b < a + bytes;
+}
+
 OrtStatus* compute_with(Kernel* kernel, OrtKernelContext* context, TensorView* views) {
   static const char* const names[kInputs] = {"parameters", "gradient", "learning_rate", "accum", "momentum", "stat"};
   for (size_t i = 0; i < kInputs; ++i) SGDFUSE_RETURN_IF_ERROR(read_input(context, i, &views[i]));
@@ -457,6 +484,30 @@ OrtStatus* compute_with(Kernel* kernel, OrtKernelContext* context, TensorView* v
   const void* g = views[1].data;
   const void* a = views[3].data;
   const void* s = views[5].data;
+  // Buffers bound by the caller (IOBinding) may overlap. Each output may be its own input exactly (in place:
+  // the loops read element i before writing it); any other overlap would let a write reach a value still to
+  // be read, so the inputs are then read from copies. Outputs sharing memory cannot all hold their results.
+  const size_t bytes = n * element_size(kernel->type);
+  const void* inputs[4] = {p, g, a, s};
+  const size_t own[kOutputs] = {0, 2, 3};  // parameters_out <- parameters, accum_out <- accum, stat_out <- stat
+  bool copy_inputs = false;
+  for (size_t i = 0; i < kOutputs; ++i) {
+    for (size_t j = i + 1; j < kOutputs; ++j) {
+      if (overlap(outputs[i], outputs[j], bytes)) return status("outputs bound to overlapping memory");
+    }
+    for (size_t k = 0; k < 4; ++k) {
+      if (overlap(outputs[i], inputs[k], bytes) && !(k == own[i] && outputs[i] == inputs[k])) copy_inputs = true;
+    }
+  }
+  std::vector<unsigned char> copies;
+  if (copy_inputs) {
+    copies.resize(4 * bytes);
+    for (size_t k = 0; k < 4; ++k) {
+      std::memcpy(copies.data() + k * bytes, inputs[k], bytes);
+      inputs[k] = copies.data() + k * bytes;
+    }
+    p = inputs[0], g = inputs[1], a = inputs[2], s = inputs[3];
+  }
   switch (kernel->type) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT:
       run_update<F32>(kernel->attributes, n, p, g, a, s, lr, m, outputs[0], outputs[1], outputs[2]);
