@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 
 from sgdfuse import collector
 from sgdfuse import external_data
+from sgdfuse import runtime
 from sgdfuse.errors import InvalidOutputError, ModelLoadError
 from sgdfuse.output import OutputBatch, resolve_destination
 from sgdfuse.fused_op import MIN_OPSET, function_opset
@@ -204,8 +205,12 @@ def optimize(
 
     Raises:
         ModelLoadError: ``model`` is a path that cannot be loaded as ONNX.
+        sgdfuse.ortkernel.KernelBuildError: ``SGDFUSE_ORT_KERNEL=1`` asks verification to run the native kernel
+            and it cannot be built.
     """
     tell = progress or (lambda stage: None)
+    if verify:
+        runtime.kernel_requested()  # a kernel asked for and missing is one error, not a refusal per update
     # The pass's own objects are dropped when _optimize returns, before the collector runs again.
     with collector.paused():
         return _optimize(model, verify=verify, steps=steps, seed=seed, tell=tell, allow_rounding=allow_rounding, pins=pins)
@@ -238,6 +243,8 @@ def inspect(
     """The analysis of :func:`optimize` with nothing rewritten (a dry run): which updates would fuse,
     which candidates are refused and why. ``verify`` runs the differential check as well;
     ``allow_rounding`` and ``pins`` as for :func:`optimize`."""
+    if verify:
+        runtime.kernel_requested()
     with collector.paused():
         source_model, source, _, _ = _as_model(model)
         # Only the report is kept: the index and plans are dropped before the collector runs again.

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-__all__ = ["ORT_KERNEL_ENV", "make_session", "run", "onnx_to_numpy_dtype", "numpy_to_onnx_dtype", "ONNXRUNTIME_ERRORS", "ReferenceSession", "REFERENCE_DOMAINS"]
+__all__ = ["ORT_KERNEL_ENV", "kernel_requested", "make_session", "run", "onnx_to_numpy_dtype", "numpy_to_onnx_dtype", "ONNXRUNTIME_ERRORS", "ReferenceSession", "REFERENCE_DOMAINS"]
 
 REFERENCE_DOMAINS = frozenset({"ai.onnx.preview.training"})
 """Op domains onnxruntime does not run (ONNX's preview training ``Momentum``): a model using them runs in
@@ -32,6 +32,22 @@ ORT_KERNEL_ENV = "SGDFUSE_ORT_KERNEL"
 """Set to ``1`` to run fused nodes through the native kernel in every session :func:`make_session` creates."""
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def kernel_requested() -> bool:
+    """True when :data:`ORT_KERNEL_ENV` asks for the native kernel; then it is built (or found in the cache)
+    now, so that a command fails once, up front, when it cannot be had, rather than in every session.
+
+    Raises:
+        sgdfuse.ortkernel.KernelBuildError: the kernel was asked for and cannot be built (no headers, no
+            compiler, a failed compile).
+    """
+    if os.environ.get(ORT_KERNEL_ENV) != "1":
+        return False
+    from sgdfuse import ortkernel  # imported only when asked for: it may build the kernel
+
+    ortkernel.build_kernel()
+    return True
 
 from onnxruntime.capi import onnxruntime_pybind11_state as _state  # noqa: E402
 

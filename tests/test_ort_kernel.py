@@ -395,3 +395,40 @@ def test_outputs_bound_to_one_buffer_are_refused(with_kernel):
     shared = np.empty(5, np.float32)
     with pytest.raises(Exception, match="outputs bound to overlapping memory"):
         _bound_run(session, feeds, [shared, shared, np.empty(5, np.float32)])
+
+
+# --- setup mistakes --------------------------------------------------------------------------------------
+
+def test_registering_twice_on_the_same_options_is_harmless(kernel):
+    options = ort.SessionOptions()
+    ortkernel.register(options)
+    ortkernel.register(options)  # onnxruntime alone would refuse the session: "Domain already set in registry"
+    session = ort.InferenceSession(
+        _model(F32, PROPERTY_OPSET, None, [("", SgdAttributes())]).SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    feeds = _feeds(F32)
+    expected = sgd(*(feeds[name] for name in INPUT_NAMES))
+    for name, want in zip(OUTPUT_NAMES, expected):
+        _assert_bitwise_equal(name, run(session, feeds)[name], np.asarray(want).astype(F32), feeds, SgdAttributes())
+
+
+def test_optimize_asked_to_use_a_kernel_it_cannot_build_fails_once_up_front(tmp_path, monkeypatch):
+    """Not a verification failure per update (which would write an unfused model and exit 0): one error."""
+    monkeypatch.setenv(ORT_KERNEL_ENV, "1")
+    monkeypatch.setenv(ortkernel.INCLUDE_ENV, str(tmp_path))  # no header there
+    model = TESTDATA / "sgd_momentum_dynamo.onnx"
+    with pytest.raises(ortkernel.KernelBuildError, match="no onnxruntime_c_api.h there"):
+        api.optimize(model)
+    from sgdfuse.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["optimize", str(model), "-o", str(tmp_path / "out.onnx")])
+    assert stop.value.code == 1 and not (tmp_path / "out.onnx").exists()
+
+
+def test_a_cache_directory_that_is_a_file_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv(ortkernel.INCLUDE_ENV, raising=False)
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("")
+    with pytest.raises(ortkernel.KernelBuildError, match="cannot use the cache directory .*SGDFUSE_CACHE_DIR"):
+        ortkernel.build_kernel(cache_dir=blocker)

@@ -174,8 +174,16 @@ def headers(*, cache_dir: str | os.PathLike | None = None) -> Path:
     else:
         include = cache_root(cache_dir) / "ort-headers" / f"{HEADERS_PACKAGE}-{HEADERS_VERSION}"
         if not (include / _HEADER).is_file():
-            include.parent.mkdir(parents=True, exist_ok=True)
-            with open(include.parent / ".lock", "w") as lock:
+            try:
+                include.parent.mkdir(parents=True, exist_ok=True)
+                lock = open(include.parent / ".lock", "w")
+            except OSError as error:
+                raise KernelBuildError(
+                    "no-headers",
+                    f"cannot use the cache directory {include.parent} ({error.strerror or error}); point "
+                    "SGDFUSE_CACHE_DIR at a writable directory",
+                ) from error
+            with lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # one fetch at a time; the others find it done
                 if not (include / _HEADER).is_file():
                     _fetch_npm_headers(include)
@@ -221,6 +229,10 @@ def register(options: ort.SessionOptions, *, cache_dir: str | os.PathLike | None
     """Register the kernel on ``options`` (building it first if needed); sessions made with ``options`` then
     run every ``ai.sgdfuse::SGD`` node with it instead of the node's function body.
 
+    Registering again on the same ``options`` changes nothing (onnxruntime would refuse a session whose options
+    name the domain twice: "Domain already set in registry"); the options remember the library in their
+    session configuration entry :data:`REGISTERED_ENTRY`.
+
     Raises:
         KernelBuildError: see :func:`build_kernel`.
     """
@@ -228,8 +240,23 @@ def register(options: ort.SessionOptions, *, cache_dir: str | os.PathLike | None
     build = _REGISTERED.get(key)
     if build is None or not build.path.is_file():
         build = _REGISTERED[key] = build_kernel(cache_dir=cache_dir)
+    if _registered_on(options):
+        return build
     options.register_custom_ops_library(str(build.path))
+    options.add_session_config_entry(REGISTERED_ENTRY, str(build.path))
     return build
+
+
+def _registered_on(options: ort.SessionOptions) -> bool:
+    try:
+        return bool(options.get_session_config_entry(REGISTERED_ENTRY))
+    except RuntimeError:  # onnxruntime raises for a key the options do not have
+        return False
+
+
+REGISTERED_ENTRY = "sgdfuse.ortkernel.library"
+"""Session configuration key :func:`register` sets on the options it registered the kernel on (onnxruntime
+ignores keys it does not know)."""
 
 
 # The build each register() call reuses within this process (sessions are made by the thousand in a check).
