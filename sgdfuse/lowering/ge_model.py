@@ -22,7 +22,7 @@ from sgdfuse.lowering import ge_ir
 from sgdfuse.lowering.atc_json import message_to_json
 from sgdfuse.lowering.state import StateVariable
 
-__all__ = ["GEModel", "write_atomically"]
+__all__ = ["GEModel", "write_atomically", "read_varint"]
 
 
 class _ModelDef:
@@ -57,21 +57,23 @@ def _first_graph(model_def: bytes) -> bytes:
     """The bytes of ``graph[0]`` in a serialised ``ModelDef``."""
     pos, end = 0, len(model_def)
     while pos < end:
-        tag, pos = _varint(model_def, pos)
+        tag, pos = read_varint(model_def, pos)
         wire = tag & 7
         if wire == 2:
-            length, pos = _varint(model_def, pos)
+            length, pos = read_varint(model_def, pos)
             if tag >> 3 == _GRAPH_FIELD:
                 return model_def[pos: pos + length]
             pos += length
         elif wire == 0:
-            _, pos = _varint(model_def, pos)
+            _, pos = read_varint(model_def, pos)
         else:
             pos += 8 if wire == 1 else 4
     return b""
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
+def read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The protobuf varint at ``data[pos]`` (base-128, least significant group first; protobuf's wire format)
+    and the position after it."""
     result = shift = 0
     while True:
         byte = data[pos]
@@ -158,8 +160,8 @@ class GEModel:
             return len(self.graph.op)
         data, pos, count = self.graph_bytes(), 0, 0
         while pos < len(data):
-            tag, pos = _varint(data, pos)
-            length, pos = _varint(data, pos)  # every GraphDef field is length-delimited
+            tag, pos = read_varint(data, pos)
+            length, pos = read_varint(data, pos)  # every GraphDef field is length-delimited
             count += tag >> 3 == _OP_FIELD
             pos += length
         return count

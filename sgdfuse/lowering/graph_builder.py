@@ -44,6 +44,7 @@ __all__ = [
     "ge_shape",
     "model_def_bytes",
     "ND",
+    "encode_varint",
 ]
 
 ND = "ND"
@@ -367,10 +368,11 @@ def model_def_bytes(name: str, graphs: Sequence[bytes], attrs: Mapping[str, obje
 
 def _tag(message, field: str) -> bytes:
     """The key of a length-delimited field (wire type 2)."""
-    return _varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
+    return encode_varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
 
 
-def _varint(value: int) -> bytes:
+def encode_varint(value: int) -> bytes:
+    """``value`` (non-negative) as a protobuf varint (base-128, least significant group first)."""
     if value < 0x80:
         return _SMALL[value]
     out = bytearray()
@@ -386,7 +388,7 @@ _SMALL = [bytes((n,)) for n in range(0x80)]
 
 def _len(tag: bytes, payload: bytes) -> bytes:
     n = len(payload)
-    return tag + (_SMALL[n] if n < 0x80 else _varint(n)) + payload
+    return tag + (_SMALL[n] if n < 0x80 else encode_varint(n)) + payload
 
 
 _GRAPH_NAME, _GRAPH_INPUT, _GRAPH_OUTPUT, _GRAPH_OP, _GRAPH_ATTR = (_tag(ge_ir.GraphDef, f) for f in ("name", "input", "output", "op", "attr"))

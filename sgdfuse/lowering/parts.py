@@ -38,7 +38,8 @@ import onnx
 
 from sgdfuse.lowering import ge_ir
 from sgdfuse.lowering.alias import ALIAS_OP_TYPES
-from sgdfuse.lowering.ge_model import GEModel
+from sgdfuse.lowering.ge_model import GEModel, read_varint
+from sgdfuse.lowering.graph_builder import encode_varint
 from sgdfuse.verify import ModelParts
 
 __all__ = ["LoweredParts", "Part", "SHARED_CONE_LIMIT", "IN_PLACE_PORTS"]
@@ -58,17 +59,6 @@ _NEVER_COPIED = frozenset({"Variable", "SGD", "Assign", "NetOutput"})
 
 
 # ---- the ops of a GraphDef, read from its wire bytes -----------------------------------------------------
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
 
 
 _OP_FIELD = ge_ir.GraphDef.DESCRIPTOR.fields_by_name["op"].number
@@ -100,7 +90,7 @@ class _Ops:
     def op_field(self, k: int) -> bytes:
         """Op ``k`` as a ``GraphDef.op`` field (tag, length, the op's bytes)."""
         start, end = self.spans[k]
-        return _OP_TAG + _encode_varint(end - start) + self.data[start:end]
+        return _OP_TAG + encode_varint(end - start) + self.data[start:end]
 
     def op(self, k: int):
         """Op ``k`` parsed (an ``OpDef``)."""
@@ -133,7 +123,7 @@ def _read_ops(data: bytes, bodies: dict) -> _Ops:
         elif data[top + 2] < 0x80:  # two-byte lengths: most ops
             length, start = (length & 0x7F) | data[top + 2] << 7, top + 3
         else:
-            length, start = _varint(data, top + 1)
+            length, start = read_varint(data, top + 1)
         end = top = start + length
         if tag != _OP_TAG[0]:
             continue
@@ -147,7 +137,7 @@ def _read_ops(data: bytes, bodies: dict) -> _Ops:
             length = data[pos + 1]
             pos += 2
             if length >= 0x80:
-                length, pos = _varint(data, pos - 1)
+                length, pos = read_varint(data, pos - 1)
             text = data[pos: pos + length].decode()
             pos += length
             if tag == _NAME_TAG:
@@ -183,15 +173,6 @@ def _read_ops(data: bytes, bodies: dict) -> _Ops:
     return _Ops(data, spans, names, types, numbers, sources, position, net_output)
 
 
-def _encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _without_index(body: bytes, op: bytes, spare) -> bytes:
     """A ``Data`` op's bytes after its edges without its ``index`` attribute. Cut from the bytes when the
     entry is found once, with its framing, as a top-level field (canonical bytes list the attribute entries
@@ -204,7 +185,7 @@ def _without_index(body: bytes, op: bytes, spare) -> bytes:
         if entry < 0x80 and body[value] == entry - len(_INDEX_KEY) - 1 and body[value + 1] == 0x18 and body[end - 1] < 0x80:
             pos = 0
             while pos < start and body[pos] == _ATTR_TAG[0]:
-                length, after = _varint(body, pos + 1)
+                length, after = read_varint(body, pos + 1)
                 pos = after + length
             if pos == start:
                 return body[:start] + body[end:]
@@ -467,6 +448,6 @@ def _sub_model_def(ops: _Ops, positions: Sequence[int], outputs: Sequence[int] |
         op.input.extend(net.input[k] for k in outputs)
         op.input_desc.extend(net.input_desc[k] for k in outputs if k < len(net.input_desc))
         payload = op.SerializeToString(deterministic=True)
-        fields.append(_OP_TAG + _encode_varint(len(payload)) + payload)
+        fields.append(_OP_TAG + encode_varint(len(payload)) + payload)
     graph = b"".join(fields)
-    return _GRAPH_TAG + _encode_varint(len(graph)) + graph
+    return _GRAPH_TAG + encode_varint(len(graph)) + graph
