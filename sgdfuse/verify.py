@@ -1839,35 +1839,19 @@ def independent_models(model: onnx.ModelProto, *, max_nodes: int = CHECK_CHUNK_N
         model: an ONNX model whose nodes are in graph (topological) order.
         max_nodes: nodes per model, about.
     """
-    side = _Side.of(model)
-    shared = _shared_nodes(side, set())
-    uf = _UnionFind()
-    outputs = set(side.outputs)
-    for k, node in enumerate(side.nodes):
-        if shared[k]:
-            continue
-        for name in side.reads[k]:
-            j = side.producer.get(name)
-            if j is not None and not shared[j]:
-                uf.union(k, j)
-        for name in node.output:
-            if name in outputs:
-                uf.union(k, name)
-    groups: dict[object, list[str]] = {}
-    for name in side.outputs:
-        groups.setdefault(uf.find(name), []).append(name)
+    parts = ModelParts(model)  # no carried state: the groups are those of the outputs' cones alone
     models: list[onnx.ModelProto] = []
     cone: set[int] = set()
     chunk: list[str] = []
-    for names in groups.values():
-        own = side.cone(names)
+    for names, _ in parts.groups:
+        own = parts.cone(names)
         if chunk and len(cone) + len(own) > max_nodes:
-            models.append(_side_model(side, sorted(cone), chunk)[0])
+            models.append(parts.model(chunk))
             cone, chunk = set(), []
         cone.update(own)
         chunk.extend(names)
     if chunk or not models:
-        models.append(_side_model(side, sorted(cone), chunk)[0])
+        models.append(parts.model(chunk))
     return models
 
 

@@ -65,7 +65,8 @@ SPECIALISED_EXAMPLES = 20
 @pytest.fixture(scope="module")
 def kernel() -> ortkernel.KernelBuild:
     if not os.environ.get(ortkernel.INCLUDE_ENV) and shutil.which("npm") is None:
-        pytest.skip("neither npm nor SGDFUSE_ORT_INCLUDE: onnxruntime's headers cannot be had to build the kernel")
+        pytest.fail("neither npm nor SGDFUSE_ORT_INCLUDE: onnxruntime's headers cannot be had to build the kernel; "
+                    "install npm (the test command fetches them from the npm registry) or point SGDFUSE_ORT_INCLUDE at them")
     return ortkernel.build_kernel()
 
 
