@@ -268,14 +268,14 @@ def _analyse(
     """Returns (report, plans, index, base): ``base`` is the model the plans apply to (``model`` with any
     ONNX ``Momentum`` nodes already converted)."""
     report = Report(source=source, nodes_before=len(model.graph.node))
-    report.already_fused = sum(1 for n in model.graph.node if n.domain == "ai.sgdfuse")
     report.verification = Verification(enabled=verify, steps=steps if verify else 0, tolerance=_tolerance_text())
     misses: list[Miss] = []
 
     base = model
     tell("index")
     index = build_index(model)
-    if any(n.op_type == "Momentum" and n.domain == TRAINING_DOMAIN for n in model.graph.node):
+    report.already_fused = sum(1 for facts in index.nodes if facts[1] == "ai.sgdfuse")
+    if any(op == "Momentum" and domain == TRAINING_DOMAIN for op, domain, *_ in index.nodes):
         base, conversions, momentum_misses = convert_momentum_nodes(model, index, verify=verify, steps=steps, seed=seed)
         misses.extend(momentum_misses)
         for c in conversions:

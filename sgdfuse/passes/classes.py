@@ -33,7 +33,6 @@ import bisect
 import dataclasses
 import itertools
 import logging
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
@@ -121,8 +120,8 @@ class _Walker:
     def __init__(self, index: GraphIndex) -> None:
         self.index = index
         self._nodes = index.graph.node
-        self._node_facts: list[tuple | None] = [None] * len(self._nodes)
-        self._node_steps: list[tuple | None] = [None] * len(self._nodes)
+        self._node_facts = index.nodes
+        self._node_steps: list[tuple | None] = [None] * len(self._node_facts)
         self._distinct: dict[tuple, tuple] = {}
         self._value_facts: dict[str, tuple] = {}
         self._steps: dict[str, tuple] = {}
@@ -131,23 +130,13 @@ class _Walker:
         self.outputs = set(index.graph_outputs)
 
     def node_facts(self, k: int) -> tuple:
-        """``(op_type, domain, inputs, outputs, has subgraph, has attributes)`` of node ``k``."""
-        facts = self._node_facts[k]
-        if facts is None:
-            node = self._nodes[k]
-            attributes = node.attribute
-            subgraph = False
-            if attributes:
-                subgraph = any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in attributes)
-            # Interned: protobuf hands out new strings at every read; the index holds these names already.
-            intern = sys.intern
-            facts = (intern(node.op_type), intern(node.domain), tuple(map(intern, node.input)), tuple(map(intern, node.output)), subgraph, bool(attributes))
-            self._node_facts[k] = facts
-        return facts
+        """``(op_type, domain, inputs, outputs, has subgraph, has attributes)`` of node ``k`` (the index's
+        :data:`~sgdfuse.passes.index.NodeFacts`)."""
+        return self._node_facts[k]
 
     def attributes(self, k: int) -> bytes:
         """Node ``k``'s attributes, serialised deterministically (a ``Constant``'s value, a ``Cast``'s type)."""
-        if not self.node_facts(k)[5]:
+        if not self._node_facts[k][5]:
             return b""
         return b"".join(a.SerializeToString(deterministic=True) for a in self._nodes[k].attribute)
 
@@ -166,7 +155,7 @@ class _Walker:
         """The step of every output of node ``k`` (one tuple, shared by them)."""
         step = self._node_steps[k]
         if step is None:
-            op, domain, inputs, _, subgraph, _ = self.node_facts(k)
+            op, domain, inputs, _, subgraph, _ = self._node_facts[k]
             direct = subgraph or op in DIRECT_OPS
             if domain not in _DEFAULT_DOMAINS or op not in ENTERED_OPS:
                 step = (None, (), direct, inputs)
@@ -185,7 +174,7 @@ class _Walker:
             k = producer.get(value)
             if k is None:
                 break
-            op, domain, inputs = self.node_facts(k)[:3]
+            op, domain, inputs = self._node_facts[k][:3]
             if domain not in _DEFAULT_DOMAINS or op not in ("Identity", "Cast", "CastLike") or not inputs or not inputs[0] or inputs[0] in seen:
                 break
             value = inputs[0]
@@ -213,7 +202,7 @@ class _Walker:
         k = self.index.producer.get((chain or self.copy_chain(output))[-1])
         if k is None:
             return False
-        op, domain = self.node_facts(k)[:2]
+        op, domain = self._node_facts[k][:2]
         return domain not in _DEFAULT_DOMAINS or op not in ENTERED_OPS
 
     def value_facts(self, value: str) -> tuple:
@@ -229,7 +218,7 @@ class _Walker:
         index = self.index
         k = index.producer.get(value)
         if k is not None:
-            op, domain, _, outputs, _, has_attributes = self._node_facts[k] or self.node_facts(k)
+            op, domain, _, outputs, _, has_attributes = self._node_facts[k]
             if domain in _DEFAULT_DOMAINS and op in ENTERED_OPS:
                 attributes = self.attributes(k) if has_attributes else b""
                 kind: tuple = ("node", op, domain, outputs.index(value) if len(outputs) > 1 else 0, len(outputs), attributes)
@@ -256,7 +245,7 @@ class _Walker:
         known = self._constants.get(value)
         if known is None:
             k = self.index.producer.get(value)
-            if k is not None and self.node_facts(k)[0] != "Constant":
+            if k is not None and self._node_facts[k][0] != "Constant":
                 known = False  # only a Constant node's output is a constant among computed values
             elif k is None and value not in self.index.initializers:
                 known = False

@@ -18,13 +18,19 @@ import onnx
 from sgdfuse.contract import TensorSpec
 from sgdfuse.external_data import tensor_to_array
 
-__all__ = ["GraphIndex", "build_index", "SMALL_CONSTANT_ELEMENTS", "tensor_type_of"]
+__all__ = ["GraphIndex", "NodeFacts", "build_index", "SMALL_CONSTANT_ELEMENTS", "tensor_type_of"]
 
 logger = logging.getLogger(__name__)
 
 SMALL_CONSTANT_ELEMENTS = 64
 """Initializers and ``Constant`` values up to this many elements are read (to find scalar coefficients);
 larger ones are never loaded, so external tensor data stays on disk."""
+
+
+NodeFacts = tuple[str, str, tuple[str, ...], tuple[str, ...], bool, bool]
+"""What the pass reads of every node: ``(op_type, domain, inputs, outputs, has subgraph, has attributes)``,
+``NodeProto`` fields 4, 7, 1 and 2 (empty input and output names kept, every name interned), and whether its
+attributes (field 5) hold a ``GRAPH``/``GRAPHS`` value or are present at all."""
 
 
 @dataclasses.dataclass
@@ -43,6 +49,9 @@ class GraphIndex:
         subgraph_reads: names read from the outer scope by any subgraph (``If``/``Loop``/``Scan`` bodies):
             such values are used even though no top-level node lists them.
         subgraph_nodes: indices of the nodes that hold a subgraph attribute, in node order.
+        nodes: per node of the graph, in order, the :data:`NodeFacts` read from it once (op type, domain,
+            inputs, outputs, whether it holds a subgraph, whether it has attributes): every later sweep reads
+            these, not the protobuf (a read of every node through protobuf costs about a load of the model).
     """
 
     graph: onnx.GraphProto
@@ -54,6 +63,7 @@ class GraphIndex:
     specs: dict[str, TensorSpec]
     subgraph_reads: set[str]
     subgraph_nodes: list[int] = dataclasses.field(default_factory=list)
+    nodes: list[NodeFacts] = dataclasses.field(default_factory=list)
     _constants: dict[str, np.ndarray | None] = dataclasses.field(default_factory=dict)
 
     def node(self, value: str) -> onnx.NodeProto | None:
@@ -153,7 +163,8 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     only make the matcher more careful.
     """
     graph = model.graph
-    producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph)
+    nodes = _node_facts(graph)
+    producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph, nodes)
     specs: dict[str, TensorSpec] = {}
     types: dict[bytes, tuple | None] = {}
     _add_specs(specs, graph.input, types)
@@ -175,6 +186,7 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
         specs=specs,
         subgraph_reads=subgraph_reads,
         subgraph_nodes=subgraph_nodes,
+        nodes=nodes,
     )
 
 
@@ -201,31 +213,46 @@ def _inference_adds_nothing(
     return True
 
 
-def _sweep_nodes(graph: onnx.GraphProto) -> tuple[dict[str, int], dict[str, list[int]], set[str], list[int]]:
-    """Producer, consumers, outer-scope reads of subgraphs and the nodes holding subgraphs (GraphIndex)."""
+def _node_facts(graph: onnx.GraphProto) -> list[NodeFacts]:
+    """:data:`NodeFacts` of every node of ``graph``, in order (one read of each node's fields)."""
+    # Interned: protobuf hands out a new string at every read; equal names are then one object in every table.
+    intern = sys.intern
+    facts: list[NodeFacts] = []
+    append = facts.append
+    for node in graph.node:
+        attributes = node.attribute
+        subgraph = False
+        if attributes:
+            subgraph = any(a.type in _GRAPH_TYPES for a in attributes)
+        append((intern(node.op_type), intern(node.domain), tuple(map(intern, node.input)), tuple(map(intern, node.output)), subgraph, bool(attributes)))
+    return facts
+
+
+_GRAPH_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+
+
+def _sweep_nodes(graph: onnx.GraphProto, nodes: list[NodeFacts]) -> tuple[dict[str, int], dict[str, list[int]], set[str], list[int]]:
+    """Producer, consumers, outer-scope reads of subgraphs and the nodes holding subgraphs (GraphIndex), from
+    the node facts of ``graph`` (its protobuf is read only for the subgraphs)."""
     producer: dict[str, int] = {}
     consumers: dict[str, list[int]] = {}
     subgraph_reads: set[str] = set()
     subgraph_nodes: list[int] = []
-    # Interned: protobuf hands out a new string at every read, and each table would keep its own copy. A name
-    # read again (a learning rate read by every update) is interned once, when its entry is made.
-    intern = sys.intern
     readers_of = consumers.get
-    for index, node in enumerate(graph.node):
-        for name in node.output:
+    for index, (_, _, inputs, outputs, subgraph, _) in enumerate(nodes):
+        for name in outputs:
             if name:
-                producer[intern(name)] = index
-        for name in node.input:
+                producer[name] = index
+        for name in inputs:
             if name:
                 readers = readers_of(name)
                 if readers is None:
-                    consumers[intern(name)] = [index]
+                    consumers[name] = [index]
                 else:
                     readers.append(index)
-        attributes = node.attribute
-        if attributes:
+        if subgraph:  # an attribute typed GRAPH or GRAPHS; one holding no graph reads nothing
             held = False
-            for attribute in attributes:
+            for attribute in graph.node[index].attribute:
                 for sub in _subgraphs(attribute):
                     subgraph_reads.update(_outer_reads(sub))
                     held = True

@@ -122,7 +122,7 @@ class Planner:
         self.index = index
         self.opset = opset
         self._taken: set[str] = set(index.producer) | set(index.initializers) | set(index.graph_inputs)
-        self._taken |= {n.name for n in index.graph.node if n.name}
+        self._taken.update(n.name for n in index.graph.node)
         self._taken |= set(index.consumers)
         self._constants: dict[tuple[str, int, bytes], str] = {}
         self._arena = onnx.GraphProto()  # holds every planned node (see _held)
@@ -558,7 +558,7 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
         result = onnx.ModelProto()
         result.CopyFrom(model)
         return result
-    old = _OldNodes(model.graph.node, index.subgraph_nodes)
+    old = _OldNodes(model.graph.node, index)
     new_reads = [_reads(node) for plan in plans for node in plan.nodes]
     removed, reads = _removed_nodes(old, index, plans, new_reads)
 
@@ -583,7 +583,8 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
         for j, node in enumerate(plan.nodes):
             entries.append(((anchor, 1 + j), node))
     available = inputs | {t.name for t in kept_initializers} | {t.name for plan in plans for t in plan.initializers}
-    ordered = _stable_topological_sort(entries, available=available, reads=entry_reads)
+    entry_outputs = [old.outputs(i) for i in kept] + [[n for n in node.output if n] for plan in plans for node in plan.nodes]
+    ordered = _stable_topological_sort(entries, available=available, reads=entry_reads, outputs=entry_outputs)
 
     # The new model is built field by field: the old node list is never copied whole (only the kept nodes).
     result = onnx.ModelProto()
@@ -599,37 +600,34 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
 
 
 class _OldNodes:
-    """The nodes of the graph being rewritten, by position, each fetched and its reads listed once."""
+    """The nodes of the graph being rewritten, by position: their reads and outputs from the index's node facts,
+    the protobuf read only for what subgraphs read."""
 
-    def __init__(self, nodes, subgraph_nodes: list[int]) -> None:
+    def __init__(self, nodes, index: GraphIndex) -> None:
         self._nodes = nodes
-        self._with_subgraphs = set(subgraph_nodes)
-        self._node: dict[int, onnx.NodeProto] = {}
+        self._facts = index.nodes
+        self._with_subgraphs = set(index.subgraph_nodes)
         self._reads: dict[int, list[str]] = {}
-        self._outputs: dict[int, list[str]] = {}
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        return len(self._facts)
 
     def node(self, i: int) -> onnx.NodeProto:
-        node = self._node.get(i)
-        if node is None:
-            node = self._node[i] = self._nodes[i]
-        return node
+        return self._nodes[i]
 
     def outputs(self, i: int) -> list[str]:
         """The names node ``i`` outputs (empty slots left out)."""
-        names = self._outputs.get(i)
-        if names is None:
-            names = self._outputs[i] = [n for n in self.node(i).output if n]
-        return names
+        return [n for n in self._facts[i][3] if n]
+
+    def inputs(self, i: int) -> list[str]:
+        """The names node ``i`` lists as inputs (empty slots left out)."""
+        return [n for n in self._facts[i][2] if n]
 
     def reads(self, i: int) -> list[str]:
         """What node ``i`` reads (:func:`_reads`): its inputs, and what its subgraphs read from outside."""
         names = self._reads.get(i)
         if names is None:
-            node = self.node(i)
-            names = self._reads[i] = _reads(node) if i in self._with_subgraphs else [n for n in node.input if n]
+            names = self._reads[i] = _reads(self._nodes[i]) if i in self._with_subgraphs else self.inputs(i)
         return names
 
 
@@ -652,8 +650,7 @@ def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new
 
     outer: dict[str, int] = {}
     for i in index.subgraph_nodes:
-        node = old.node(i)
-        for name in old.reads(i)[len([n for n in node.input if n]):]:
+        for name in old.reads(i)[len(old.inputs(i)):]:
             outer[name] = outer.get(name, 0) + 1
     # Reads after the rewrite = the index's count + these corrections (kept sparse: most names keep theirs).
     delta: dict[str, int] = {}
@@ -721,15 +718,20 @@ def _reads(node: onnx.NodeProto) -> list[str]:
 
 
 def _stable_topological_sort(
-    entries: list[tuple[tuple[int, int], onnx.NodeProto]], available: set[str], reads: list[list[str]] | None = None
+    entries: list[tuple[tuple[int, int], onnx.NodeProto]],
+    available: set[str],
+    reads: list[list[str]] | None = None,
+    outputs: list[list[str]] | None = None,
 ) -> list[onnx.NodeProto]:
     """Kahn's algorithm, always taking the ready node with the smallest original position. ``reads``: what
-    each entry's node reads (:func:`_reads`), when already known."""
+    each entry's node reads (:func:`_reads`), ``outputs`` the names it outputs, when already known."""
     if reads is None:
         reads = [_reads(node) for _, node in entries]
+    if outputs is None:
+        outputs = [list(node.output) for _, node in entries]
     producer: dict[str, int] = {}
-    for k, (_, node) in enumerate(entries):
-        for name in node.output:
+    for k, names in enumerate(outputs):
+        for name in names:
             if name:
                 producer[name] = k
     waiting: list[int] = [0] * len(entries)
