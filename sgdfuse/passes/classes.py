@@ -110,6 +110,23 @@ _LISTED, _WALKED = "listed", "walked"
 """What the region walk (:func:`_walk_regions`) has seen of a value."""
 
 
+_COPY_OPS = frozenset({"Identity", "Cast", "CastLike"})
+
+
+def _steps(nodes: Sequence[tuple]) -> dict[str, tuple]:
+    """The walk's step (:meth:`_Walker.step`) of every value a node outputs, one tuple per node shared by its
+    outputs; a later producer of a name wins, as in the index's ``producer``."""
+    steps: dict[str, tuple] = {}
+    entered, direct_ops, default = ENTERED_OPS, DIRECT_OPS, _DEFAULT_DOMAINS
+    for k, (op, domain, inputs, outputs, subgraph, _) in enumerate(nodes):
+        direct = subgraph or op in direct_ops
+        step = (k, inputs, direct, ()) if op in entered and domain in default else (None, (), direct, inputs)
+        for name in outputs:
+            if name:
+                steps[name] = step
+    return steps
+
+
 class _Walker:
     """Regions of graph outputs, with per-node facts read from the protobuf once.
 
@@ -121,10 +138,9 @@ class _Walker:
         self.index = index
         self._nodes = index.graph.node
         self._node_facts = index.nodes
-        self._node_steps: list[tuple | None] = [None] * len(self._node_facts)
         self._distinct: dict[tuple, tuple] = {}
         self._value_facts: dict[str, tuple] = {}
-        self._steps: dict[str, tuple] = {}
+        self._steps = _steps(index.nodes)
         self._constants: dict[str, bool] = {}
         self._below: dict[frozenset[str], list[str]] = {}
         self.outputs = set(index.graph_outputs)
@@ -144,42 +160,25 @@ class _Walker:
         """``(producer entered or None, its inputs, whether the producer makes the region direct, the inputs of
         a producer not entered)``: the matcher reads the operands of a leaf's producer (to name a buffer
         hidden behind it), so those are listed in the region, but not entered."""
-        step = self._steps.get(value)
-        if step is None:
-            k = self.index.producer.get(value)
-            step = _LEAF_STEP if k is None else self._node_step(k)
-            self._steps[value] = step
-        return step
-
-    def _node_step(self, k: int) -> tuple:
-        """The step of every output of node ``k`` (one tuple, shared by them)."""
-        step = self._node_steps[k]
-        if step is None:
-            op, domain, inputs, _, subgraph, _ = self._node_facts[k]
-            direct = subgraph or op in DIRECT_OPS
-            if domain not in _DEFAULT_DOMAINS or op not in ENTERED_OPS:
-                step = (None, (), direct, inputs)
-            else:
-                step = (k, inputs, direct, ())
-            self._node_steps[k] = step
-        return step
+        return self._steps.get(value, _LEAF_STEP)
 
     def copy_chain(self, value: str) -> list[str]:
         """``value`` and the values it copies through ``Identity``, ``Cast`` and ``CastLike``, nearest first (a
         superset of the matcher's own copy rule, which follows only float-to-float casts)."""
+        producer = self.index.producer
+        k = producer.get(value)
+        if k is None or self._node_facts[k][0] not in _COPY_OPS:
+            return [value]  # most values: no copy behind them
         chain = [value]
         seen = {value}
-        producer = self.index.producer
-        while True:
-            k = producer.get(value)
-            if k is None:
-                break
+        while k is not None:
             op, domain, inputs = self._node_facts[k][:3]
-            if domain not in _DEFAULT_DOMAINS or op not in ("Identity", "Cast", "CastLike") or not inputs or not inputs[0] or inputs[0] in seen:
+            if domain not in _DEFAULT_DOMAINS or op not in _COPY_OPS or not inputs or not inputs[0] or inputs[0] in seen:
                 break
             value = inputs[0]
             seen.add(value)
             chain.append(value)
+            k = producer.get(value)
         return chain
 
     def shared_below(self, roots: frozenset[str]) -> list[str]:
@@ -349,7 +348,6 @@ def _walk_regions(
     linking: dict[str, bool] = {}
     spec = walker.index.spec
     steps_get = walker._steps.get
-    step = walker.step
     # Later outputs first: a parameter update's region holds its buffer output's, whose own region then adds
     # nothing (every value reachable from a value of a region is in it) and is not walked again.
     walked: set[str] = set()
@@ -378,8 +376,7 @@ def _walk_regions(
             readers.append(o)
         while stack:
             value = stack.pop()
-            found = steps_get(value)
-            _, inputs, makes_direct, operands = step(value) if found is None else found
+            _, inputs, makes_direct, operands = steps_get(value, _LEAF_STEP)
             if makes_direct:
                 must = True
             for name in inputs:
@@ -484,9 +481,7 @@ def _loose(walker: _Walker, values: list[str], fringe: AbstractSet[str], shared:
     """True when every leaf of the region that is not a constant is shared with other clusters."""
     steps_get = walker._steps.get
     for value in values:
-        step = steps_get(value)
-        if step is None:
-            step = walker.step(value)
+        step = steps_get(value, _LEAF_STEP)
         if step[0] is None and value not in shared and value not in fringe and not walker.is_constant(value):
             return False
     return True
@@ -526,7 +521,6 @@ def _structure(walker: _Walker, values: list[str], ids: dict[str, int], walked: 
     the cluster's nodes in canonical order, the positions of the values they compute and the shared values
     read."""
     steps_get = walker._steps.get
-    step_of = walker.step
     facts_get = walker._value_facts.get
     value_facts = walker.value_facts
     ids_get = ids.get
@@ -542,9 +536,7 @@ def _structure(walker: _Walker, values: list[str], ids: dict[str, int], walked: 
         if value not in walked:
             structure.append((facts, "operand of a leaf's producer"))
             continue
-        step = steps_get(value)
-        if step is None:
-            step = step_of(value)
+        step = steps_get(value, _LEAF_STEP)
         k = step[0]
         names = step[1] if k is not None else step[3]
         # An input is its position when local, else its own name ("" stays "": no value is named so).
