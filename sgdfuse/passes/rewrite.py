@@ -615,19 +615,23 @@ class _OldNodes:
     def node(self, i: int) -> onnx.NodeProto:
         return self._nodes[i]
 
-    def outputs(self, i: int) -> list[str]:
+    def outputs(self, i: int) -> Sequence[str]:
         """The names node ``i`` outputs (empty slots left out)."""
-        return [n for n in self._facts[i][3] if n]
+        names = self._facts[i][3]
+        return [n for n in names if n] if "" in names else names
 
-    def inputs(self, i: int) -> list[str]:
+    def inputs(self, i: int) -> Sequence[str]:
         """The names node ``i`` lists as inputs (empty slots left out)."""
-        return [n for n in self._facts[i][2] if n]
+        names = self._facts[i][2]
+        return [n for n in names if n] if "" in names else names
 
-    def reads(self, i: int) -> list[str]:
+    def reads(self, i: int) -> Sequence[str]:
         """What node ``i`` reads (:func:`_reads`): its inputs, and what its subgraphs read from outside."""
+        if i not in self._with_subgraphs:
+            return self.inputs(i)
         names = self._reads.get(i)
         if names is None:
-            names = self._reads[i] = _reads(self._nodes[i]) if i in self._with_subgraphs else self.inputs(i)
+            names = self._reads[i] = _reads(self._nodes[i])
         return names
 
 
