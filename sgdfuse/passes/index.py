@@ -17,6 +17,7 @@ import onnx
 
 from sgdfuse.contract import TensorSpec
 from sgdfuse.external_data import tensor_to_array
+from sgdfuse.passes.scan import node_table
 
 __all__ = ["GraphIndex", "NodeFacts", "build_index", "SMALL_CONSTANT_ELEMENTS", "tensor_type_of"]
 
@@ -163,7 +164,7 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     only make the matcher more careful.
     """
     graph = model.graph
-    nodes = _node_facts(graph)
+    nodes = _node_facts(model)
     producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph, nodes)
     specs: dict[str, TensorSpec] = {}
     types: dict[bytes, tuple | None] = {}
@@ -213,19 +214,11 @@ def _inference_adds_nothing(
     return True
 
 
-def _node_facts(graph: onnx.GraphProto) -> list[NodeFacts]:
-    """:data:`NodeFacts` of every node of ``graph``, in order (one read of each node's fields)."""
-    # Interned: protobuf hands out a new string at every read; equal names are then one object in every table.
-    intern = sys.intern
-    facts: list[NodeFacts] = []
-    append = facts.append
-    for node in graph.node:
-        attributes = node.attribute
-        subgraph = False
-        if attributes:
-            subgraph = any(a.type in _GRAPH_TYPES for a in attributes)
-        append((intern(node.op_type), intern(node.domain), tuple(map(intern, node.input)), tuple(map(intern, node.output)), subgraph, bool(attributes)))
-    return facts
+def _node_facts(model: onnx.ModelProto) -> list[NodeFacts]:
+    """:data:`NodeFacts` of every node of the main graph, in order, read once (natively where the scanner
+    builds: :func:`sgdfuse.passes.scan.node_table`)."""
+    table = node_table(model)
+    return list(zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_subgraph, table.has_attributes))
 
 
 _GRAPH_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
