@@ -29,7 +29,8 @@ import onnx
 from onnx import helper
 
 from sgdfuse.fused_op import DOMAIN, OP_TYPE
-from sgdfuse.passes.index import SMALL_CONSTANT_ELEMENTS, GraphIndex, _outer_reads, _subgraphs, tensor_type_of
+from sgdfuse.passes.index import _GRAPH_TYPES, SMALL_CONSTANT_ELEMENTS, GraphIndex, _outer_reads, _subgraphs, tensor_type_of
+from sgdfuse.passes.scan import NodeTable, node_table
 
 __all__ = ["unproven"]
 
@@ -51,20 +52,22 @@ def unproven(output: onnx.ModelProto, source: onnx.ModelProto, index: GraphIndex
     reason = _versions(output, source)
     if reason:
         return reason
+    # The output's nodes as it holds them, read once (natively where the scanner builds).
+    table = node_table(output)
     # The new nodes as the output holds them (by their first output, a name defined once there).
     wanted = {node.output[0]: (i, j) for i, plan in enumerate(plans) for j, node in enumerate(plan.nodes) if node.output}
-    found: dict[tuple[int, int], onnx.NodeProto] = {}
-    reason = _structure(output.graph, wanted, found)
+    found: dict[tuple[int, int], int] = {}
+    reason = _structure(output.graph, table, wanted, found)
     if reason:
         return reason
     if len(found) != sum(len(plan.nodes) for plan in plans):
         return "a planned node is not in the output"
-    nodes = [[found[(i, j)] for j in range(len(plan.nodes))] for i, plan in enumerate(plans)]
+    positions = [[found[(i, j)] for j in range(len(plan.nodes))] for i, plan in enumerate(plans)]
     names = {t.name for plan in plans for t in plan.initializers}
     new_initializers = {t.name: t for t in output.graph.initializer if t.name in names}
     if len(new_initializers) != len(names):
         return "a planned initializer is not in the output"
-    return _new_nodes(output, index, nodes, new_initializers)
+    return _new_nodes(output, index, table, positions, new_initializers)
 
 
 def _versions(output: onnx.ModelProto, source: onnx.ModelProto) -> str | None:
@@ -86,48 +89,54 @@ def _versions(output: onnx.ModelProto, source: onnx.ModelProto) -> str | None:
     return None
 
 
-def _structure(graph: onnx.GraphProto, wanted: dict[str, tuple[int, int]], found: dict) -> str | None:
-    """Single assignment and definition before use over the whole graph (one pass), collecting into
-    ``found`` the nodes whose first output is a key of ``wanted`` (under its value)."""
+def _structure(graph: onnx.GraphProto, table: NodeTable, wanted: dict[str, tuple[int, int]], found: dict) -> str | None:
+    """Single assignment and definition before use over the whole graph (one pass over its node table, the
+    protobuf read only for subgraphs), collecting into ``found`` the positions of the nodes whose first output
+    is a key of ``wanted`` (under its value)."""
     defined = {i.name for i in graph.input}
     defined.update(t.name for t in graph.initializer)
     defined.update(s.values.name for s in graph.sparse_initializer)
     defined.add("")  # an empty input name is an omitted optional input
-    for node in graph.node:
-        if not defined.issuperset(node.input):  # set operations: this runs for every node of the graph
-            name = next(n for n in node.input if n not in defined)
+    issuperset, isdisjoint, define = defined.issuperset, defined.isdisjoint, defined.update
+    for position, (inputs, outputs, subgraph) in enumerate(zip(table.inputs, table.outputs, table.has_subgraph)):
+        if not issuperset(inputs):  # set operations: this runs for every node of the graph
+            name = next(n for n in inputs if n not in defined)
             return f"{name!r} is read before it is defined"
-        if node.attribute:
-            for attribute in node.attribute:
+        if subgraph:
+            for attribute in graph.node[position].attribute:
                 for sub in _subgraphs(attribute):
                     missing = _outer_reads(sub) - defined
                     if missing:
                         return f"{sorted(missing)[0]!r} is read by a subgraph before it is defined"
-        outputs = list(node.output)
         if not outputs:
             continue
-        named = [name for name in outputs if name]
-        if not defined.isdisjoint(named) or len(set(named)) != len(named):
+        named = [name for name in outputs if name] if "" in outputs else outputs
+        if not isdisjoint(named) or len(set(named)) != len(named):
             name = next(n for k, n in enumerate(named) if n in defined or n in named[:k])
             return f"{name!r} is defined twice"
-        defined.update(named)
+        define(named)
         if outputs[0] in wanted:
-            found[wanted[outputs[0]]] = node
+            found[wanted[outputs[0]]] = position
     for value in graph.output:
         if value.name not in defined:
             return f"graph output {value.name!r} is not defined"
     return None
 
 
-def _new_nodes(output: onnx.ModelProto, index: GraphIndex, plans: list[list[onnx.NodeProto]], new_initializers: dict[str, onnx.TensorProto]) -> str | None:
-    """Steps 3 and 4: one plan (its new nodes, in order) per class checked in a small model."""
-    classes: dict[tuple, list[onnx.NodeProto]] = {}
-    for nodes in plans:
-        key = _class_key(nodes, index, new_initializers)
+def _new_nodes(
+    output: onnx.ModelProto, index: GraphIndex, table: NodeTable, plans: list[list[int]], new_initializers: dict[str, onnx.TensorProto]
+) -> str | None:
+    """Steps 3 and 4: one plan (its new nodes, by position in ``output``, in order) per class checked in a small
+    model."""
+    classes: dict[tuple, list[int]] = {}
+    read_keys: dict[str, tuple | str] = {}
+    graph_nodes = output.graph.node
+    for positions in plans:
+        key = _class_key(positions, graph_nodes, table, index, new_initializers, read_keys)
         if isinstance(key, str):
             return key
-        classes.setdefault(key, nodes)
-    representatives = list(classes.values())
+        classes.setdefault(key, positions)
+    representatives = [[graph_nodes[k] for k in positions] for positions in classes.values()]
     small, replaced = _small_model(output, index, representatives, new_initializers)
     try:
         onnx.checker.check_model(small, full_check=True)
@@ -144,30 +153,36 @@ def _new_nodes(output: onnx.ModelProto, index: GraphIndex, plans: list[list[onnx
     return None
 
 
-def _class_key(nodes: list[onnx.NodeProto], index: GraphIndex, new_initializers: dict[str, onnx.TensorProto]) -> tuple | str:
-    """What the checker sees of one plan's ``nodes``, with names replaced by their order of appearance: two
-    plans with one key get one verdict. A reason string when a value read cannot be typed here."""
+def _class_key(
+    positions: list[int], graph_nodes, table: NodeTable, index: GraphIndex, new_initializers: dict[str, onnx.TensorProto], read_keys: dict[str, tuple | str]
+) -> tuple | str:
+    """What the checker sees of one plan's nodes (at ``positions`` of the output graph), with names replaced by
+    their order of appearance: two plans with one key get one verdict. A reason string when a value read cannot
+    be typed here. ``read_keys`` caches :func:`_read_key` per name (a shared learning rate is read by many plans)."""
     ids: dict[str, int] = {}
     key: list = []  # flat: this runs once per fused update
     outer: list[str] = []
-    for node in nodes:
-        key.append(node.domain)
-        key.append(node.op_type)
+    produced: set[str] = set()
+    for k in positions:
+        node = graph_nodes[k]
+        key.append(table.domains[k])
+        key.append(table.op_types[k])
         key.append(node.overload)
-        for name in node.input:
+        for name in table.inputs[k]:
             key.append(ids.setdefault(name, len(ids)) if name else -1)
         key.append(None)  # input/output separator
-        for name in node.output:
+        for name in table.outputs[k]:
             key.append(ids.setdefault(name, len(ids)) if name else -1)
+            produced.add(name)
         key.append(None)
-        for attribute in node.attribute:
-            # A subgraph keeps its names in these bytes: plans with one only share a class by name.
-            key.append(attribute.SerializeToString())
-            if attribute.type in _GRAPH_TYPES:
-                for sub in _subgraphs(attribute):
-                    outer.extend(sorted(_outer_reads(sub)))
+        if table.has_attributes[k]:
+            for attribute in node.attribute:
+                # A subgraph keeps its names in these bytes: plans with one only share a class by name.
+                key.append(attribute.SerializeToString())
+                if attribute.type in _GRAPH_TYPES:
+                    for sub in _subgraphs(attribute):
+                        outer.extend(sorted(_outer_reads(sub)))
         key.append(None)
-    produced = {name for node in nodes for name in node.output}
     for name in [*ids, *outer]:
         if name in produced:
             if name in index.producer:  # an old value the plan now produces: its type must not change
@@ -176,14 +191,13 @@ def _class_key(nodes: list[onnx.NodeProto], index: GraphIndex, new_initializers:
                     return f"{name!r}, which the rewrite produces anew, had no known type"
                 key.append(("replaced", ids[name], spec.dtype, spec.shape))
             continue
-        typed = _read_key(name, index, new_initializers)
+        typed = read_keys.get(name)
+        if typed is None:
+            typed = read_keys[name] = _read_key(name, index, new_initializers)
         if isinstance(typed, str):
             return typed
         key.append((ids.get(name, name), typed))
     return tuple(key)
-
-
-_GRAPH_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
 def _read_key(name: str, index: GraphIndex, new_initializers: dict[str, onnx.TensorProto]) -> tuple | str:
