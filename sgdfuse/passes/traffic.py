@@ -43,11 +43,11 @@ def tensor_bytes(index: GraphIndex, value: str) -> int | None:
 def cone_traffic(index: GraphIndex, nodes: set[int]) -> int | None:
     """Bytes read and written per step by ``nodes`` of the original graph (None if any size is unknown)."""
     total = 0
-    graph_nodes = index.graph.node
+    facts = index.nodes
     specs = index.specs  # a value with no spec has dtype 0 (GraphIndex.spec): not a float, no traffic
     for i in nodes:
-        node = graph_nodes[i]
-        for names in (node.input, node.output):
+        _, _, inputs, outputs, _, _ = facts[i]
+        for names in (inputs, outputs):
             for name in names:
                 if not name:
                     continue
