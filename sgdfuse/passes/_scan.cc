@@ -1,0 +1,354 @@
+// Node-table scanner: reads the main graph's nodes straight from a serialised ONNX ModelProto (or GraphProto).
+//
+// A CPython extension module (``sgdfuse.passes._scan``), built on first use by sgdfuse/passes/scan.py; that
+// module documents the API and the results. This file is the protobuf wire-format reader.
+//
+// Field numbers (onnx/onnx.proto, proto2):
+//   ModelProto.graph = 7 (GraphProto)            GraphProto.node = 1 (repeated NodeProto)
+//   NodeProto: input = 1, output = 2 (repeated string), op_type = 4, domain = 7 (string),
+//              attribute = 5 (repeated AttributeProto); others (name 3, doc_string 6, overload 8, ...) skipped
+//   AttributeProto: type = 20 (closed enum AttributeType, 0..14; GRAPH = 5, GRAPHS = 10),
+//                   g = 6 (GraphProto), graphs = 11 (repeated GraphProto)
+// Wire format (protobuf encoding spec): a tag is a varint (field << 3 | wire type); wire types 0 varint,
+// 1 fixed64, 2 length-delimited, 3/4 start/end group, 5 fixed32.
+//
+// Parsing follows protobuf's (upb's) semantics for the fields read here, so that the results equal what the
+// Python protobuf API returns for the same bytes:
+//   - a known field with another wire type than its declared one is an unknown field (skipped);
+//   - repeated fields append in the order they occur, wherever they occur; a singular string (op_type,
+//     domain) or enum (type) seen again replaces the earlier value (last one wins); a message field seen
+//     again (ModelProto.graph) is merged, so the nodes of every occurrence are appended;
+//   - an enum value is read as int32 (the varint truncated); a value outside AttributeType leaves the field
+//     as it was (proto2 closed enum: the value goes to the unknown fields);
+//   - a string that is not valid UTF-8 is returned as bytes (as upb's Python API does for proto2 strings).
+// Malformed input (a truncated varint or field, a length past the end, a wire type 6 or 7, field number 0,
+// a tag above 32 bits, an unmatched end group, groups nested deeper than kMaxDepth) raises ValueError with
+// the byte offset; every read is bounds-checked against the buffer, nothing is read past its end.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxDepth = 64;  // nested unknown groups (upb allows 100 levels of messages and groups in all)
+
+struct Reader {
+  const uint8_t* p;
+  const uint8_t* end;
+};
+
+struct Failure {
+  const char* reason = nullptr;
+  const uint8_t* at = nullptr;
+};
+
+// Everything one scan produces; the lists own their items.
+struct Table {
+  PyObject* op_types = nullptr;
+  PyObject* domains = nullptr;
+  PyObject* inputs = nullptr;
+  PyObject* outputs = nullptr;
+  PyObject* has_attributes = nullptr;
+  PyObject* has_subgraph = nullptr;
+  const uint8_t* base = nullptr;
+  Failure failure;
+  bool python_error = false;  // a Python exception is set (out of memory)
+
+  bool fail(const char* reason, const uint8_t* at) {
+    if (failure.reason == nullptr) {
+      failure.reason = reason;
+      failure.at = at;
+    }
+    return false;
+  }
+};
+
+bool read_varint(Reader& r, uint64_t& out) {
+  uint64_t value = 0;
+  for (int i = 0; i < 10; ++i) {
+    if (r.p >= r.end) return false;
+    const uint8_t byte = *r.p++;
+    value |= uint64_t(byte & 0x7f) << (7 * i);  // bits past 64 (in a tenth byte) are dropped, as protobuf does
+    if ((byte & 0x80) == 0) {
+      out = value;
+      return true;
+    }
+  }
+  return false;  // more than ten bytes
+}
+
+// A tag: field number (1 .. 2^29 - 1) and wire type (0..5).
+bool read_tag(Table& t, Reader& r, uint32_t& field, int& wire_type) {
+  const uint8_t* at = r.p;
+  uint64_t tag;
+  if (!read_varint(r, tag)) return t.fail("truncated or overlong tag", at);
+  if (tag > 0xffffffffu) return t.fail("tag above 32 bits", at);
+  field = uint32_t(tag >> 3);
+  wire_type = int(tag & 7);
+  if (field == 0) return t.fail("field number 0", at);
+  if (wire_type > 5) return t.fail("wire type 6 or 7", at);
+  return true;
+}
+
+// The payload of a length-delimited field, whose tag has been read.
+bool read_bytes(Table& t, Reader& r, Reader& payload) {
+  const uint8_t* at = r.p;
+  uint64_t length;
+  if (!read_varint(r, length)) return t.fail("truncated length", at);
+  if (length > uint64_t(r.end - r.p)) return t.fail("length past the end of the data", at);
+  payload.p = r.p;
+  payload.end = r.p + length;
+  r.p = payload.end;
+  return true;
+}
+
+// Skip the value of a field whose tag (field, wire_type) has been read.
+bool skip_field(Table& t, Reader& r, uint32_t field, int wire_type, int depth) {
+  const uint8_t* at = r.p;
+  switch (wire_type) {
+    case 0: {
+      uint64_t ignored;
+      if (!read_varint(r, ignored)) return t.fail("truncated varint", at);
+      return true;
+    }
+    case 1:
+      if (r.end - r.p < 8) return t.fail("truncated fixed64", at);
+      r.p += 8;
+      return true;
+    case 5:
+      if (r.end - r.p < 4) return t.fail("truncated fixed32", at);
+      r.p += 4;
+      return true;
+    case 2: {
+      Reader ignored;
+      return read_bytes(t, r, ignored);
+    }
+    case 3: {
+      if (depth >= kMaxDepth) return t.fail("groups nested too deep", at);
+      for (;;) {
+        uint32_t inner;
+        int inner_type;
+        if (r.p >= r.end) return t.fail("group without an end", at);
+        const uint8_t* tag_at = r.p;
+        if (!read_tag(t, r, inner, inner_type)) return false;
+        if (inner_type == 4) {
+          if (inner != field) return t.fail("end group of another field", tag_at);
+          return true;
+        }
+        if (!skip_field(t, r, inner, inner_type, depth + 1)) return false;
+      }
+    }
+    default:  // 4: an end group outside its group
+      return t.fail("end group without a start", at);
+  }
+}
+
+// A Python str of the UTF-8 text, interned; bytes when it is not valid UTF-8 (as protobuf's Python API).
+PyObject* make_string(const uint8_t* data, size_t size) {
+  PyObject* text = PyUnicode_DecodeUTF8(reinterpret_cast<const char*>(data), Py_ssize_t(size), nullptr);
+  if (text == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) return nullptr;
+    PyErr_Clear();
+    return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(data), Py_ssize_t(size));
+  }
+  PyUnicode_InternInPlace(&text);
+  return text;
+}
+
+// AttributeProto: whether it holds a subgraph (type GRAPH or GRAPHS, or a g or graphs field).
+bool scan_attribute(Table& t, Reader r, bool& subgraph) {
+  int32_t type = 0;  // UNDEFINED, the default
+  bool holds_graph = false;
+  while (r.p < r.end) {
+    uint32_t field;
+    int wire_type;
+    if (!read_tag(t, r, field, wire_type)) return false;
+    if (field == 20 && wire_type == 0) {
+      const uint8_t* at = r.p;
+      uint64_t value;
+      if (!read_varint(r, value)) return t.fail("truncated varint", at);
+      const int32_t number = int32_t(uint32_t(value));
+      if (number >= 0 && number <= 14) type = number;  // AttributeType's values are 0..14
+    } else if ((field == 6 || field == 11) && wire_type == 2) {
+      Reader ignored;
+      if (!read_bytes(t, r, ignored)) return false;
+      holds_graph = true;
+    } else if (!skip_field(t, r, field, wire_type, 0)) {
+      return false;
+    }
+  }
+  subgraph = holds_graph || type == 5 || type == 10;
+  return true;
+}
+
+struct Span {
+  const uint8_t* data;
+  size_t size;
+};
+
+PyObject* make_tuple(const std::vector<Span>& names) {
+  PyObject* tuple = PyTuple_New(Py_ssize_t(names.size()));
+  if (tuple == nullptr) return nullptr;
+  for (size_t i = 0; i < names.size(); ++i) {
+    PyObject* name = make_string(names[i].data, names[i].size);
+    if (name == nullptr) {
+      Py_DECREF(tuple);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(tuple, Py_ssize_t(i), name);
+  }
+  return tuple;
+}
+
+// Append to a list, taking the reference to item (which may be null after a failed call).
+bool append(Table& t, PyObject* list, PyObject* item) {
+  if (item == nullptr) {
+    t.python_error = true;
+    return false;
+  }
+  const int status = PyList_Append(list, item);
+  Py_DECREF(item);
+  if (status != 0) {
+    t.python_error = true;
+    return false;
+  }
+  return true;
+}
+
+bool append_bool(Table& t, PyObject* list, bool value) {
+  PyObject* item = value ? Py_True : Py_False;
+  Py_INCREF(item);
+  return append(t, list, item);
+}
+
+// NodeProto: one row of the table.
+bool scan_node(Table& t, Reader r, std::vector<Span>& inputs, std::vector<Span>& outputs) {
+  inputs.clear();
+  outputs.clear();
+  Span op_type{nullptr, 0};
+  Span domain{nullptr, 0};
+  bool attributes = false;
+  bool subgraph = false;
+  while (r.p < r.end) {
+    uint32_t field;
+    int wire_type;
+    if (!read_tag(t, r, field, wire_type)) return false;
+    if (wire_type == 2 && (field == 1 || field == 2 || field == 4 || field == 5 || field == 7)) {
+      Reader payload;
+      if (!read_bytes(t, r, payload)) return false;
+      const Span span{payload.p, size_t(payload.end - payload.p)};
+      switch (field) {
+        case 1: inputs.push_back(span); break;
+        case 2: outputs.push_back(span); break;
+        case 4: op_type = span; break;
+        case 7: domain = span; break;
+        default: {  // 5: attribute
+          bool held = false;
+          if (!scan_attribute(t, payload, held)) return false;
+          attributes = true;
+          subgraph = subgraph || held;
+        }
+      }
+    } else if (!skip_field(t, r, field, wire_type, 0)) {
+      return false;
+    }
+  }
+  static const uint8_t kEmpty = 0;
+  if (op_type.data == nullptr) op_type.data = &kEmpty;
+  if (domain.data == nullptr) domain.data = &kEmpty;
+  return append(t, t.op_types, make_string(op_type.data, op_type.size)) &&
+         append(t, t.domains, make_string(domain.data, domain.size)) &&
+         append(t, t.inputs, make_tuple(inputs)) && append(t, t.outputs, make_tuple(outputs)) &&
+         append_bool(t, t.has_attributes, attributes) && append_bool(t, t.has_subgraph, subgraph);
+}
+
+bool scan_graph(Table& t, Reader r) {
+  std::vector<Span> inputs, outputs;  // reused by every node
+  while (r.p < r.end) {
+    uint32_t field;
+    int wire_type;
+    if (!read_tag(t, r, field, wire_type)) return false;
+    if (field == 1 && wire_type == 2) {
+      Reader node;
+      if (!read_bytes(t, r, node) || !scan_node(t, node, inputs, outputs)) return false;
+    } else if (!skip_field(t, r, field, wire_type, 0)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool scan_model(Table& t, Reader r) {
+  while (r.p < r.end) {
+    uint32_t field;
+    int wire_type;
+    if (!read_tag(t, r, field, wire_type)) return false;
+    if (field == 7 && wire_type == 2) {
+      Reader graph;
+      if (!read_bytes(t, r, graph) || !scan_graph(t, graph)) return false;
+    } else if (!skip_field(t, r, field, wire_type, 0)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void release(Table& t) {
+  Py_XDECREF(t.op_types);
+  Py_XDECREF(t.domains);
+  Py_XDECREF(t.inputs);
+  Py_XDECREF(t.outputs);
+  Py_XDECREF(t.has_attributes);
+  Py_XDECREF(t.has_subgraph);
+}
+
+// scan(data, is_model) -> (op_types, domains, inputs, outputs, has_attributes, has_subgraph), six lists.
+PyObject* scan(PyObject*, PyObject* args) {
+  Py_buffer view;
+  int is_model;
+  if (!PyArg_ParseTuple(args, "y*p", &view, &is_model)) return nullptr;
+  Table t;
+  t.base = static_cast<const uint8_t*>(view.buf);
+  t.op_types = PyList_New(0);
+  t.domains = PyList_New(0);
+  t.inputs = PyList_New(0);
+  t.outputs = PyList_New(0);
+  t.has_attributes = PyList_New(0);
+  t.has_subgraph = PyList_New(0);
+  PyObject* result = nullptr;
+  if (t.op_types && t.domains && t.inputs && t.outputs && t.has_attributes && t.has_subgraph) {
+    const Reader r{t.base, t.base + view.len};
+    bool done = false;
+    try {
+      done = is_model ? scan_model(t, r) : scan_graph(t, r);
+    } catch (const std::bad_alloc&) {  // a vector of names could not grow
+      PyErr_NoMemory();
+      t.python_error = true;
+    }
+    if (done) {
+      result = PyTuple_Pack(6, t.op_types, t.domains, t.inputs, t.outputs, t.has_attributes, t.has_subgraph);
+    } else if (!t.python_error) {
+      const Py_ssize_t offset = t.failure.at ? Py_ssize_t(t.failure.at - t.base) : 0;
+      PyErr_Format(PyExc_ValueError, "malformed protobuf at byte %zd: %s", offset, t.failure.reason);
+    }
+  }
+  release(t);
+  PyBuffer_Release(&view);
+  return result;
+}
+
+PyMethodDef kMethods[] = {
+    {"scan", scan, METH_VARARGS,
+     "scan(data, is_model) -> six lists: op_types, domains, inputs, outputs, has_attributes, has_subgraph."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_scan", "Node-table scanner (see sgdfuse.passes.scan).", -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__scan(void) { return PyModule_Create(&kModule); }

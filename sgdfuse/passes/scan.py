@@ -1,0 +1,284 @@
+"""The node table: what the passes read of every node of the main graph, read once.
+
+Reading a field of a node through protobuf's Python API makes a new Python object at every read; for a
+graph of 77,000 nodes one such sweep of every node's op type, domain, inputs, outputs and attributes costs
+about as much as ``onnx.load`` and ``onnx.save`` together. :func:`node_table` reads the same facts from the
+model's serialised bytes with a small native scanner (``_scan.cc`` beside this file, a CPython extension
+compiled on first use with the system C++ compiler and cached, see :mod:`sgdfuse.native`), which skips
+everything but the nodes (initializers, value infos, functions) by their length.
+
+Where the scanner cannot be built (no compiler, no Python headers) or is turned off with
+``SGDFUSE_NATIVE_SCAN=0``, :func:`python_node_table` reads the same table through protobuf's Python API.
+Both give the same table for every model (tests/test_node_scan.py), equal to what protobuf returns.
+
+Field numbers (onnx/onnx.proto): ``ModelProto.graph`` 7; ``GraphProto.node`` 1; ``NodeProto.input`` 1,
+``output`` 2, ``op_type`` 4, ``attribute`` 5, ``domain`` 7; ``AttributeProto.type`` 20 (``GRAPH`` = 5,
+``GRAPHS`` = 10), ``g`` 6, ``graphs`` 11.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import sysconfig
+from pathlib import Path
+from types import ModuleType
+
+import onnx
+
+from sgdfuse.errors import NativeBuildError, SgdfuseError
+from sgdfuse.native import build_cached, cache_root, find_compiler
+
+__all__ = [
+    "NATIVE_ENV",
+    "NodeTable",
+    "ScanError",
+    "ScannerBuildError",
+    "ScannerBuild",
+    "node_table",
+    "python_node_table",
+    "native_node_table",
+    "build_scanner",
+]
+
+logger = logging.getLogger(__name__)
+
+NATIVE_ENV = "SGDFUSE_NATIVE_SCAN"
+"""Environment variable: ``0`` makes :func:`node_table` read through protobuf's Python API, never building or
+loading the native scanner."""
+
+_SOURCE = Path(__file__).with_name("_scan.cc")
+_MODULE = "sgdfuse.passes._scan"
+# -fno-strict-aliasing as CPython's own extensions are built; no -ffast-math (there is no arithmetic to speed).
+_FLAGS = ("-std=c++17", "-O2", "-fno-strict-aliasing", "-fPIC", "-shared", "-fvisibility=hidden")
+_GRAPH, _GRAPHS = onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeTable:
+    """Per node of the main graph (``ModelProto.graph.node``), in graph order, one entry in each tuple.
+
+    Strings are what protobuf's Python API returns for the field: ``str``, interned (equal names are one
+    object), or ``bytes`` for a string field that is not valid UTF-8 (protobuf returns those as bytes).
+
+    Attributes:
+        op_types: ``NodeProto.op_type`` (field 4; ``""`` when absent).
+        domains: ``NodeProto.domain`` (field 7; ``""`` when absent, the default ONNX domain).
+        inputs: ``NodeProto.input`` (field 1), a tuple per node; an omitted optional input stays ``""``.
+        outputs: ``NodeProto.output`` (field 2), a tuple per node, ``""`` kept likewise.
+        has_attributes: the node has at least one ``NodeProto.attribute`` (field 5).
+        has_subgraph: one of its attributes holds a graph: ``type`` (field 20) is ``GRAPH`` or ``GRAPHS``, or
+            ``g`` (field 6) is set or ``graphs`` (field 11) is not empty.
+        reader: ``"native"`` or ``"python"``: which reader made the table (not compared by ``==``).
+    """
+
+    op_types: tuple[str, ...]
+    domains: tuple[str, ...]
+    inputs: tuple[tuple[str, ...], ...]
+    outputs: tuple[tuple[str, ...], ...]
+    has_attributes: tuple[bool, ...]
+    has_subgraph: tuple[bool, ...]
+    reader: str = dataclasses.field(default="python", compare=False)
+
+    def __len__(self) -> int:
+        return len(self.op_types)
+
+
+class ScanError(SgdfuseError):
+    """The native scanner found bytes that are not a well-formed ``ModelProto`` (or ``GraphProto``).
+
+    Attributes:
+        offset: the byte offset where the scanner stopped. reason: what it found there.
+    """
+
+    def __init__(self, offset: int, reason: str) -> None:
+        super().__init__(f"malformed protobuf at byte {offset}: {reason}")
+        self.offset = offset
+        self.reason = reason
+
+
+class ScannerBuildError(NativeBuildError):
+    """The native scanner could not be built: no compiler (``reason="no-compiler"``), no Python headers
+    (``"no-headers"``), or the compile failed (``"compile-failed"``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScannerBuild:
+    """A built scanner.
+
+    Attributes:
+        path: the extension module file. module: the loaded module.
+        cached: True when an earlier build was reused; seconds: compile time (0 when cached).
+    """
+
+    path: Path
+    module: ModuleType
+    cached: bool
+    seconds: float
+
+
+def node_table(model: onnx.ModelProto, data: bytes | None = None) -> NodeTable:
+    """The node table of ``model``'s main graph (:class:`NodeTable`), read natively when the scanner builds.
+
+    Args:
+        model: the model; not modified.
+        data: the serialised bytes ``model`` was parsed from (binary protobuf, unchanged since), when the
+            caller has them: then nothing is serialised again. Without them the scanner reads
+            ``model.graph.SerializeToString()``.
+
+    Falls back to :func:`python_node_table` (logged at debug level) when ``$SGDFUSE_NATIVE_SCAN`` is ``0``,
+    when the scanner cannot be built, when ``data`` is not well-formed protobuf, or when it does not hold as
+    many nodes as ``model``; the table is the same either way.
+    """
+    if os.environ.get(NATIVE_ENV, "").strip() == "0":
+        return python_node_table(model)
+    try:
+        build_scanner()
+    except NativeBuildError as error:
+        logger.debug("native node scanner unavailable, reading nodes through protobuf: %s", error)
+        return python_node_table(model)
+    graph = model.graph
+    try:
+        table = native_node_table(graph.SerializeToString(), graph=True) if data is None else native_node_table(data)
+    except ScanError as error:
+        logger.debug("native node scanner refused the model's bytes, reading nodes through protobuf: %s", error)
+        return python_node_table(model)
+    if len(table) != len(graph.node):
+        logger.debug("the bytes given hold %d nodes, the model %d; reading nodes through protobuf", len(table), len(graph.node))
+        return python_node_table(model)
+    return table
+
+
+def native_node_table(data: bytes | bytearray | memoryview, *, graph: bool = False) -> NodeTable:
+    """The node table read by the native scanner from serialised bytes.
+
+    Args:
+        data: a serialised ``ModelProto`` (binary protobuf), or a ``GraphProto`` when ``graph``. Untrusted
+            bytes are safe: every read is bounds-checked.
+
+    Raises:
+        ScanError: ``data`` is not well-formed protobuf where the scanner reads it (a truncated field, a length
+            past the end, an invalid tag or wire type; bytes inside fields it skips are not checked).
+        ScannerBuildError: the scanner cannot be built (see :func:`build_scanner`).
+    """
+    module = build_scanner().module
+    try:
+        op_types, domains, inputs, outputs, has_attributes, has_subgraph = module.scan(data, not graph)
+    except ValueError as error:
+        offset, reason = _scan_failure(str(error))
+        raise ScanError(offset, reason) from None
+    return NodeTable(tuple(op_types), tuple(domains), tuple(inputs), tuple(outputs), tuple(has_attributes), tuple(has_subgraph), "native")
+
+
+def _scan_failure(message: str) -> tuple[int, str]:
+    """``(offset, reason)`` of the scanner's message ``malformed protobuf at byte N: reason``."""
+    head, _, reason = message.partition(": ")
+    return int(head.rsplit(" ", 1)[-1]), reason
+
+
+def python_node_table(model: onnx.ModelProto) -> NodeTable:
+    """The node table read through protobuf's Python API (the reader :func:`node_table` falls back to)."""
+    op_types: list[str] = []
+    domains: list[str] = []
+    inputs: list[tuple[str, ...]] = []
+    outputs: list[tuple[str, ...]] = []
+    has_attributes: list[bool] = []
+    has_subgraph: list[bool] = []
+    intern = sys.intern
+    for node in model.graph.node:
+        try:
+            op_type, domain = intern(node.op_type), intern(node.domain)
+            names_in, names_out = tuple(map(intern, node.input)), tuple(map(intern, node.output))
+        except TypeError:  # a string field that is not UTF-8 comes back as bytes, which cannot be interned
+            op_type, domain = _intern_text(node.op_type), _intern_text(node.domain)
+            names_in, names_out = tuple(map(_intern_text, node.input)), tuple(map(_intern_text, node.output))
+        op_types.append(op_type)
+        domains.append(domain)
+        inputs.append(names_in)
+        outputs.append(names_out)
+        attributes = node.attribute
+        has_attributes.append(bool(attributes))
+        has_subgraph.append(any(a.type in (_GRAPH, _GRAPHS) or a.HasField("g") or len(a.graphs) > 0 for a in attributes))
+    return NodeTable(tuple(op_types), tuple(domains), tuple(inputs), tuple(outputs), tuple(has_attributes), tuple(has_subgraph), "python")
+
+
+def _intern_text(value: str | bytes) -> str | bytes:
+    return sys.intern(value) if type(value) is str else value
+
+
+def build_scanner(*, cache_dir: str | os.PathLike | None = None, force: bool = False) -> ScannerBuild:
+    """Build the native scanner (or reuse the cached build) and load it; once per process and cache root.
+
+    The cache key covers the compiler and its version, the flags, the source and the Python ABI (the
+    extension suffix and the headers' ``patchlevel.h``), so any change builds anew (:func:`sgdfuse.native.build_cached`).
+
+    Raises:
+        ScannerBuildError: no compiler (``reason="no-compiler"``), no ``Python.h`` (``"no-headers"``), or the
+            compile failed (``"compile-failed"``, the compiler's output in ``log``); a failure is remembered,
+            so a process tries once per cache root.
+    """
+    root = str(cache_root(cache_dir))
+    loaded = _LOADED.get(root)
+    if loaded is None or force:
+        try:
+            loaded = _build_and_load(root, force)
+        except ScannerBuildError as error:
+            loaded = error
+        _LOADED[root] = loaded
+    if isinstance(loaded, ScannerBuildError):
+        raise loaded
+    return loaded
+
+
+# What build_scanner() found per cache root in this process: the build, or the error it raised.
+_LOADED: dict[str, ScannerBuild | ScannerBuildError] = {}
+
+
+def _python_includes() -> list[str]:
+    """The directories holding ``Python.h`` and ``pyconfig.h`` (they differ on Debian's system Python)."""
+    paths = sysconfig.get_paths()
+    found = list(dict.fromkeys(p for p in (paths.get("include"), paths.get("platinclude")) if p))
+    if not any(os.path.isfile(os.path.join(p, "Python.h")) for p in found):
+        raise ScannerBuildError(
+            "no-headers",
+            f"the native node scanner needs Python's headers (Python.h, looked in {', '.join(found) or 'nowhere'}): "
+            f"install them (e.g. `apt-get install python3-dev`), or set {NATIVE_ENV}=0 to read nodes through protobuf",
+        )
+    return found
+
+
+def _build_and_load(root: str, force: bool) -> ScannerBuild:
+    includes = _python_includes()
+    compiler, compiler_version = find_compiler("the native node scanner", ScannerBuildError)
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    patchlevel = Path(includes[0], "patchlevel.h")
+    headers = patchlevel.read_bytes() if patchlevel.is_file() else b""
+    flags = [*_FLAGS, *(["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else [])]
+    key = hashlib.sha256(
+        b"\0".join([compiler_version.encode(), *(f.encode() for f in flags), suffix.encode(), sys.version.encode(), headers, _SOURCE.read_bytes()])
+    ).hexdigest()[:16]
+    path, cached, seconds = build_cached(
+        Path(root) / "node-scan" / key,
+        f"_scan{suffix}",
+        lambda output: [compiler, *flags, *(f"-I{p}" for p in includes), str(_SOURCE), "-o", str(output)],
+        what="the native node scanner",
+        compiler=compiler,
+        compiler_version=compiler_version,
+        metadata={"python": sys.version, "extension_suffix": suffix},
+        force=force,
+        error_type=ScannerBuildError,
+    )
+    spec = importlib.util.spec_from_file_location(_MODULE, path)
+    if spec is None or spec.loader is None:
+        raise ScannerBuildError("compile-failed", f"{path} cannot be loaded as an extension module")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as error:
+        raise ScannerBuildError("compile-failed", f"the native node scanner built at {path} does not load: {error}") from error
+    return ScannerBuild(path, module, cached, seconds)
