@@ -30,6 +30,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
 
 namespace {
@@ -39,6 +40,78 @@ constexpr int kMaxDepth = 64;  // nested unknown groups (upb allows 100 levels o
 struct Reader {
   const uint8_t* p;
   const uint8_t* end;
+};
+
+// The Python objects made so far, by their bytes (which live in the scanned buffer for the whole scan); each
+// entry holds a reference. Open addressing over a power-of-two array, at most half full: a flat table, because
+// a graph has about 100,000 distinct names and the lookups are bound by cache misses.
+// The hash is seeded with a value of Python's randomised string hash, so that names in a hostile model cannot be
+// chosen to collide.
+class StringCache {
+ public:
+  explicit StringCache(uint64_t seed) : seed_(seed) {}
+
+  ~StringCache() {
+    for (const Entry& entry : entries_) Py_XDECREF(entry.object);
+  }
+
+  // The entry for these bytes: its object, or null (an empty slot to fill with put()).
+  PyObject*& find(const uint8_t* data, size_t size) {
+    if (entries_.empty() || 2 * (used_ + 1) > entries_.size()) grow();
+    const uint64_t hash = hash_bytes(data, size);
+    const size_t mask = entries_.size() - 1;
+    for (size_t i = size_t(hash) & mask;; i = (i + 1) & mask) {
+      Entry& entry = entries_[i];
+      if (entry.object == nullptr) {
+        entry.hash = hash;
+        entry.data = data;
+        entry.size = size;
+        return entry.object;
+      }
+      if (entry.hash == hash && entry.size == size && std::memcmp(entry.data, data, size) == 0) return entry.object;
+    }
+  }
+
+  void added() { ++used_; }
+
+ private:
+  struct Entry {
+    uint64_t hash = 0;
+    const uint8_t* data = nullptr;
+    size_t size = 0;
+    PyObject* object = nullptr;
+  };
+
+  uint64_t hash_bytes(const uint8_t* data, size_t size) const {
+    uint64_t hash = (seed_ * 0x9e3779b97f4a7c15ull) ^ size;
+    size_t i = 0;
+    for (; i + 8 <= size; i += 8) {
+      uint64_t word;
+      std::memcpy(&word, data + i, 8);
+      hash = (hash ^ word) * 0xff51afd7ed558ccdull;
+      hash ^= hash >> 32;
+    }
+    uint64_t tail = 0;
+    std::memcpy(&tail, data + i, size - i);
+    hash = (hash ^ tail) * 0xc4ceb9fe1a85ec53ull;
+    return hash ^ (hash >> 29);
+  }
+
+  void grow() {
+    std::vector<Entry> old(entries_.empty() ? 1024 : 2 * entries_.size());
+    old.swap(entries_);
+    const size_t mask = entries_.size() - 1;
+    for (const Entry& entry : old) {
+      if (entry.object == nullptr) continue;
+      size_t i = size_t(entry.hash) & mask;
+      while (entries_[i].object != nullptr) i = (i + 1) & mask;
+      entries_[i] = entry;
+    }
+  }
+
+  uint64_t seed_;
+  std::vector<Entry> entries_;
+  size_t used_ = 0;
 };
 
 struct Failure {
@@ -55,6 +128,10 @@ struct Table {
   PyObject* has_attributes = nullptr;
   PyObject* has_subgraph = nullptr;
   const uint8_t* base = nullptr;
+  // A name is decoded and interned once, not at every read (a learning rate is read by thousands of nodes).
+  StringCache strings;
+
+  explicit Table(uint64_t seed) : strings(seed) {}
   Failure failure;
   bool python_error = false;  // a Python exception is set (out of memory)
 
@@ -148,7 +225,7 @@ bool skip_field(Table& t, Reader& r, uint32_t field, int wire_type, int depth) {
 }
 
 // A Python str of the UTF-8 text, interned; bytes when it is not valid UTF-8 (as protobuf's Python API).
-PyObject* make_string(const uint8_t* data, size_t size) {
+PyObject* decode_string(const uint8_t* data, size_t size) {
   PyObject* text = PyUnicode_DecodeUTF8(reinterpret_cast<const char*>(data), Py_ssize_t(size), nullptr);
   if (text == nullptr) {
     if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) return nullptr;
@@ -157,6 +234,18 @@ PyObject* make_string(const uint8_t* data, size_t size) {
   }
   PyUnicode_InternInPlace(&text);
   return text;
+}
+
+// decode_string, or the object made earlier for the same bytes. A new reference.
+PyObject* make_string(Table& t, const uint8_t* data, size_t size) {
+  PyObject*& slot = t.strings.find(data, size);
+  if (slot == nullptr) {
+    slot = decode_string(data, size);  // the cache's reference
+    if (slot == nullptr) return nullptr;
+    t.strings.added();
+  }
+  Py_INCREF(slot);
+  return slot;
 }
 
 // AttributeProto: whether it holds a subgraph (type GRAPH or GRAPHS, or a g or graphs field).
@@ -190,11 +279,11 @@ struct Span {
   size_t size;
 };
 
-PyObject* make_tuple(const std::vector<Span>& names) {
+PyObject* name_tuple(Table& t, const std::vector<Span>& names) {
   PyObject* tuple = PyTuple_New(Py_ssize_t(names.size()));
   if (tuple == nullptr) return nullptr;
   for (size_t i = 0; i < names.size(); ++i) {
-    PyObject* name = make_string(names[i].data, names[i].size);
+    PyObject* name = make_string(t, names[i].data, names[i].size);
     if (name == nullptr) {
       Py_DECREF(tuple);
       return nullptr;
@@ -260,9 +349,9 @@ bool scan_node(Table& t, Reader r, std::vector<Span>& inputs, std::vector<Span>&
   static const uint8_t kEmpty = 0;
   if (op_type.data == nullptr) op_type.data = &kEmpty;
   if (domain.data == nullptr) domain.data = &kEmpty;
-  return append(t, t.op_types, make_string(op_type.data, op_type.size)) &&
-         append(t, t.domains, make_string(domain.data, domain.size)) &&
-         append(t, t.inputs, make_tuple(inputs)) && append(t, t.outputs, make_tuple(outputs)) &&
+  return append(t, t.op_types, make_string(t, op_type.data, op_type.size)) &&
+         append(t, t.domains, make_string(t, domain.data, domain.size)) &&
+         append(t, t.inputs, name_tuple(t, inputs)) && append(t, t.outputs, name_tuple(t, outputs)) &&
          append_bool(t, t.has_attributes, attributes) && append_bool(t, t.has_subgraph, subgraph);
 }
 
@@ -311,7 +400,15 @@ PyObject* scan(PyObject*, PyObject* args) {
   Py_buffer view;
   int is_model;
   if (!PyArg_ParseTuple(args, "y*p", &view, &is_model)) return nullptr;
-  Table t;
+  // Python's hash of a fixed string: random per process unless PYTHONHASHSEED fixes it.
+  PyObject* probe = PyUnicode_FromString("sgdfuse node scan");
+  const Py_hash_t seed = probe ? PyObject_Hash(probe) : -1;
+  Py_XDECREF(probe);
+  if (seed == -1) {
+    PyBuffer_Release(&view);
+    return nullptr;
+  }
+  Table t{uint64_t(seed)};
   t.base = static_cast<const uint8_t*>(view.buf);
   t.op_types = PyList_New(0);
   t.domains = PyList_New(0);
@@ -325,7 +422,7 @@ PyObject* scan(PyObject*, PyObject* args) {
     bool done = false;
     try {
       done = is_model ? scan_model(t, r) : scan_graph(t, r);
-    } catch (const std::bad_alloc&) {  // a vector of names could not grow
+    } catch (const std::bad_alloc&) {  // a vector of names or the string cache could not grow
       PyErr_NoMemory();
       t.python_error = true;
     }
@@ -347,7 +444,8 @@ PyMethodDef kMethods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
-PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_scan", "Node-table scanner (see sgdfuse.passes.scan).", -1, kMethods};
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_scan", "Node-table scanner (see sgdfuse.passes.scan).", -1, kMethods,
+                       nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 
