@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import subprocess
 import sys
 from pathlib import Path
 
@@ -432,11 +433,10 @@ def test_without_a_compiler_node_table_falls_back_and_logs_why(monkeypatch, tmp_
     assert raised.value.reason == "no-compiler"
 
 
-def test_a_second_build_in_the_same_cache_reuses_the_library(tmp_path):
+def test_the_build_is_loaded_once_per_process_and_reused_from_the_cache_by_the_next(tmp_path):
     first = scan.build_scanner(cache_dir=tmp_path)
     assert not first.cached
-    again = scan.build_scanner(cache_dir=tmp_path, force=False)
-    assert again is first  # loaded once per process and cache root
-    scan._LOADED.pop(str(tmp_path))
-    reloaded = scan.build_scanner(cache_dir=tmp_path)
-    assert reloaded.cached and reloaded.path == first.path
+    assert scan.build_scanner(cache_dir=tmp_path) is first
+    script = f"from sgdfuse.passes import scan; b = scan.build_scanner(cache_dir={str(tmp_path)!r}); print(b.cached, b.path)"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert result.stdout.split() == ["True", str(first.path)]
