@@ -227,18 +227,31 @@ _node_field = st.one_of(
     _names.map(lambda n: _field(3, 2, n)),  # name
     st.lists(_attribute_field, max_size=4).map(lambda a: _field(5, 2, b"".join(a))),  # attribute
     # known fields with another wire type: unknown fields to protobuf
-    st.sampled_from([_field(1, 0, b"\x05"), _field(4, 5, b"abcd"), _field(7, 1, b"12345678"), _field(5, 0, b"\x01")]),
+    st.sampled_from(
+        [
+            _field(1, 0, b"\x05"),
+            _field(4, 5, b"abcd"),
+            _field(7, 1, b"12345678"),
+            _field(5, 0, b"\x01"),
+            _varint(1 << 3 | 3) + _varint(1 << 3 | 4),  # input as a group
+            _varint(5 << 3 | 3) + _field(20, 0, _varint(5)) + _varint(5 << 3 | 4),  # attribute as a group
+        ]
+    ),
     _unknown_field(st.sampled_from([6, 8, 99, 536870911])),  # doc_string, overload, unknown
 )
 
 _node = st.lists(_node_field, max_size=10).map(b"".join)
-_graph_filler = _unknown_field(st.sampled_from([2, 10, 99]))  # name, doc_string, unknown
+_graph_filler = st.one_of(
+    _unknown_field(st.sampled_from([2, 10, 99])),  # name, doc_string, unknown
+    st.just(_varint(1 << 3 | 3) + _field(4, 2, b"Group") + _varint(1 << 3 | 4)),  # a node as a group: unknown
+)
 _graph = st.lists(st.one_of(_node.map(lambda n: _field(1, 2, n)), _graph_filler), max_size=6).map(b"".join)
 _model = st.lists(
     st.one_of(
         _graph.map(lambda g: _field(7, 2, g)),  # graph, possibly several times (merged: nodes appended)
         st.sampled_from([_field(1, 0, _varint(9)), _field(2, 2, b"producer"), _field(8, 2, _field(2, 0, b"\x11"))]),
-        st.sampled_from([_field(7, 0, b"\x01"), _field(7, 5, b"\0\0\0\0")]),  # graph with a wrong wire type
+        # graph with a wrong wire type (a group too): unknown fields
+        st.sampled_from([_field(7, 0, b"\x01"), _field(7, 5, b"\0\0\0\0"), _varint(7 << 3 | 3) + _field(1, 2, b"") + _varint(7 << 3 | 4)]),
         _unknown_field(st.sampled_from([3, 6, 99])),  # producer_version, doc_string, unknown
     ),
     max_size=4,
