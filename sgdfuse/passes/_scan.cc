@@ -42,39 +42,50 @@ struct Reader {
   const uint8_t* end;
 };
 
-// The Python objects made so far, by their bytes (which live in the scanned buffer for the whole scan); each
-// entry holds a reference. Open addressing over a power-of-two array, at most half full: a flat table, because
-// a graph has about 100,000 distinct names and the lookups are bound by cache misses.
-// The hash is seeded with a value of Python's randomised string hash, so that names in a hostile model cannot be
-// chosen to collide.
+// A Python str of the UTF-8 text, interned; bytes when it is not valid UTF-8 (as protobuf's Python API).
+PyObject* decode_string(const uint8_t* data, size_t size) {
+  PyObject* text = PyUnicode_DecodeUTF8(reinterpret_cast<const char*>(data), Py_ssize_t(size), nullptr);
+  if (text == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) return nullptr;
+    PyErr_Clear();
+    return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(data), Py_ssize_t(size));
+  }
+  PyUnicode_InternInPlace(&text);
+  return text;
+}
+
+// The strings made recently, by their bytes (which live in the scanned buffer for the whole scan); each entry
+// holds a reference. Names repeat close together (op types, domains, a shared learning rate, a value read by
+// the next nodes), so a small direct-mapped table that stays in the CPU's cache (2^12 entries, 128 KB) catches
+// most repeats; a miss costs a decode and an intern, which finds the same object again. No probing: no input
+// can make a lookup cost more than one comparison.
 class StringCache {
  public:
-  explicit StringCache(uint64_t seed) : seed_(seed) {}
-
   ~StringCache() {
     for (const Entry& entry : entries_) Py_XDECREF(entry.object);
   }
 
-  // The entry for these bytes: its object, or null (an empty slot to fill with put()).
-  PyObject*& find(const uint8_t* data, size_t size) {
-    if (entries_.empty() || 2 * (used_ + 1) > entries_.size()) grow();
+  // The interned string of these bytes (bytes when not UTF-8): a new reference, or null with an exception set.
+  PyObject* get(const uint8_t* data, size_t size) {
+    if (entries_.empty()) entries_.resize(kSize);
     const uint64_t hash = hash_bytes(data, size);
-    const size_t mask = entries_.size() - 1;
-    for (size_t i = size_t(hash) & mask;; i = (i + 1) & mask) {
-      Entry& entry = entries_[i];
-      if (entry.object == nullptr) {
-        entry.hash = hash;
-        entry.data = data;
-        entry.size = size;
-        return entry.object;
-      }
-      if (entry.hash == hash && entry.size == size && std::memcmp(entry.data, data, size) == 0) return entry.object;
+    Entry& entry = entries_[size_t(hash) & (kSize - 1)];
+    if (entry.object != nullptr && entry.hash == hash && entry.size == size && std::memcmp(entry.data, data, size) == 0) {
+      Py_INCREF(entry.object);
+      return entry.object;
     }
+    PyObject* made = decode_string(data, size);
+    if (made == nullptr) return nullptr;
+    PyObject* evicted = entry.object;
+    entry = Entry{hash, data, size, made};  // the cache's reference
+    Py_XDECREF(evicted);
+    Py_INCREF(made);
+    return made;
   }
 
-  void added() { ++used_; }
-
  private:
+  static constexpr size_t kSize = size_t(1) << 12;  // 1,024 to 16,384 entries do about as well; 65,536 worse (cache misses)
+
   struct Entry {
     uint64_t hash = 0;
     const uint8_t* data = nullptr;
@@ -82,8 +93,8 @@ class StringCache {
     PyObject* object = nullptr;
   };
 
-  uint64_t hash_bytes(const uint8_t* data, size_t size) const {
-    uint64_t hash = (seed_ * 0x9e3779b97f4a7c15ull) ^ size;
+  static uint64_t hash_bytes(const uint8_t* data, size_t size) {
+    uint64_t hash = 0x9e3779b97f4a7c15ull ^ size;
     size_t i = 0;
     for (; i + 8 <= size; i += 8) {
       uint64_t word;
@@ -97,21 +108,7 @@ class StringCache {
     return hash ^ (hash >> 29);
   }
 
-  void grow() {
-    std::vector<Entry> old(entries_.empty() ? 1024 : 2 * entries_.size());
-    old.swap(entries_);
-    const size_t mask = entries_.size() - 1;
-    for (const Entry& entry : old) {
-      if (entry.object == nullptr) continue;
-      size_t i = size_t(entry.hash) & mask;
-      while (entries_[i].object != nullptr) i = (i + 1) & mask;
-      entries_[i] = entry;
-    }
-  }
-
-  uint64_t seed_;
   std::vector<Entry> entries_;
-  size_t used_ = 0;
 };
 
 struct Failure {
@@ -128,10 +125,8 @@ struct Table {
   PyObject* has_attributes = nullptr;
   PyObject* has_subgraph = nullptr;
   const uint8_t* base = nullptr;
-  // A name is decoded and interned once, not at every read (a learning rate is read by thousands of nodes).
+  // A name read again soon is not decoded and interned again (a learning rate is read by thousands of nodes).
   StringCache strings;
-
-  explicit Table(uint64_t seed) : strings(seed) {}
   Failure failure;
   bool python_error = false;  // a Python exception is set (out of memory)
 
@@ -224,29 +219,7 @@ bool skip_field(Table& t, Reader& r, uint32_t field, int wire_type, int depth) {
   }
 }
 
-// A Python str of the UTF-8 text, interned; bytes when it is not valid UTF-8 (as protobuf's Python API).
-PyObject* decode_string(const uint8_t* data, size_t size) {
-  PyObject* text = PyUnicode_DecodeUTF8(reinterpret_cast<const char*>(data), Py_ssize_t(size), nullptr);
-  if (text == nullptr) {
-    if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) return nullptr;
-    PyErr_Clear();
-    return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(data), Py_ssize_t(size));
-  }
-  PyUnicode_InternInPlace(&text);
-  return text;
-}
-
-// decode_string, or the object made earlier for the same bytes. A new reference.
-PyObject* make_string(Table& t, const uint8_t* data, size_t size) {
-  PyObject*& slot = t.strings.find(data, size);
-  if (slot == nullptr) {
-    slot = decode_string(data, size);  // the cache's reference
-    if (slot == nullptr) return nullptr;
-    t.strings.added();
-  }
-  Py_INCREF(slot);
-  return slot;
-}
+PyObject* make_string(Table& t, const uint8_t* data, size_t size) { return t.strings.get(data, size); }
 
 // AttributeProto: whether it holds a subgraph (type GRAPH or GRAPHS, or a g or graphs field).
 bool scan_attribute(Table& t, Reader r, bool& subgraph) {
@@ -400,15 +373,7 @@ PyObject* scan(PyObject*, PyObject* args) {
   Py_buffer view;
   int is_model;
   if (!PyArg_ParseTuple(args, "y*p", &view, &is_model)) return nullptr;
-  // Python's hash of a fixed string: random per process unless PYTHONHASHSEED fixes it.
-  PyObject* probe = PyUnicode_FromString("sgdfuse node scan");
-  const Py_hash_t seed = probe ? PyObject_Hash(probe) : -1;
-  Py_XDECREF(probe);
-  if (seed == -1) {
-    PyBuffer_Release(&view);
-    return nullptr;
-  }
-  Table t{uint64_t(seed)};
+  Table t;
   t.base = static_cast<const uint8_t*>(view.buf);
   t.op_types = PyList_New(0);
   t.domains = PyList_New(0);

@@ -64,7 +64,8 @@ class NodeTable:
     """Per node of the main graph (``ModelProto.graph.node``), in graph order, one entry in each tuple.
 
     Strings are what protobuf's Python API returns for the field: ``str``, interned (equal names are one
-    object), or ``bytes`` for a string field that is not valid UTF-8 (protobuf returns those as bytes).
+    object), or ``bytes`` for a string field that is not valid UTF-8 (protobuf's upb backend, the default, returns
+    those as bytes for proto2 strings).
 
     Attributes:
         op_types: ``NodeProto.op_type`` (field 4; ``""`` when absent).
@@ -86,6 +87,7 @@ class NodeTable:
     reader: str = dataclasses.field(default="python", compare=False)
 
     def __len__(self) -> int:
+        """The number of nodes."""
         return len(self.op_types)
 
 
@@ -202,8 +204,12 @@ def python_node_table(model: onnx.ModelProto) -> NodeTable:
         inputs.append(names_in)
         outputs.append(names_out)
         attributes = node.attribute
-        has_attributes.append(bool(attributes))
-        has_subgraph.append(any(a.type in (_GRAPH, _GRAPHS) or a.HasField("g") or len(a.graphs) > 0 for a in attributes))
+        if attributes:
+            has_attributes.append(True)
+            has_subgraph.append(any(a.type in (_GRAPH, _GRAPHS) or a.HasField("g") or len(a.graphs) > 0 for a in attributes))
+        else:
+            has_attributes.append(False)
+            has_subgraph.append(False)
     return NodeTable(tuple(op_types), tuple(domains), tuple(inputs), tuple(outputs), tuple(has_attributes), tuple(has_subgraph), "python")
 
 
