@@ -399,6 +399,7 @@ _OP_NAME, _OP_TYPE, _OP_INPUT, _OP_ATTR, _OP_INPUT_DESC, _OP_OUTPUT_DESC = (
 _MAP_KEY, _MAP_VALUE = b"\x0a", b"\x12"  # a map entry is a message {key = 1; value = 2}
 _ABSENT_INPUT = _len(_OP_INPUT, b"")
 _DESC_NAME = _tag(ge_ir.TensorDescriptor, "name")
+_UNSHARED_TAILS = frozenset({"Const", "Data"})
 
 
 class _Encoder:
@@ -412,6 +413,7 @@ class _Encoder:
         self._port_names: dict[tuple[str, tuple[str, ...]], list[tuple[str, bytes]]] = {}
         self._types: dict[str, bytes] = {}
         self._orders: dict[tuple[str, ...], list[int]] = {}
+        self._tails: dict[tuple, bytes] = {}
 
     def descriptor(self, tag: bytes, port: str, spec: TensorSpec | None) -> bytes:
         """The whole ``input_desc``/``output_desc`` field (tag, length, descriptor)."""
@@ -460,18 +462,43 @@ class _Encoder:
         if op_type is None:
             op_type = self._types[record.type] = _len(_OP_TYPE, record.type.encode())
         edges = [_len(_OP_NAME, record.name.encode()), op_type]
-        descriptors = []
-        ports = []
-        for port, tensor in inputs[:count]:
+        signature = []
+        for k in range(count):
+            port, tensor = inputs[k]
             if tensor is None:
                 edges.append(_ABSENT_INPUT)
-                descriptors.append(self.descriptor(_OP_INPUT_DESC, port, None))
+                signature.append(port)
             else:
                 edges.append(_len(_OP_INPUT, f"{tensor.op}:{tensor.index}".encode()))
-                descriptors.append(self.descriptor(_OP_INPUT_DESC, port, tensor.spec))
-            ports.append(port)
+                spec = tensor.spec
+                signature.append((port, spec.dtype, spec.shape))
         for source in record.controls:
             edges.append(_len(_OP_INPUT, f"{source}:-1".encode()))
+        # Everything after the edges (attributes, descriptors) depends only on the ports, their specs'
+        # dtypes and shapes and the attribute values, not on the op's name or edges: a graph of N updates
+        # has a few hundred distinct tails, so each is encoded once. Attribute values are keyed by identity
+        # (shared for equal plain values, GraphBuilder._attr); a Const's value is its own and a Data op's
+        # index differs from every other's, so their tails are never reused and not cached.
+        if record.type in _UNSHARED_TAILS:
+            return b"".join(edges) + self._tail(record, count)
+        key = (
+            tuple(signature),
+            tuple((port, spec.dtype, spec.shape) for port, spec in record.unconnected),
+            tuple((port, spec.dtype, spec.shape) for port, spec in record.outputs),
+            tuple((name, id(value)) for name, value in record.attrs.items()),
+        )
+        tail = self._tails.get(key)
+        if tail is None:
+            tail = self._tails[key] = self._tail(record, count)
+        return b"".join(edges) + tail
+
+    def _tail(self, record: OpRecord, count: int) -> bytes:
+        """The attribute and descriptor fields of ``record`` (its first ``count`` inputs written)."""
+        descriptors = []
+        ports = []
+        for port, tensor in record.inputs[:count]:
+            descriptors.append(self.descriptor(_OP_INPUT_DESC, port, None if tensor is None else tensor.spec))
+            ports.append(port)
         for port, spec in record.unconnected:
             descriptors.append(self.descriptor(_OP_INPUT_DESC, port, spec))
             ports.append(port)
@@ -489,7 +516,7 @@ class _Encoder:
             order = self._orders[keys] = sorted(range(len(names)), key=lambda i: names[i].encode())
         fields = [field for _, field in attrs]
         fields.extend(self.attr(key, value) for key, value in record.attrs.items())
-        return b"".join(edges) + b"".join([fields[i] for i in order]) + b"".join(descriptors)
+        return b"".join([fields[i] for i in order]) + b"".join(descriptors)
 
 
 def _op_def(record: OpRecord):
