@@ -116,6 +116,7 @@ import functools
 import hashlib
 import heapq
 import logging
+import marshal
 import os
 import random
 from collections.abc import Iterable, Mapping, Sequence
@@ -129,6 +130,7 @@ from sgdfuse.contract import TensorSpec
 from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, Specialisation, function_opset, read_sgd_attributes, sgd_functions_for
 from sgdfuse.lift import FLOAT_TYPES, lift_to_double, missing_kernels, specialise
 from sgdfuse.passes.index import GraphIndex
+from sgdfuse.passes.scan import node_table
 from sgdfuse.passes.sgd_match import previous_by_name
 from sgdfuse.runtime import ORT_KERNEL_ENV, make_session, onnx_to_numpy_dtype, run
 
@@ -1139,7 +1141,7 @@ def _plan_digest(plan, shared: Mapping[str, onnx.TensorProto]) -> bytes:
                 anonymous.CopyFrom(tensor)
                 anonymous.name = ""
                 described.append(("initializer", rename(name), anonymous.SerializeToString(deterministic=True)))
-    return hashlib.sha256(repr(described).encode()).digest()
+    return hashlib.sha256(_encoded(described)).digest()
 
 
 def _slice_class_key(model, index: GraphIndex, plan, shared, evidence: Mapping[str, str]) -> bytes | None:
@@ -1160,14 +1162,14 @@ def _slice_class_key(model, index: GraphIndex, plan, shared, evidence: Mapping[s
         described = _describe_parts(parts, index.spec, names)
         if described is None:
             return None
-        digest.update(repr(described).encode())
+        digest.update(_encoded(described))
     described = [
         [(rename(spec.name), spec.dtype, spec.shape, spec.role) for spec in slices.inputs],
         [rename(name) for name in slices.original_outputs],
         [rename(name) for name in slices.fused_outputs],
     ]
     described.extend(_describe_view(view, rename) for view in slices.views)
-    digest.update(repr(described).encode())
+    digest.update(_encoded(described))
     return digest.digest()
 
 
@@ -1194,6 +1196,7 @@ def _describe_parts(parts: _Parts, spec_of, names: dict[str, int], cache: dict |
     interned = cache is not None
     cache = {} if cache is None else cache
     rename = _renamer(names)
+    setdefault = names.setdefault
     described: list = [[(o.domain, o.version) for o in parts.opset_import], parts.function_opset]
     for name in parts.inputs:
         spec = spec_of(name)
@@ -1214,15 +1217,36 @@ def _describe_parts(parts: _Parts, spec_of, names: dict[str, int], cache: dict |
             what = (node.op_type, node.domain, node.overload, tuple(a.SerializeToString(deterministic=True) for a in attributes) if attributes else ())
             entry = cache[id(node)] = (_intern(cache, what) if interned else what, tuple(node.input) + ("",) + tuple(node.output))
         what, values = entry
-        renamed = []
-        for name in values:  # inputs, "" (-1), outputs: the numbers of first appearance, inline
-            number = names.get(name)
-            if number is None:
-                number = names[name] = len(names) if name else -1
-            renamed.append(number)
+        if "" in names:
+            # The common case, one comprehension: a name not yet numbered gets the next number (setdefault
+            # evaluates len(names) before inserting), and "" keeps the -1 it was given below.
+            renamed = [setdefault(name, len(names)) for name in values]
+        else:
+            renamed = []
+            for name in values:  # inputs, "" (-1), outputs: the numbers of first appearance, inline
+                number = names.get(name)
+                if number is None:
+                    number = names[name] = len(names) if name else -1
+                renamed.append(number)
         described.append((what, renamed))
     described.append(("outputs", [rename(n) for n in parts.outputs]))
     return described
+
+
+def _encoded(described: list) -> bytes:
+    """``described`` (a description of :func:`_describe_parts` or :func:`_describe_view`) as bytes that are equal
+    exactly when the descriptions are equal in value and type, for a digest.
+
+    ``marshal`` at version 2 writes no back-references (later versions refer to an object seen before by
+    identity, so equal descriptions could encode differently), keeps ``True`` apart from ``1`` and ``0.0``
+    from ``-0.0`` (floats in binary), and is several times faster than ``repr``. A description holding a type
+    marshal cannot write (a numpy scalar in a shape) is written by ``repr``, behind a tag that marshal's output
+    never starts with, so the two encodings never coincide (at worst equal slices fall in two classes, each
+    run: slower, never unsound)."""
+    try:
+        return marshal.dumps(described, 2)
+    except ValueError:
+        return b"\x00repr:" + repr(described).encode()
 
 
 def _renamer(names: dict[str, int]):
@@ -1431,7 +1455,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         original_pairs = _original_pairs(index, original, views)
         for view in views:
             view.original_state = {s: original_pairs[s] for s in view.roles if s in original_pairs}
-        inputs = {spec.name: spec for spec in _check_inputs(index, original_inputs, views, sides[1].nodes)}
+        inputs = {spec.name: spec for spec in _check_inputs(index, original_inputs, views, sides[1])}
         fused_pairs = dict(original_pairs)
         for view in views:
             fused_pairs.update(view.fused_state)
@@ -1547,17 +1571,43 @@ class _Side:
     initializers: dict[str, onnx.TensorProto]
     inputs: dict[str, onnx.ValueInfoProto]
     outputs: list[str]
+    subgraph: list[bool]
+    """Per node: an attribute of it is of type ``GRAPH`` or ``GRAPHS``."""
 
     @classmethod
     def of(cls, model: onnx.ModelProto) -> "_Side":
         graph = model.graph
         nodes = list(graph.node)
         initializers = {t.name: t for t in graph.initializer}
-        writes = [[o for o in node.output if o] for node in nodes]
+        # Inputs and outputs from the node table (read once from the serialised graph, no Python object per
+        # field read); a node holding a subgraph also reads what its subgraphs read from outside.
+        table = node_table(model)
+        reads = [
+            _node_reads(node) if flagged else [name for name in names if name]
+            for node, names, flagged in zip(nodes, table.inputs, table.has_subgraph)
+        ]
+        writes = [[o for o in names if o] for names in table.outputs]
+        subgraph = [attributed and _holds_subgraph(node) for node, attributed in zip(nodes, table.has_attributes)]
         return cls(
-            model, nodes, [_node_reads(node) for node in nodes], writes, {o: k for k, names in enumerate(writes) for o in names},
+            model, nodes, reads, writes, {o: k for k, names in enumerate(writes) for o in names},
             initializers, {i.name: i for i in graph.input if i.name not in initializers}, [o.name for o in graph.output],
+            subgraph,
         )
+
+    def sources(self, values: Iterable[str]) -> set[str]:
+        """``values`` and every value they are computed from by this side's nodes."""
+        found: set[str] = set()
+        stack = list(values)
+        producer, reads = self.producer.get, self.reads
+        while stack:
+            value = stack.pop()
+            if value in found:
+                continue
+            found.add(value)
+            k = producer(value)
+            if k is not None:
+                stack.extend(reads[k])
+        return found
 
     def extend(self, nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> None:
         """Add ``nodes`` (after every other) and ``outputs`` (values to compute) to this side."""
@@ -1566,6 +1616,7 @@ class _Side:
             self.nodes.append(node)
             self.reads.append(_node_reads(node))
             self.writes.append([o for o in node.output if o])
+            self.subgraph.append(_holds_subgraph(node))
         self.outputs.extend(outputs)
 
     def cone(self, outputs: Iterable[str]) -> list[int]:
@@ -1615,14 +1666,19 @@ class _Group:
 _GRAPH_ATTRIBUTES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
+def _holds_subgraph(node: onnx.NodeProto) -> bool:
+    """An attribute of ``node`` is of type ``GRAPH`` or ``GRAPHS`` (``AttributeProto.type``)."""
+    return any(a.type in _GRAPH_ATTRIBUTES for a in node.attribute)
+
+
 def _shared_nodes(side: _Side, carried: set[str]) -> list[bool]:
     """Per node: is it copied into the groups that read it (:data:`SHARED_CONE_LIMIT`)? The nodes it is
     computed from are then copied too (their cones are smaller still)."""
     bound: list[int] = []
     over = SHARED_CONE_LIMIT + 1
     producer = side.producer.get
-    for k, (node, reads) in enumerate(zip(side.nodes, side.reads)):
-        if not carried.isdisjoint(reads) or (node.attribute and any(a.type in _GRAPH_ATTRIBUTES for a in node.attribute)):
+    for k, (reads, subgraph) in enumerate(zip(side.reads, side.subgraph)):
+        if subgraph or not carried.isdisjoint(reads):
             bound.append(over)
             continue
         total = 1
@@ -1733,13 +1789,13 @@ def _group_key(index: GraphIndex, sides: tuple[_Side, _Side], group: _Group, vie
         if described is None:
             return None
         fed.extend(parts.inputs)
-        digest.update(repr(described).encode())
+        digest.update(_encoded(described))
     described = [
         [(rename(name), inputs[name].dtype, inputs[name].shape, inputs[name].role) for name in dict.fromkeys(fed)],
         [(rename(s), rename(original_pairs.get(s, "")), rename(fused_pairs.get(s, ""))) for s in group.states],
     ]
     described.extend(_describe_view(views[k], rename) for k in group.views)
-    digest.update(repr(described).encode())
+    digest.update(_encoded(described))
     group.names = names
     return digest.digest()
 
@@ -2102,13 +2158,13 @@ def _original_pairs(index: GraphIndex, original: onnx.ModelProto, views: Sequenc
     return pairs
 
 
-def _check_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_UpdateView], nodes: Sequence[onnx.NodeProto]) -> list[_Input]:
+def _check_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_UpdateView], side: _Side) -> list[_Input]:
     """The fed inputs of a whole model, with roles: SGD-updated state, what the SGD nodes' gradients and
-    coefficients are computed from (in the fused model), other state (by name), and the rest."""
+    coefficients are computed from (in the fused model, ``side``), other state (by name), and the rest."""
     roles = {s: ("parameters" if role == "w" else "accum") for view in views for s, role in view.roles.items()}
-    gradient_sources = _sources([view.gradient for view in views], nodes)
-    coefficient_sources = _sources([v for view in views for v in (view.learning_rate, view.momentum)], nodes)
-    non_negative = non_negative_inputs(nodes)
+    gradient_sources = side.sources([view.gradient for view in views])
+    coefficient_sources = side.sources([v for view in views for v in (view.learning_rate, view.momentum)])
+    non_negative = non_negative_inputs(side.nodes)
     inputs = []
     for name in names:
         spec = index.spec(name)
@@ -2122,15 +2178,25 @@ def _check_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_Upda
 
 _NON_NEGATIVE_OPERANDS = {("BatchNormalization", 4), ("Sqrt", 0), ("Log", 0)}
 """(op, input position) where only non-negative values are defined: a variance, a square root, a logarithm."""
+_NON_NEGATIVE_OPS = frozenset(op for op, _ in _NON_NEGATIVE_OPERANDS)
+_COPY_OPS = frozenset({"Identity", "Cast"})
 
 
 def non_negative_inputs(nodes: Sequence[onnx.NodeProto]) -> set[str]:
     """Values read (directly or through ``Identity``/``Cast``) where only non-negative values are defined
     (:data:`_NON_NEGATIVE_OPERANDS`): a check feeds them |x|, as a model's own data would be (a frozen
     BatchNormalization's running variance)."""
-    copies = {node.output[0]: node.input[0] for node in nodes if node.op_type in ("Identity", "Cast") and node.input and node.output}
+    copies: dict[str, str] = {}
+    readers: list[onnx.NodeProto] = []
+    for node in nodes:  # one read of each node's op type; inputs only of the few nodes that matter
+        op_type = node.op_type
+        if op_type in _COPY_OPS:
+            if node.input and node.output:
+                copies[node.output[0]] = node.input[0]
+        elif op_type in _NON_NEGATIVE_OPS:
+            readers.append(node)
     found: set[str] = set()
-    for node in nodes:
+    for node in readers:
         for position, name in enumerate(node.input):
             if (node.op_type, position) in _NON_NEGATIVE_OPERANDS and name:
                 while name not in found:
