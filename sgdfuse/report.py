@@ -139,6 +139,12 @@ class FusedUpdate:
     roles_from: str = "structure"
     guard: str = ""
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickling and copying take the texts written: unwritten text holds a closure over the matcher's forms.
+        for name in ("parameter_equation", "accum_equation"):
+            getattr(self, name)
+        return self.__dict__
+
 
 @dataclasses.dataclass
 class Refusal:

@@ -56,3 +56,17 @@ def test_equations_stay_required_arguments():
 
     with pytest.raises(TypeError):
         FusedUpdate("n", "p", "g", "a", "po", "ao", 0.1, 0.9, "lr", "m", 0.0, 0.0, False, False, "0", "FLOAT", [])  # type: ignore[call-arg]
+
+
+def test_an_entry_with_unwritten_equations_pickles_and_copies_as_its_text():
+    import copy
+    import pickle
+
+    from sgdfuse.passes.sgd_match import LazyText
+
+    forms = {"p": 1.0}
+    entry = _entry(LazyText(lambda: f"p_out = {len(forms)}*p"), LazyText(lambda: "buf_out = g"))  # closures do not pickle
+    again = pickle.loads(pickle.dumps(entry))
+    assert again == _entry("p_out = 1*p", "buf_out = g")
+    assert type(again.parameter_equation) is str
+    assert copy.copy(entry).parameter_equation == "p_out = 1*p"
