@@ -501,8 +501,9 @@ def _fused_entry(plan, index, traffic_by_class: dict | None = None) -> FusedUpda
         stat=plan.stat,
         dtype=dtype_name(match.dtype),
         shape=[d for d in match.shape] if match.shape is not None else [],
-        parameter_equation=str(match.parameter_equation),
-        accum_equation=str(match.accum_equation),
+        # Written when first read (sgdfuse.report._Text): the console summary shows no equation.
+        parameter_equation=match.parameter_equation,
+        accum_equation=match.accum_equation,
         matched_nodes=len(match.nodes),
         source="pattern" if match.first_step is None else "pattern with first-step Where",
         rounded={name: describe_scalar(match.learning_rate if name == "learning_rate" else match.momentum) for name in match.rounded},

@@ -58,6 +58,32 @@ def _finite(value: Any) -> Any:
     return value
 
 
+class _Text:
+    """A text field of a report record that may be given as an object whose ``str()`` is the text (the
+    matcher's ``LazyText`` equations): it is written on first read, and every read (attribute access,
+    ``dataclasses.asdict``, ``==``, ``repr``) sees a ``str``. Formatting an equation costs about as much as
+    matching it was spared by its structural class, and the console summary never shows one: only the JSON
+    report and ``--verbose`` read them. A dataclass field with this descriptor as its "default" has no
+    default (``__get__`` on the class raises ``AttributeError``, the dataclasses rule for descriptor
+    fields)."""
+
+    __slots__ = ("_slot",)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = "_text_" + name
+
+    def __get__(self, record: object, owner: type | None = None) -> str:
+        if record is None:
+            raise AttributeError(self._slot)  # no default: the field stays a required argument
+        value = record.__dict__[self._slot]
+        if not isinstance(value, str):
+            value = record.__dict__[self._slot] = str(value)
+        return value
+
+    def __set__(self, record: object, value: object) -> None:
+        record.__dict__[self._slot] = value
+
+
 @dataclasses.dataclass
 class FusedUpdate:
     """One update fused into an ``ai.sgdfuse::SGD`` node.
@@ -103,8 +129,8 @@ class FusedUpdate:
     stat: str
     dtype: str
     shape: list
-    parameter_equation: str
-    accum_equation: str
+    parameter_equation: str = _Text()  # type: ignore[assignment]  # str, or an object written by str() on first read
+    accum_equation: str = _Text()  # type: ignore[assignment]
     matched_nodes: int = 0
     source: str = "pattern"
     traffic_before_bytes: int | None = None
@@ -112,6 +138,12 @@ class FusedUpdate:
     rounded: dict = dataclasses.field(default_factory=dict)
     roles_from: str = "structure"
     guard: str = ""
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickling and copying take the texts written: unwritten text holds a closure over the matcher's forms.
+        for name in ("parameter_equation", "accum_equation"):
+            getattr(self, name)
+        return self.__dict__
 
 
 @dataclasses.dataclass
