@@ -269,8 +269,10 @@ class _Setup:
         """Input name → how it is fed: dtype, dims, and whether it is state, an initializer's state, a
         momentum, overflowed, non-negative (what a class key must hold for the feeds to be of one kind)."""
         state = set(self.pairs.values())
+        # The dims as the shape's canonical bytes (one call per input; equal exactly when every dim, value,
+        # parameter and denotation, is).
         return {
-            name: (value.type.tensor_type.elem_type, tuple(str(d) for d in value.type.tensor_type.shape.dim), name in state,
+            name: (value.type.tensor_type.elem_type, value.type.tensor_type.shape.SerializeToString(deterministic=True), name in state,
                    name in self.initial, name in self.momenta, name in self.overflow, name in self.non_negative)
             for name, value in self.inputs.items()
         }
