@@ -173,17 +173,7 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     _add_specs(specs, graph.value_info, types)
     initializers = {t.name: t for t in graph.initializer}
     if infer_shapes and not _inference_adds_nothing(graph, specs, producer, initializers, subgraph_nodes):
-        cone = _inference_cone(graph, nodes, specs, producer, initializers, subgraph_nodes)
-        if cone is None:
-            _add_specs(specs, _inferred_value_infos(model, subgraph_nodes), types)
-        else:
-            cone_model = _cone_model(model, nodes, cone)
-            inferred = _inferred_value_infos(cone_model, [])
-            if _generates_symbols(cone_model, inferred):
-                # A dimension inference names itself (unk__0, ...) is numbered over the whole model's run, and
-                # chosen to miss the symbols declared anywhere in it: the cone's run would name it otherwise.
-                inferred = _inferred_value_infos(model, subgraph_nodes)
-            _add_specs(specs, inferred, types)
+        _add_specs(specs, _inferred_value_infos(model, subgraph_nodes), types)
     for name, tensor in initializers.items():
         specs[name] = TensorSpec(name, tuple(int(d) for d in tensor.dims), tensor.data_type)
 
@@ -222,118 +212,6 @@ def _inference_adds_nothing(
             if (known is None or known.shape is None) and name not in initializers:
                 return False
     return True
-
-
-CONE_SHARE = 0.5
-"""Shape inference runs on the cone of the untyped values (:func:`_inference_cone`) only when it holds at most
-this share of the nodes; else on the whole model (the cone's model would save little)."""
-
-
-def _inference_cone(
-    graph: onnx.GraphProto,
-    nodes: list[NodeFacts],
-    specs: dict[str, TensorSpec],
-    producer: dict[str, int],
-    initializers: dict[str, onnx.TensorProto],
-    subgraph_nodes: list[int],
-) -> list[int] | None:
-    """Positions (in graph order) of the nodes the values inference could type depend on: the producers of
-    every node output and declared value info without a declared shape (:func:`_inference_adds_nothing`), and
-    every node upstream of them. None when inference must run on the whole model: a subgraph (its value infos
-    are all reported), a declared value info without a shape that no node produces, a sparse initializer, or
-    a cone of more than :data:`CONE_SHARE` of the nodes.
-
-    Why the cone gives the same specs: ONNX shape inference types the nodes one by one in graph order, each
-    from the types (and, with data propagation, the values) of its inputs only, which come from the nodes
-    before it, the graph inputs, the initializers and the declared value infos. The cone's model
-    (:func:`_cone_model`) holds, for every one of its nodes, all of these (the nodes upstream, the graph
-    inputs and initializers read, the declared value infos and graph outputs among its values, the opsets
-    and functions), so each gets the type it gets in the whole model; the names outside the cone already
-    have a declared shape or are initializers, and :func:`_add_specs` would drop what inference says about
-    them (tests/test_index_inference_skip.py compares both on the testdata models). The one exception is a
-    symbol inference makes up for an unknown dimension: its number depends on the whole run, so a cone
-    whose inference makes one is inferred again on the whole model (:func:`_generates_symbols`)."""
-    if subgraph_nodes or len(graph.sparse_initializer):
-        return None
-    stack: list[int] = []
-    for name, position in producer.items():
-        known = specs.get(name)
-        if (known is None or known.shape is None) and name not in initializers:
-            stack.append(position)
-    for info in graph.value_info:
-        known = specs.get(info.name)
-        if (known is None or known.shape is None) and info.name not in initializers:
-            position = producer.get(info.name)
-            if position is None:
-                return None
-            stack.append(position)
-    limit = len(nodes) * CONE_SHARE
-    cone: set[int] = set()
-    while stack:
-        position = stack.pop()
-        if position in cone:
-            continue
-        cone.add(position)
-        if len(cone) > limit:
-            return None
-        for name in nodes[position][2]:
-            upstream = producer.get(name)
-            if upstream is not None and upstream not in cone:
-                stack.append(upstream)
-    return sorted(cone)
-
-
-def _cone_model(model: onnx.ModelProto, nodes: list[NodeFacts], cone: list[int]) -> onnx.ModelProto:
-    """A model of ``model``'s nodes at ``cone`` (closed upstream, in graph order) with what inference reads for
-    them (:func:`_inference_cone`): the graph inputs and initializers they read (large initializers without
-    their data, as :func:`_stripped`), the declared value infos and graph outputs among their values, the
-    model's IR version, opsets and functions."""
-    graph = model.graph
-    result = onnx.ModelProto()
-    result.ir_version = model.ir_version
-    result.opset_import.extend(model.opset_import)
-    result.functions.extend(model.functions)
-    sub = result.graph
-    sub.name = graph.name
-    read: set[str] = set()
-    made: set[str] = set()
-    for position in cone:
-        sub.node.append(graph.node[position])
-        read.update(nodes[position][2])
-        made.update(nodes[position][3])
-    sub.input.extend(info for info in graph.input if info.name in read)
-    for tensor in graph.initializer:
-        if tensor.name in read:
-            copy = sub.initializer.add()
-            if _is_large(tensor):  # its shape, never its bytes
-                copy.name, copy.data_type = tensor.name, tensor.data_type
-                copy.dims.extend(tensor.dims)
-                _strip_data(copy)
-            else:
-                copy.CopyFrom(tensor)
-    sub.value_info.extend(info for info in graph.value_info if info.name in made or info.name in read)
-    sub.output.extend(info for info in graph.output if info.name in made)
-    return result
-
-
-def _generates_symbols(model: onnx.ModelProto, inferred: list[onnx.ValueInfoProto]) -> bool:
-    """True when ``inferred`` (inference's value infos of ``model``) holds a symbolic dimension declared
-    nowhere in ``model``'s graph inputs, outputs or value infos: one inference made up (it never reuses a
-    declared symbol for a new one)."""
-    declared = {
-        dim.dim_param
-        for infos in (model.graph.input, model.graph.output, model.graph.value_info)
-        for info in infos
-        if info.type.HasField("tensor_type")
-        for dim in info.type.tensor_type.shape.dim
-        if dim.HasField("dim_param")
-    }
-    for info in inferred:
-        if info.type.HasField("tensor_type"):
-            for dim in info.type.tensor_type.shape.dim:
-                if dim.HasField("dim_param") and dim.dim_param not in declared:
-                    return True
-    return False
 
 
 def _node_facts(model: onnx.ModelProto) -> list[NodeFacts]:
