@@ -607,7 +607,8 @@ def _declared_types(plan: Plan, index: GraphIndex) -> list[onnx.ValueInfoProto]:
     Declared only when the parameters' shape is static (all known dimensions) and ``stat`` comes from
     ``ConstantOfShape`` (no first-step rule): ``stat`` (and the FLOAT ``stat_float`` it is cast from for
     BFLOAT16) and ``stat_out`` then have the parameters' shape, in the parameters' dtype (FLOAT for
-    ``stat_float``); a maximize update's ``negated_gradient`` has the gradient's type when that is static.
+    ``stat_float``): ``stat`` is ``ConstantOfShape`` of a constant of those dimensions, and the SGD function
+    computes ``stat_out`` from ``stat`` alone.
     Without them every fused model lacked two types per update, and lowering's index had to run shape
     inference over the whole model (growing faster than linearly: 12.9 s at 50,000 updates); other values
     (first-step flags, computed learning rates, a runtime momentum's ``If``) stay undeclared, and inference
@@ -622,10 +623,9 @@ def _declared_types(plan: Plan, index: GraphIndex) -> list[onnx.ValueInfoProto]:
                 infos.append(helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, dims))  # stat_float
         infos.append(helper.make_tensor_value_info(sgd.input[5], match.dtype, dims))
         infos.append(helper.make_tensor_value_info(sgd.output[2], match.dtype, dims))
-    if plan.gradient_input != match.gradient:
-        gradient = index.spec(match.gradient)
-        if gradient.dtype and gradient.shape is not None and all(isinstance(d, int) and d >= 0 for d in gradient.shape):
-            infos.append(helper.make_tensor_value_info(plan.gradient_input, gradient.dtype, list(gradient.shape)))
+    # A maximize update's negated gradient is left undeclared: its type is the gradient's as inference reads
+    # it, which need not be the index's (a gradient input that is also a graph output declared otherwise is
+    # read with the output's declaration), whereas stat's shape is that of the constant ConstantOfShape reads.
     return infos
 
 
