@@ -17,7 +17,8 @@ import onnx
 
 from sgdfuse.contract import TensorSpec
 from sgdfuse.external_data import tensor_to_array
-from sgdfuse.passes.scan import node_table
+from sgdfuse.passes.scan import ScanError, node_table
+from sgdfuse.passes.value_scan import INPUT, OUTPUT, VALUE_INFO, ScannedInfos, native_available, scan_value_infos
 
 __all__ = ["GraphIndex", "NodeFacts", "build_index", "SMALL_CONSTANT_ELEMENTS", "tensor_type_of"]
 
@@ -164,16 +165,25 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     only make the matcher more careful.
     """
     graph = model.graph
-    nodes = _node_facts(model)
+    # One serialisation of the model serves the node table, the declared value infos and, when no
+    # initializer needs stripping, shape inference (which would serialise it again); without the native
+    # scanners every one of them is read through protobuf's Python API as before.
+    data = _serialised(model) if native_available() else None
+    nodes = _node_facts(model, data)
     producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph, nodes)
     specs: dict[str, TensorSpec] = {}
     types: dict[bytes, tuple | None] = {}
-    _add_specs(specs, graph.input, types)
-    _add_specs(specs, graph.output, types)
-    _add_specs(specs, graph.value_info, types)
+    declared = _scanned(data, INPUT | OUTPUT | VALUE_INFO, len(graph.node))
+    if declared is None:
+        _add_specs(specs, graph.input, types)
+        _add_specs(specs, graph.output, types)
+        _add_specs(specs, graph.value_info, types)
+    else:
+        for slot in range(3):
+            _add_scanned_specs(specs, declared.names[slot], declared.type_ids[slot], declared.types, types)
     initializers = {t.name: t for t in graph.initializer}
     if infer_shapes and not _inference_adds_nothing(graph, specs, producer, initializers, subgraph_nodes):
-        _add_specs(specs, _inferred_value_infos(model, subgraph_nodes), types)
+        _add_inferred(specs, _inferred_value_infos(model, subgraph_nodes, data), types)
     for name, tensor in initializers.items():
         specs[name] = TensorSpec(name, tuple(int(d) for d in tensor.dims), tensor.data_type)
 
@@ -214,10 +224,10 @@ def _inference_adds_nothing(
     return True
 
 
-def _node_facts(model: onnx.ModelProto) -> list[NodeFacts]:
+def _node_facts(model: onnx.ModelProto, data: bytes | None = None) -> list[NodeFacts]:
     """:data:`NodeFacts` of every node of the main graph, in order, read once (natively where the scanner
-    builds: :func:`sgdfuse.passes.scan.node_table`)."""
-    table = node_table(model)
+    builds: :func:`sgdfuse.passes.scan.node_table`, from ``data``, ``model`` serialised, when given)."""
+    table = node_table(model, data)
     return list(zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_subgraph, table.has_attributes))
 
 
@@ -275,6 +285,64 @@ def _add_specs(specs: dict[str, TensorSpec], infos, types: dict[bytes, tuple | N
             specs[name] = TensorSpec(name, found[0], found[1])
 
 
+def _serialised(model: onnx.ModelProto) -> bytes | None:
+    """``model.SerializeToString()``, or None when protobuf refuses (a model over its 2 GB limit): then every
+    reader falls back to protobuf's Python API, as without the scanners."""
+    try:
+        return model.SerializeToString()
+    except Exception as error:  # protobuf raises ValueError (upb) or EncodeError past 2 GB
+        logger.debug("the model does not serialise (%s); reading it through protobuf", error)
+        return None
+
+
+def _scanned(data: bytes | None, fields: int, node_count: int) -> ScannedInfos | None:
+    """The value infos in ``fields`` of the serialised model ``data`` (:func:`sgdfuse.passes.value_scan.scan_value_infos`),
+    or None when there are no bytes, the scanner refuses them (then protobuf reads the model, as before), or
+    they hold another number of nodes than ``node_count`` (the model they were taken for)."""
+    if data is None:
+        return None
+    try:
+        scanned = scan_value_infos(data, fields)
+    except ScanError as error:
+        logger.debug("native value-info scanner refused the bytes, reading value infos through protobuf: %s", error)
+        return None
+    return scanned if scanned.node_count == node_count else None
+
+
+def _add_scanned_specs(specs: dict[str, TensorSpec], names: list[str], type_ids: list[int], type_bytes: list[bytes], types: dict[bytes, tuple | None]) -> None:
+    """:func:`_add_specs` for scanned value infos: ``names[i]`` has the type serialised in ``type_bytes[type_ids[i]]``
+    (:class:`~sgdfuse.passes.value_scan.ScannedInfos`), the same first-spec-with-a-shape rule and the same
+    ``types`` cache (keyed by bytes that parse to the type: a scanned type's bytes and its canonical
+    serialisation both map to one entry, so equal shapes stay one tuple)."""
+    found_of: list[tuple | None] = []
+    for raw in type_bytes:
+        found = types.get(raw, _UNREAD)
+        if found is _UNREAD:
+            type_proto = onnx.TypeProto.FromString(raw)
+            canonical = type_proto.SerializeToString()
+            found = types.get(canonical, _UNREAD)
+            if found is _UNREAD:
+                found = types[canonical] = tensor_type_of(type_proto)
+            types[raw] = found
+        found_of.append(found)
+    known_spec = specs.get
+    for name, type_id in zip(names, type_ids):
+        known = known_spec(name)
+        if known is not None and known.shape is not None:
+            continue
+        found = found_of[type_id]
+        if found is not None:
+            specs[name] = TensorSpec(name, found[0], found[1])  # the scanner's names are interned
+
+
+def _add_inferred(specs: dict[str, TensorSpec], inferred: list[onnx.ValueInfoProto] | ScannedInfos, types: dict[bytes, tuple | None]) -> None:
+    """Add inference's value infos (:func:`_inferred_value_infos`), parsed or scanned, as :func:`_add_specs`."""
+    if isinstance(inferred, ScannedInfos):
+        _add_scanned_specs(specs, inferred.names[2], inferred.type_ids[2], inferred.types, types)
+    else:
+        _add_specs(specs, inferred, types)
+
+
 _UNREAD = object()
 """A type not yet in the cache of :func:`_add_specs` (None there is a type that is not a tensor's)."""
 
@@ -300,11 +368,26 @@ def tensor_type_of(type_proto: onnx.TypeProto) -> tuple[tuple[int | str | None, 
     return shape, tensor_type.elem_type
 
 
-def _inferred_value_infos(model: onnx.ModelProto, subgraph_nodes: list[int]) -> list[onnx.ValueInfoProto]:
+def _inferred_value_infos(model: onnx.ModelProto, subgraph_nodes: list[int], data: bytes | None = None) -> list[onnx.ValueInfoProto] | ScannedInfos:
     """The value infos ONNX shape inference finds for ``model`` (main graph and every subgraph); empty when
-    it fails. ``subgraph_nodes`` are the main graph's nodes that hold subgraphs (inference keeps the order)."""
+    it fails. ``subgraph_nodes`` are the main graph's nodes that hold subgraphs (inference keeps the order);
+    ``data`` is ``model`` serialised, when the caller has it.
+
+    Without subgraphs, and where the native scanner builds, the inferred model's bytes are not parsed: the
+    main graph's value infos are scanned from them (:class:`~sgdfuse.passes.value_scan.ScannedInfos`, the same
+    names and types; parsing the inferred model and reading every value info through protobuf's Python API
+    cost about four times the scan). Otherwise the parsed value infos."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(_stripped(model), check_type=False, strict_mode=False, data_prop=True)
+        stripped = _stripped(model)
+        if data is None or stripped is not model:
+            data = stripped.SerializeToString()
+        # What onnx.shape_inference.infer_shapes runs on the bytes it serialises, before parsing the result.
+        result = onnx.shape_inference.C.infer_shapes(data, False, False, True)  # check_type, strict_mode, data_prop
+        if not subgraph_nodes and native_available():
+            scanned = _scanned(result, VALUE_INFO, len(model.graph.node))  # inference adds and moves no node
+            if scanned is not None:
+                return scanned
+        inferred = onnx.load_from_string(result)
     except Exception as error:  # inference is advisory; the matcher treats unknown shapes as unproven
         logger.warning("shape inference failed, continuing with declared shapes only: %s", error)
         return []

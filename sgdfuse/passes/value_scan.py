@@ -1,0 +1,137 @@
+"""The value infos of a main graph, read natively from the model's serialised bytes.
+
+Reading a ``ValueInfoProto``'s name and type through protobuf's Python API makes new Python objects at
+every read, and :func:`sgdfuse.passes.index.build_index` reads half a million of them at 50,000 updates
+(graph inputs, outputs, declared and inferred value infos). :func:`scan_value_infos` reads every name and
+the bytes of every distinct type at once with a small C++ scanner (``_vscan.cc`` beside this file, built
+and cached like the node scanner, :mod:`sgdfuse.passes.scan`), so the index parses each distinct type once.
+
+Field numbers (onnx/onnx.proto): ``ModelProto.graph`` 7; ``GraphProto.node`` 1 (counted), ``input`` 11,
+``output`` 12, ``value_info`` 13; ``ValueInfoProto.name`` 1, ``type`` 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from sgdfuse.native import build_cached, cache_root, find_compiler
+from sgdfuse.passes.scan import _FLAGS, NATIVE_ENV, ScanError, ScannerBuildError, _python_includes, _scan_failure
+
+__all__ = ["INPUT", "OUTPUT", "VALUE_INFO", "ScannedInfos", "scan_value_infos", "native_available"]
+
+logger = logging.getLogger(__name__)
+
+INPUT, OUTPUT, VALUE_INFO = 1, 2, 4
+"""Bits of ``fields`` in :func:`scan_value_infos`: ``GraphProto.input``, ``output``, ``value_info``."""
+
+_SOURCE = Path(__file__).with_name("_vscan.cc")
+_MODULE = "sgdfuse.passes._vscan"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScannedInfos:
+    """The value infos of one model's main graph, per field, in order.
+
+    Attributes:
+        names: per field (input, output, value_info), ``ValueInfoProto.name`` of each entry, interned (the
+            last ``name`` field wins, ``""`` without one); empty for a field not asked for.
+        type_ids: per field, the position in ``types`` of each entry's type.
+        types: the distinct serialised types: the concatenated payloads of an entry's ``type`` fields (protobuf
+            merges a message field given twice, and concatenated serialisations parse as their merge), so
+            ``TypeProto.FromString(types[i])`` equals the entry's parsed ``type``; ``b""`` without one.
+        node_count: the number of ``GraphProto.node`` entries.
+    """
+
+    names: tuple[list[str], list[str], list[str]]
+    type_ids: tuple[list[int], list[int], list[int]]
+    types: list[bytes]
+    node_count: int
+
+
+def native_available() -> bool:
+    """True when the value-info scanner is built (or builds now) and ``$SGDFUSE_NATIVE_SCAN`` is not ``0``."""
+    if os.environ.get(NATIVE_ENV, "").strip() == "0":
+        return False
+    try:
+        _module()
+    except ScannerBuildError as error:
+        logger.debug("native value-info scanner unavailable, reading value infos through protobuf: %s", error)
+        return False
+    return True
+
+
+def scan_value_infos(data: bytes | bytearray | memoryview, fields: int) -> ScannedInfos:
+    """The value infos of the serialised ``ModelProto`` ``data`` in the graph fields ``fields`` (a sum of
+    :data:`INPUT`, :data:`OUTPUT`, :data:`VALUE_INFO`).
+
+    Raises:
+        ScanError: ``data`` is not well-formed protobuf where the scanner reads it, or a value name is not
+            UTF-8 (protobuf's Python API returns such names as ``bytes``; the caller reads them through it).
+        ScannerBuildError: the scanner cannot be built.
+    """
+    module = _module()
+    try:
+        names, type_ids, types, node_count = module.scan(data, fields)
+    except ValueError as error:
+        offset, reason = _scan_failure(str(error))
+        raise ScanError(offset, reason) from None
+    return ScannedInfos(names, type_ids, types, node_count)
+
+
+_LOADED: dict[str, ModuleType | ScannerBuildError] = {}
+
+
+def _module() -> ModuleType:
+    """The built scanner module, built once per process and cache root (a failure is remembered)."""
+    root = str(cache_root())
+    loaded = _LOADED.get(root)
+    if loaded is None:
+        try:
+            loaded = _build_and_load(root)
+        except ScannerBuildError as error:
+            loaded = error
+        _LOADED[root] = loaded
+    if isinstance(loaded, ScannerBuildError):
+        raise loaded
+    return loaded
+
+
+def _build_and_load(root: str) -> ModuleType:
+    # As the node scanner's build (sgdfuse.passes.scan._build_and_load): the key covers compiler, flags,
+    # source and Python ABI.
+    includes = _python_includes()
+    compiler, compiler_version = find_compiler("the native value-info scanner", ScannerBuildError)
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    patchlevel = Path(includes[0], "patchlevel.h")
+    headers = patchlevel.read_bytes() if patchlevel.is_file() else b""
+    flags = [*_FLAGS, *(["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else [])]
+    key = hashlib.sha256(
+        b"\0".join([compiler_version.encode(), *(f.encode() for f in flags), suffix.encode(), sys.version.encode(), headers, _SOURCE.read_bytes()])
+    ).hexdigest()[:16]
+    path, _, _ = build_cached(
+        Path(root) / "value-scan" / key,
+        f"_vscan{suffix}",
+        lambda output: [compiler, *flags, *(f"-I{p}" for p in includes), str(_SOURCE), "-o", str(output)],
+        what="the native value-info scanner",
+        compiler=compiler,
+        compiler_version=compiler_version,
+        metadata={"python": sys.version, "extension_suffix": suffix},
+        error_type=ScannerBuildError,
+    )
+    spec = importlib.util.spec_from_file_location(_MODULE, path)
+    if spec is None or spec.loader is None:
+        raise ScannerBuildError("compile-failed", f"{path} cannot be loaded as an extension module")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as error:
+        raise ScannerBuildError("compile-failed", f"the native value-info scanner built at {path} does not load: {error}") from error
+    return module
