@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 from sgdfuse import collector
 from sgdfuse import external_data
 from sgdfuse import runtime
-from sgdfuse.errors import InvalidOutputError, ModelLoadError
+from sgdfuse.errors import InvalidOutputError, ModelLoadError, ModelNameError
 from sgdfuse.output import OutputBatch, resolve_destination
 from sgdfuse.fused_op import MIN_OPSET, function_opset
 from sgdfuse.passes.index import build_index
@@ -273,7 +273,10 @@ def _analyse(
 
     base = model
     tell("index")
-    index = build_index(model)
+    try:
+        index = build_index(model)
+    except ModelNameError as error:
+        raise error if error.path or source == "<ModelProto>" else error.in_file(source)
     report.already_fused = sum(1 for facts in index.nodes if facts[1] == "ai.sgdfuse")
     if any(op == "Momentum" and domain == TRAINING_DOMAIN for op, domain, *_ in index.nodes):
         base, conversions, momentum_misses = convert_momentum_nodes(model, index, verify=verify, steps=steps, seed=seed)

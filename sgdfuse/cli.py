@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
+import onnx
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -17,7 +18,7 @@ from rich.table import Table
 import sgdfuse
 from sgdfuse import contract
 from sgdfuse import api
-from sgdfuse.errors import OutputWriteError, SgdfuseError
+from sgdfuse.errors import ModelNameError, OutputWriteError, SgdfuseError
 from sgdfuse.passes.rewrite import ROLES_BY_PLAUSIBILITY
 from sgdfuse.passes.sgd_match import RolePins
 from sgdfuse.output import OutputBatch, resolve_destination, write_bytes
@@ -280,6 +281,16 @@ def _progress(model: Path, quiet: bool):
     return _Bar()
 
 
+def _require_text_names(model: onnx.ModelProto, path: Path) -> None:
+    """:func:`sgdfuse.passes.index.require_text_names`, the error naming the file ``path``."""
+    from sgdfuse.passes.index import require_text_names
+
+    try:
+        require_text_names(model)
+    except ModelNameError as error:
+        raise error.in_file(path) from None
+
+
 def _check_destinations(destinations, inputs) -> None:
     """Each output can be written (before the work, not after it) and none of them is an input: the input is
     never modified, so ``optimize m.onnx -o m.onnx`` is refused rather than overwriting the model."""
@@ -431,10 +442,12 @@ def check_command(
 
     _require_input(original)
     _require_input(fused)
+    models = []
+    for path in (original, fused):
+        models.append(api.load_model(path, load_external_data=True))
+        _require_text_names(models[-1], path)
     try:
-        result = check_models(
-            api.load_model(original, load_external_data=True), api.load_model(fused, load_external_data=True), steps=steps, seed=seed
-        )
+        result = check_models(models[0], models[1], steps=steps, seed=seed)
     except ValueError as error:
         raise SgdfuseError(f"{fused}: {error}") from error
     except SgdfuseError:
@@ -524,7 +537,11 @@ def lower_command(
         destinations = [destination, init_destination, json_path]
     _check_destinations(destinations, (model,))
 
-    fused, report = prepare(model)
+    try:
+        fused, report = prepare(model)
+    except ModelNameError as error:
+        raise error if error.path else error.in_file(model) from None
+    _require_text_names(fused, model)
     if report is not None:
         reasons = Counter(r.reason for r in report.refused)
         refused = f"{len(report.refused)} refused" + (

@@ -6,10 +6,13 @@ line the CLI prints tells the user where to look and what to do.
 
 from __future__ import annotations
 
+import os
+
 __all__ = [
     "SgdfuseError",
     "ModelLoadError",
     "ExternalDataError",
+    "ModelNameError",
     "OutputWriteError",
     "InvalidOutputError",
     "ContractError",
@@ -57,6 +60,29 @@ class ExternalDataError(ModelLoadError):
         )
         self.tensor = tensor
         self.location = location
+
+
+class ModelNameError(SgdfuseError):
+    """A name in the model (of a value a node reads or writes, a graph input or output, a value info, an
+    initializer) is not valid UTF-8. ONNX names are protobuf ``string`` fields (onnx/onnx.proto), which hold
+    UTF-8 text; protobuf hands such a field out as ``bytes``, which equals no other name in the graph.
+
+    Attributes:
+        name: the raw bytes of the name. where: what carries it (e.g. ``"an output of node 'Mul_3'"``).
+        path: the model file, when known ("" otherwise).
+    """
+
+    def __init__(self, name: bytes, where: str, path: str = "") -> None:
+        self.name, self.where, self.path = name, where, path
+        super().__init__(
+            (f"{path}: " if path else "")
+            + f"{where} is named {name!r}, which is not valid UTF-8 (ONNX names are UTF-8 strings); rename it "
+            "in the exporter or with onnx's Python API, and run again"
+        )
+
+    def in_file(self, path: str | os.PathLike) -> "ModelNameError":
+        """The same error naming the model file ``path``."""
+        return ModelNameError(self.name, self.where, os.fspath(path))
 
 
 class OutputWriteError(SgdfuseError):

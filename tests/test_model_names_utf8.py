@@ -1,0 +1,97 @@
+"""A model whose names are not valid UTF-8 gets one clear error from every command, naming the file, what
+carries the name and what to do — never an internal error.
+
+ONNX names are protobuf ``string`` fields (onnx/onnx.proto), UTF-8 text; protobuf's Python API hands a field
+holding other bytes out as ``bytes``, which equals no other name, and onnxruntime fails to decode it. Found
+by a fresh trial: a gradient input named ``b"\\xff\\xfe..."`` made ``optimize``, ``inspect``, ``lower`` and
+``check`` stop with "internal error: TypeError: intern() argument must be str, not bytes".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from sgdfuse.cli import main
+
+BAD = b"\xff\xfe_grad"
+
+
+def _update_model() -> onnx.ModelProto:
+    """One plain momentum-SGD update: buf_out = 0.9*buf + GRAD, p_out = p - 0.1*buf_out (FLOAT, [4, 3])."""
+    shape = [4, 3]
+    nodes = [
+        helper.make_node("Mul", ["buf", "m"], ["bm"], name="mul_m"),
+        helper.make_node("Add", ["bm", "GRADNAME"], ["buf_out"], name="add_g"),
+        helper.make_node("Mul", ["buf_out", "lr"], ["step"], name="mul_lr"),
+        helper.make_node("Sub", ["p", "step"], ["p_out"], name="sub_step"),
+    ]
+    graph = helper.make_graph(
+        nodes, "step",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("p", "GRADNAME", "buf")],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("p_out", "buf_out")],
+        [helper.make_tensor("m", TensorProto.FLOAT, [], [0.9]), helper.make_tensor("lr", TensorProto.FLOAT, [], [0.1])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _with_bytes(model: onnx.ModelProto, placeholder: bytes, path: Path) -> Path:
+    """``model`` written to ``path`` with every ``placeholder`` in its bytes replaced by :data:`BAD` (a name
+    that is not UTF-8 cannot be set through the Python API)."""
+    data = model.SerializeToString()
+    assert placeholder in data
+    path.write_bytes(data.replace(placeholder, BAD[: len(placeholder)].ljust(len(placeholder), b"_")))
+    return path
+
+
+def _run(argv: list) -> tuple[int, str]:
+    err = io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in argv])
+        except SystemExit as exited:
+            code = exited.code if isinstance(exited.code, int) else 1
+    return code, err.getvalue()
+
+
+@pytest.fixture
+def bad_value_name(tmp_path) -> Path:
+    return _with_bytes(_update_model(), b"GRADNAME", tmp_path / "bad_value.onnx")
+
+
+@pytest.mark.parametrize("command", ["optimize", "inspect", "lower", "check"])
+def test_a_value_name_that_is_not_utf8_is_one_error_naming_the_file_and_the_node(command, bad_value_name, tmp_path):
+    argv = {
+        "optimize": ["optimize", bad_value_name, "-o", tmp_path / "out.onnx"],
+        "inspect": ["inspect", bad_value_name],
+        "lower": ["lower", bad_value_name, "--soc", "Ascend910B2", "-o", tmp_path / "out.air"],
+        "check": ["check", bad_value_name, bad_value_name],
+    }[command]
+    code, err = _run(argv)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1
+    assert len(lines) == 1 and lines[0].startswith(f"error: {bad_value_name}: "), err
+    assert "not valid UTF-8" in lines[0] and "internal error" not in lines[0]
+    assert "node add_g" in lines[0] or "graph input" in lines[0]
+    assert not (tmp_path / "out.onnx").exists() and not (tmp_path / "out.air").exists()
+
+
+def test_a_node_name_that_is_not_utf8_is_refused_by_lower_naming_the_file(tmp_path):
+    # A node's name becomes a GE op's name; onnx and the matcher never compare node names, so optimize keeps it.
+    model = _update_model()
+    # A node outside the update (the rewrite keeps it): a copy of the weights, returned as an output.
+    model.graph.node.append(helper.make_node("Identity", ["p"], ["p_copy"], name="NODENAME"))
+    model.graph.output.append(helper.make_tensor_value_info("p_copy", TensorProto.FLOAT, [4, 3]))
+    path = _with_bytes(model, b"NODENAME", tmp_path / "bad_node.onnx")
+    fused = tmp_path / "fused.onnx"
+    assert _run(["optimize", path, "-o", fused])[0] == 0
+    code, err = _run(["lower", fused, "--soc", "Ascend910B2", "-o", tmp_path / "out.air"])
+    assert code == 1
+    assert err.startswith(f"error: {fused}: a node is named b'\\xff\\xfe"), err
+    assert not (tmp_path / "out.air").exists()
