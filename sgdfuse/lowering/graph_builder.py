@@ -242,9 +242,13 @@ class GraphBuilder:
     def _attr(self, value: object):
         # Equal plain values share one AttrDef (and so one encoding); tensors and AttrDefs are taken as is.
         # The key is the repr, so that -0.0 and 0.0 stay apart.
-        if not isinstance(value, (bool, int, float, str, list, tuple)):
+        kind = type(value)
+        if kind is bool or kind is int or kind is str:
+            key = (kind, value)  # equal values of these exact types have equal reprs: no repr needed
+        elif isinstance(value, (bool, int, float, str, list, tuple)):
+            key = (kind, repr(value))
+        else:
             return attr_value(value)
-        key = (type(value), repr(value))
         found = self._attr_cache.get(key)
         if found is None:
             found = self._attr_cache[key] = attr_value(value)
