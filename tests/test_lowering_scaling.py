@@ -64,6 +64,42 @@ def test_op_order_keeps_a_topological_rank_and_answers_reachability_like_a_full_
         assert order._hubs
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_op_order_ranks_a_graph_whose_creation_order_is_not_topological(seed):
+    # Control edges from later ops (what order_state_access and snapshots add) break creation order; the rank
+    # is then sorted, and must still put every source first and answer reachability like a full walk.
+    rng = random.Random(seed)
+    builder = _random_builder(rng, 60)
+    names = list(builder.ops)
+    for _ in range(20):
+        early, late = sorted(rng.sample(range(len(names)), 2))
+        if not _reaches({n: set() for n in names} | _succs(builder), names[early], names[late]):
+            builder.add_control(names[early], names[late])
+    order = OpOrder(builder)
+    for name, sources in order.preds.items():
+        assert all(order.rank[s] < order.rank[name] for s in sources)
+    for _ in range(200):
+        a, b = rng.sample(names, 2)
+        assert order.reaches(a, b) == _reaches(order.succs, a, b)
+
+
+def test_op_order_refuses_a_cycle_in_the_builder():
+    builder = GraphBuilder("cycle")
+    a = builder.add("Op", "a", outputs=[("y", None)])  # type: ignore[list-item]
+    b = builder.add("Op", "b", [("x", a.output(0))], [("y", None)])  # type: ignore[list-item]
+    builder.add_control(a.name, b.name)
+    with pytest.raises(ValueError, match="cycle"):
+        OpOrder(builder)
+
+
+def _succs(builder: GraphBuilder) -> dict[str, set[str]]:
+    succs: dict[str, set[str]] = {name: set() for name in builder.ops}
+    for name in builder.ops:
+        for source in builder.predecessors(name):
+            succs[source].add(name)
+    return succs
+
+
 def _generate(size: int, directory: Path) -> Path:
     spec = importlib.util.spec_from_file_location("bench_generate", Path(__file__).resolve().parent.parent / "bench" / "generate.py")
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]

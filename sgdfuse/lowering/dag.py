@@ -42,24 +42,16 @@ class OpOrder:
         self.hub_after = hub_after
         self.max_hubs = max_hubs
         self._hubs: list[tuple[set[str], set[str]]] = []
-        self.preds: dict[str, set[str]] = {name: set(builder.predecessors(name)) for name in builder.ops}
+        self.preds: dict[str, set[str]] = {}
+        for name, record in builder.ops.items():
+            sources = {t.op for _, t in record.inputs if t is not None}
+            sources.update(record.controls)
+            self.preds[name] = sources
         self.succs: dict[str, set[str]] = {name: set() for name in builder.ops}
         for name, sources in self.preds.items():
             for source in sources:
                 self.succs[source].add(name)
-        self.rank: dict[str, int] = {}
-        waiting = {name: len(sources) for name, sources in self.preds.items()}
-        ready = [(builder.ops[n].position, n) for n, count in waiting.items() if count == 0]
-        heapq.heapify(ready)
-        while ready:
-            _, name = heapq.heappop(ready)
-            self.rank[name] = len(self.rank)
-            for successor in self.succs[name]:
-                waiting[successor] -= 1
-                if waiting[successor] == 0:
-                    heapq.heappush(ready, (builder.ops[successor].position, successor))
-        if len(self.rank) != len(self.preds):
-            raise ValueError(f"graph {builder.name} has a cycle; this is a bug in sgdfuse")
+        self.rank: dict[str, int] = _creation_rank(builder, self.preds) or _sorted_rank(builder, self.preds, self.succs)
         self._top = len(self.rank)
 
     def add_op(self, name: str, preds: Iterable[str] = ()) -> None:
@@ -141,3 +133,39 @@ class OpOrder:
         if visited > self.hub_after and len(self._hubs) < self.max_hubs:
             self._hubs.append((self._walk(meeting, self.preds, lambda r: True), self._walk(meeting, self.succs, lambda r: True)))
         return True
+
+
+def _creation_rank(builder: GraphBuilder, preds: dict[str, set[str]]) -> dict[str, int] | None:
+    """Creation order as the rank, when it is topological (every op's sources were created before it, which
+    is how rules build a graph), else None. Any topological order serves: reachability answers do not
+    depend on which one, only how far a walk goes does, and a heap sort of every op cost more than the
+    ordering pass's queries."""
+    rank: dict[str, int] = {}
+    for name in builder.ops:  # creation order
+        for source in preds[name]:
+            if source not in rank:
+                return None
+        rank[name] = len(rank)
+    return rank
+
+
+def _sorted_rank(builder: GraphBuilder, preds: dict[str, set[str]], succs: dict[str, set[str]]) -> dict[str, int]:
+    """A topological rank of every op, ties broken by creation order (Kahn's algorithm with a heap).
+
+    Raises:
+        ValueError: the graph has a cycle.
+    """
+    rank: dict[str, int] = {}
+    waiting = {name: len(sources) for name, sources in preds.items()}
+    ready = [(builder.ops[n].position, n) for n, count in waiting.items() if count == 0]
+    heapq.heapify(ready)
+    while ready:
+        _, name = heapq.heappop(ready)
+        rank[name] = len(rank)
+        for successor in succs[name]:
+            waiting[successor] -= 1
+            if waiting[successor] == 0:
+                heapq.heappush(ready, (builder.ops[successor].position, successor))
+    if len(rank) != len(preds):
+        raise ValueError(f"graph {builder.name} has a cycle; this is a bug in sgdfuse")
+    return rank

@@ -242,9 +242,13 @@ class GraphBuilder:
     def _attr(self, value: object):
         # Equal plain values share one AttrDef (and so one encoding); tensors and AttrDefs are taken as is.
         # The key is the repr, so that -0.0 and 0.0 stay apart.
-        if not isinstance(value, (bool, int, float, str, list, tuple)):
+        kind = type(value)
+        if kind is bool or kind is int or kind is str:
+            key = (kind, value)  # equal values of these exact types have equal reprs: no repr needed
+        elif isinstance(value, (bool, int, float, str, list, tuple)):
+            key = (kind, repr(value))
+        else:
             return attr_value(value)
-        key = (type(value), repr(value))
         found = self._attr_cache.get(key)
         if found is None:
             found = self._attr_cache[key] = attr_value(value)
@@ -309,7 +313,7 @@ class GraphBuilder:
         records = list(self.ops.values())  # creation order, which is position order
         written: set[str] = set()
         for record in records:
-            if any(t is not None and t.op not in written for _, t in record.inputs) or any(c not in written for c in record.controls):
+            if not written.issuperset([t.op for _, t in record.inputs if t is not None]) or not written.issuperset(record.controls):
                 break
             written.add(record.name)
         else:
@@ -342,7 +346,8 @@ class GraphBuilder:
         parts = [_len(_GRAPH_NAME, self.name.encode())]
         parts.extend(_len(_GRAPH_INPUT, f"{name}:0".encode()) for name in inputs)
         parts.extend(_len(_GRAPH_OUTPUT, t.edge.encode()) for t in outputs)
-        parts.extend(_len(_GRAPH_OP, encoder.op(record)) for record in self._order())
+        for record in self._order():
+            encoder.op(record, parts)
         parts.extend(_len(_GRAPH_ATTR, encoder.map_entry(key, attr_value(value))) for key, value in sorted((attrs or {}).items(), key=lambda item: item[0].encode()))
         return b"".join(parts)
 
@@ -391,6 +396,11 @@ def _len(tag: bytes, payload: bytes) -> bytes:
     return tag + (_SMALL[n] if n < 0x80 else encode_varint(n)) + payload
 
 
+def _varint(value: int) -> bytes:
+    """:func:`encode_varint`, one look-up for the lengths of names and edges (nearly all below 128)."""
+    return _SMALL[value] if value < 0x80 else encode_varint(value)
+
+
 _GRAPH_NAME, _GRAPH_INPUT, _GRAPH_OUTPUT, _GRAPH_OP, _GRAPH_ATTR = (_tag(ge_ir.GraphDef, f) for f in ("name", "input", "output", "op", "attr"))
 _MODEL_NAME, _MODEL_GRAPH, _MODEL_ATTR = (_tag(ge_ir.ModelDef, f) for f in ("name", "graph", "attr"))
 _OP_NAME, _OP_TYPE, _OP_INPUT, _OP_ATTR, _OP_INPUT_DESC, _OP_OUTPUT_DESC = (
@@ -412,7 +422,7 @@ class _Encoder:
         self._attrs: dict[tuple[str, int], bytes] = {}
         self._port_names: dict[tuple[str, tuple[str, ...]], list[tuple[str, bytes]]] = {}
         self._types: dict[str, bytes] = {}
-        self._orders: dict[tuple[str, ...], list[int]] = {}
+        self._templates: dict[tuple, list[bytes | str]] = {}
         self._tails: dict[tuple, bytes] = {}
 
     def descriptor(self, tag: bytes, port: str, spec: TensorSpec | None) -> bytes:
@@ -453,7 +463,9 @@ class _Encoder:
             ]
         return found
 
-    def op(self, record: OpRecord) -> bytes:
+    def op(self, record: OpRecord, out: list[bytes]) -> None:
+        """Append the pieces of ``record``'s whole ``GraphDef.op`` field (tag, length, ``OpDef``) to ``out``,
+        to be joined once with the rest of the graph (no per-op copy of the op's bytes)."""
         inputs = record.inputs
         count = len(inputs)
         while count and inputs[count - 1][1] is None:  # absent trailing optional inputs are not written
@@ -461,39 +473,57 @@ class _Encoder:
         op_type = self._types.get(record.type)
         if op_type is None:
             op_type = self._types[record.type] = _len(_OP_TYPE, record.type.encode())
-        edges = [_len(_OP_NAME, record.name.encode()), op_type]
-        signature = []
+        name = record.name.encode()
+        pieces = [_OP_NAME, _varint(len(name)), name, op_type]
+        # The key of everything after the edges (attributes, descriptors): the ports with their specs'
+        # dtypes and shapes, then the attribute names, the groups kept apart by int markers (ports are str
+        # or tuples). Not the op's name or edges: a graph of N updates has a few hundred distinct keys.
+        key: list[object] = []
         for k in range(count):
             port, tensor = inputs[k]
             if tensor is None:
-                edges.append(_ABSENT_INPUT)
-                signature.append(port)
+                pieces.append(_ABSENT_INPUT)
+                key.append(port)
             else:
-                edges.append(_len(_OP_INPUT, f"{tensor.op}:{tensor.index}".encode()))
+                edge = f"{tensor.op}:{tensor.index}".encode()
+                pieces += (_OP_INPUT, _varint(len(edge)), edge)
                 spec = tensor.spec
-                signature.append((port, spec.dtype, spec.shape))
+                key.append((port, spec.dtype, spec.shape))
         for source in record.controls:
-            edges.append(_len(_OP_INPUT, f"{source}:-1".encode()))
-        # Everything after the edges (attributes, descriptors) depends only on the ports, their specs'
-        # dtypes and shapes and the attribute values, not on the op's name or edges: a graph of N updates
-        # has a few hundred distinct tails, so each is encoded once. Attribute values are keyed by identity
-        # (shared for equal plain values, GraphBuilder._attr); a Const's value is its own and a Data op's
-        # index differs from every other's, so their tails are never reused and not cached.
-        if record.type in _UNSHARED_TAILS:
-            return b"".join(edges) + self._tail(record, count)
-        key = (
-            tuple(signature),
-            tuple((port, spec.dtype, spec.shape) for port, spec in record.unconnected),
-            tuple((port, spec.dtype, spec.shape) for port, spec in record.outputs),
-            tuple((name, id(value)) for name, value in record.attrs.items()),
-        )
-        tail = self._tails.get(key)
-        if tail is None:
-            tail = self._tails[key] = self._tail(record, count)
-        return b"".join(edges) + tail
+            edge = f"{source}:-1".encode()
+            pieces += (_OP_INPUT, _varint(len(edge)), edge)
+        key.append(0)
+        for port, spec in record.unconnected:
+            key.append((port, spec.dtype, spec.shape))
+        key.append(1)
+        for port, spec in record.outputs:
+            key.append((port, spec.dtype, spec.shape))
+        key.append(2)
+        attrs = record.attrs
+        key.extend(attrs)
+        frame = tuple(key)
+        template = self._templates.get(frame)
+        if template is None:
+            template = self._templates[frame] = self._template(record, count)
+        if not attrs:
+            pieces += template
+        elif record.type in _UNSHARED_TAILS:
+            # A Const's value is its own and a Data op's index differs from every other's: the tail is
+            # assembled from the template per op, never cached whole.
+            pieces += [piece if type(piece) is bytes else self.attr(piece, attrs[piece]) for piece in template]
+        else:
+            # Attribute values are keyed by identity (shared for equal plain values, GraphBuilder._attr).
+            tail_key = (frame, *map(id, attrs.values()))
+            tail = self._tails.get(tail_key)
+            if tail is None:
+                tail = self._tails[tail_key] = b"".join([piece if type(piece) is bytes else self.attr(piece, attrs[piece]) for piece in template])
+            pieces.append(tail)
+        out += (_GRAPH_OP, _varint(sum(map(len, pieces))))
+        out += pieces
 
-    def _tail(self, record: OpRecord, count: int) -> bytes:
-        """The attribute and descriptor fields of ``record`` (its first ``count`` inputs written)."""
+    def _template(self, record: OpRecord, count: int) -> list[bytes | str]:
+        """The attribute and descriptor fields of ``record`` (its first ``count`` inputs written), in wire
+        order, with each of its own attributes as its key (str) in place of its field."""
         descriptors = []
         ports = []
         for port, tensor in record.inputs[:count]:
@@ -508,15 +538,12 @@ class _Encoder:
             outputs.append(port)
         # Fields in number order (name, type, input, attr, input_desc, output_desc) and map entries sorted
         # by key: the bytes protobuf's deterministic serialisation writes, so they can be saved unparsed.
-        attrs = self.port_names("input", tuple(ports)) + self.port_names("output", tuple(outputs))
-        keys = tuple(record.attrs)
-        order = self._orders.get(keys)
-        if order is None:  # a few distinct attribute sets per graph
-            names = [key for key, _ in attrs] + list(keys)
-            order = self._orders[keys] = sorted(range(len(names)), key=lambda i: names[i].encode())
-        fields = [field for _, field in attrs]
-        fields.extend(self.attr(key, value) for key, value in record.attrs.items())
-        return b"".join([fields[i] for i in order]) + b"".join(descriptors)
+        named: list[tuple[str, bytes | str]] = self.port_names("input", tuple(ports)) + self.port_names("output", tuple(outputs))
+        named.extend((key, key) for key in record.attrs)
+        named.sort(key=lambda item: item[0].encode())
+        template: list[bytes | str] = [field for _, field in named]
+        template.append(b"".join(descriptors))
+        return template
 
 
 def _op_def(record: OpRecord):

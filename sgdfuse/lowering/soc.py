@@ -43,9 +43,15 @@ def check_product_line(index: GraphIndex, nodes: Iterable[onnx.NodeProto], line:
         ContractError: another signature clause (shapes/dtypes differ from ``parameters``, a
             ``learning_rate``/``momentum`` that is not one element), with the node named.
     """
+    # Every clause reads only the dtypes and shapes (names appear in messages alone), and a graph of N
+    # updates has a few distinct signatures: each is checked once.
+    passed: set[tuple] = set()
     for node in nodes:
         name = node.name or "SGD"
         specs = sgd_tensor_specs(index, node)
+        signature = tuple((spec.dtype, spec.shape) for spec in specs)
+        if signature in passed:
+            continue
         for spec in specs:
             line.check(spec, node=name)
         parameters = specs[0]
@@ -66,6 +72,7 @@ def check_product_line(index: GraphIndex, nodes: Iterable[onnx.NodeProto], line:
             check_signature(*specs, allowed_dtypes=line.dtypes)
         except ContractError as error:
             raise _with_node(error, name) from error
+        passed.add(signature)
 
 
 def _with_node(error: ContractError, node: str) -> ContractError:

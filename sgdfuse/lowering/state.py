@@ -226,7 +226,11 @@ def _is_sgd(node: onnx.NodeProto) -> bool:
 
 def _through(index: GraphIndex, value: str, op_types: Sequence[str]) -> str:
     """Follow input 0 of standard ``op_types`` nodes back from ``value``."""
-    seen = set()
+    node = index.node(value)
+    if node is None or node.op_type not in op_types or node.domain not in _STANDARD or not node.input:
+        return value  # nothing to follow, as for nearly every value: no set allocated
+    seen = {value}
+    value = node.input[0]
     while value not in seen:
         seen.add(value)
         node = index.node(value)
@@ -236,15 +240,21 @@ def _through(index: GraphIndex, value: str, op_types: Sequence[str]) -> str:
     return value
 
 
-def _zero_fill(index: GraphIndex, value: str) -> bool:
+def _zero_fill(index: GraphIndex, value: str, memo: dict[bytes, bool]) -> bool:
     """True for zeros from ``ConstantOfShape``, also through ``Identity``/``Cast``/``CastLike`` (a cast of
-    zero is zero in every float type)."""
+    zero is zero in every float type). ``memo`` keeps the answer per serialised ``value`` attribute: the
+    rewrite gives every update's ``stat`` its own ``ConstantOfShape`` with the same one-element value, and
+    converting it to an array each time cost more than the rest of the plan."""
     node = index.node(_through(index, value, ("Identity", "Cast", "CastLike")))
     if node is None or node.op_type != "ConstantOfShape" or node.domain not in _STANDARD:
         return False
     for attribute in node.attribute:
         if attribute.name == "value":
-            return not np.any(tensor_to_array(helper.get_attribute_value(attribute)).astype(np.float64))
+            key = attribute.SerializeToString(deterministic=True)
+            found = memo.get(key)
+            if found is None:
+                found = memo[key] = not np.any(tensor_to_array(helper.get_attribute_value(attribute)).astype(np.float64))
+            return found
     return True  # the default value is a float 0
 
 
@@ -315,6 +325,7 @@ def plan_state(index: GraphIndex) -> StatePlan:
     sources_of = _Sources(index)
     shaped_sources = _ShapedSources(index)
     selections = _selections(index)
+    zero_fills: dict[bytes, bool] = {}
     outputs = set(index.graph_outputs)
     for position, node in enumerate(index.graph.node):
         if not _is_sgd(node):
@@ -336,7 +347,7 @@ def plan_state(index: GraphIndex) -> StatePlan:
                 # flag computed from the step, a graph input, an initializer), and the kernel's write of it is
                 # dropped by the ONNX graph. Its variable is its own: zeros stay zeros (the kernel writes 0 or
                 # leaves it), anything else is assigned its value before every update.
-                if _zero_fill(index, value) or _zero_initializer(index, value):
+                if _zero_fill(index, value, zero_fills) or _zero_initializer(index, value):
                     source, initial = _SOURCE_ZEROS, None
                 else:
                     source, initial = _computed_stat(index, sources_of, value, subject)
@@ -483,8 +494,11 @@ def _next_value(
     out_index = _OUTPUT_OF_PORT.get(port)
     if out_index is None or out_index >= len(node.output) or not node.output[out_index] or len(node.input) < 5:
         return None
+    selectors = selections.get(node.output[out_index])
+    if not selectors:  # the common case: no runtime momentum
+        return None
     momentum = _through(index, node.input[4], ("Identity",))
-    for selector, k in selections.get(node.output[out_index], ()):
+    for selector, k in selectors:
         condition = index.node(selector.input[0]) if selector.input else None
         if condition is None or condition.op_type != "Equal" or condition.domain not in _STANDARD:
             continue
@@ -631,8 +645,8 @@ def lower_sgd(ctx: NodeLowering) -> None:
     plan: StatePlan = graph.state
     builder = graph.builder
 
-    def variable(port: int) -> Tensor:
-        return builder.ops[graph.variable_ops[plan.by_port[(ctx.position, port)].name]].output(0)
+    # The variables' tensors, once per port (each output() call makes a new Tensor).
+    sources = {port: builder.ops[graph.variable_ops[plan.by_port[(ctx.position, port)].name]].output(0) for port in WRITABLE_PORTS}
 
     assigns: list[str] = []
     for port in WRITABLE_PORTS:
@@ -642,7 +656,7 @@ def lower_sgd(ctx: NodeLowering) -> None:
         value = graph.tensor(state.assigned, reader=ctx.name)
         assign = ctx.op(
             "Assign",
-            [("ref", variable(port)), ("value", value)],
+            [("ref", sources[port]), ("value", value)],
             [("ref", state.spec)],
             {"validate_shape": state.spec.is_static, "use_locking": False},
             suffix=f"assign_{state.role}",
@@ -651,7 +665,6 @@ def lower_sgd(ctx: NodeLowering) -> None:
         assigns.append(assign.name)
 
     attributes = read_sgd_attributes(ctx.node)
-    sources = {0: variable(0), 3: variable(3), 5: variable(5)}
     inputs = [(port.name, sources[port.index] if port.writable else ctx.input(port.index)) for port in INPUTS]
     op = ctx.op(
         "SGD",
@@ -820,13 +833,16 @@ def prune(builder: GraphBuilder, roots: Sequence[str] = ("NetOutput", "SGD", "As
     """Remove ops nothing needs: keep ops of the ``roots`` types (outputs, in-place writers, graph inputs)
     and everything they transitively wait for."""
     live: set[str] = set()
-    stack = [name for name, record in builder.ops.items() if record.type in roots]
+    ops = builder.ops
+    stack = [name for name, record in ops.items() if record.type in roots]
     while stack:
         name = stack.pop()
         if name in live:
             continue
         live.add(name)
-        stack.extend(builder.predecessors(name))
+        record = ops[name]  # GraphBuilder.predecessors, without its two lists per op
+        stack.extend([t.op for _, t in record.inputs if t is not None])
+        stack.extend(record.controls)
     for name in [n for n in builder.ops if n not in live]:
         del builder.ops[name]
 
