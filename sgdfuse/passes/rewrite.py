@@ -71,16 +71,37 @@ class Plan:
 @dataclasses.dataclass
 class _Template:
     """The first plan of a structural class, the fresh names it made in order (``(requested, made)``), and its
-    base name (:func:`_base_of`)."""
+    base name (:func:`_base_of`).
+
+    The rest is derived from those once, so that replaying (:meth:`Planner._replayed`, once per member) only
+    looks names up: ``values``, the first match's values in the order :meth:`Planner._replayed` renames them
+    (None where the match has none); ``suffixes``, per fresh name made from the base, what followed the base
+    and the name made; ``nodes``, per plan node, a copy without name, inputs and outputs, and those names."""
 
     plan: Plan
     fresh: list[tuple[str, str]]
     base: str
+    values: tuple[str | None, ...] = ()
+    suffixes: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    nodes: list[tuple[onnx.NodeProto, str, tuple[str, ...], tuple[str, ...]]] = dataclasses.field(default_factory=list)
+
+
+# Characters a plan's names keep from the parameters' output name (compiled once: _base_of runs per plan).
+_UNSAFE_NAME_CHARACTERS = re.compile(r"[^A-Za-z0-9_.:/-]")
 
 
 def _base_of(match: Match) -> str:
     """The prefix of every name a plan makes for ``match``."""
-    return "sgdfuse/" + re.sub(r"[^A-Za-z0-9_.:/-]", "_", match.parameters_out)
+    return "sgdfuse/" + _UNSAFE_NAME_CHARACTERS.sub("_", match.parameters_out)
+
+
+def _renamed_values(match: Match) -> tuple[str | None, ...]:
+    """The values of ``match`` a replayed plan renames, in order (:meth:`Planner._replayed`): parameters,
+    gradient, buffer, their outputs, and the runtime learning rate and momentum (None when constant)."""
+    return (
+        match.parameters, match.gradient, match.accum, match.parameters_out, match.accum_out,
+        _symbol(match.learning_rate), _symbol(match.momentum),
+    )
 
 
 def _single_symbol(poly: Poly) -> bool:
@@ -133,6 +154,8 @@ class Planner:
         self._templates: dict[object, _Template] = {}
         self._templates_arena = onnx.GraphProto()
         self._fresh_log: list[tuple[str, str]] | None = None
+        # Read once per planner, not once per plan (an environment look-up per plan cost about 5% of planning).
+        self._check_classes = os.environ.get(MEMO_CHECK_ENV) == "1"
 
     def _fresh(self, base: str) -> str:
         name, counter = base, 1
@@ -178,9 +201,9 @@ class Planner:
             finally:
                 fresh, self._fresh_log = self._fresh_log, None
             # The template keeps copies: the caller owns the plan it is given (and may change it).
-            self._templates[key] = _Template(self._pristine(plan), fresh, _base_of(match))
+            self._templates[key] = self._template(self._pristine(plan), fresh, _base_of(match))
             return plan
-        if os.environ.get(MEMO_CHECK_ENV) == "1":
+        if self._check_classes:
             direct = self._shadow()._plan(match)
             plan = self._replayed(template, match)
             _assert_same_plan(plan, direct)
@@ -207,35 +230,28 @@ class Planner:
     def _replayed(self, template: _Template, match: Match) -> Plan:
         """``template``'s plan for ``match``: the first member's values renamed to ``match``'s, and each fresh
         name made again from ``match``'s base, in the order the first plan made them."""
-        first = template.plan.match
         names: dict[str, str] = {}
-        for old, new in (
-            (first.parameters, match.parameters),
-            (first.gradient, match.gradient),
-            (first.accum, match.accum),
-            (first.parameters_out, match.parameters_out),
-            (first.accum_out, match.accum_out),
-            (_symbol(first.learning_rate), _symbol(match.learning_rate)),
-            (_symbol(first.momentum), _symbol(match.momentum)),
-        ):
+        for old, new in zip(template.values, _renamed_values(match)):
             if old is not None:
                 names[old] = new
         base = _base_of(match)
-        prefix = template.base + "/"
-        for requested, made in template.fresh:
-            if requested.startswith(prefix):
-                names[made] = self._fresh(base + requested[len(template.base):])
-            # else: a shared constant's name, made once for all plans
+        fresh = self._fresh
+        for suffix, made in template.suffixes:
+            names[made] = fresh(base + suffix)
         rename = names.get
         nodes = []
         sgd = None
-        for node in template.plan.nodes:
-            copy = self._arena.node.add()
-            copy.CopyFrom(node)
-            copy.name = rename(node.name, node.name)
-            copy.input[:] = [rename(n, n) for n in node.input]
-            copy.output[:] = [rename(n, n) for n in node.output]
-            if node is template.plan.sgd_node:
+        add = self._arena.node.add
+        sgd_template = template.plan.sgd_node
+        for stripped, name, inputs, outputs in template.nodes:
+            # The copy without names, then the names: about 40% cheaper than copying the whole node and
+            # assigning its inputs and outputs again (the fields serialise in field order either way).
+            copy = add()
+            copy.CopyFrom(stripped)
+            copy.name = rename(name, name)  # set even when empty, as the direct plan's copy has it
+            copy.input.extend([rename(n, n) for n in inputs])
+            copy.output.extend([rename(n, n) for n in outputs])
+            if stripped is sgd_template:
                 sgd = copy
             nodes.append(copy)
         plan = template.plan
@@ -243,6 +259,21 @@ class Planner:
             match, nodes, [], sgd, rename(plan.gradient_input, plan.gradient_input),
             rename(plan.learning_rate_input, plan.learning_rate_input), rename(plan.momentum_input, plan.momentum_input), plan.stat,
         )
+
+    def _template(self, plan: Plan, fresh: list[tuple[str, str]], base: str) -> _Template:
+        """The :class:`_Template` of ``plan`` (already :meth:`_pristine`, whose nodes it strips of their names in
+        place: the template's plan is its own)."""
+        prefix = base + "/"
+        # A fresh name requested outside the base is a shared constant's, made once for all plans.
+        suffixes = [(requested[len(base):], made) for requested, made in fresh if requested.startswith(prefix)]
+        nodes = []
+        for node in plan.nodes:
+            entry = (node, node.name, tuple(node.input), tuple(node.output))
+            node.ClearField("name")
+            del node.input[:]
+            del node.output[:]
+            nodes.append(entry)
+        return _Template(plan, fresh, base, _renamed_values(plan.match), suffixes, nodes)
 
     def _pristine(self, plan: Plan) -> Plan:
         """``plan`` with copies of its nodes, kept apart from the plans handed out."""
