@@ -590,19 +590,38 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
         result.CopyFrom(model)
         return result
     old = _OldNodes(model.graph.node, index)
-    new_reads = [_reads(node) for plan in plans for node in plan.nodes]
+    # What each new node reads and outputs, read from it once (each read of a protobuf field makes new objects).
+    new_reads: list[list[str]] = []
+    new_outputs: list[list[str]] = []
+    for plan in plans:
+        for node in plan.nodes:
+            reads_, outputs_ = _reads_and_outputs(node)
+            new_reads.append(reads_)
+            new_outputs.append(outputs_)
     removed, reads = _removed_nodes(old, index, plans, new_reads)
 
-    # Scalars only the removed nodes read go with them; every other initializer stays.
-    read_by_removed = {name for i in removed for name in old.reads(i)}
+    # Scalars only the removed nodes read go with them; every other initializer stays. Whether a removed node
+    # reads one is asked of its readers in the index (input slots), and of the removed nodes holding subgraphs
+    # (outer reads): most of the graph is removed, and a set of everything it reads cost more than this.
+    consumers = index.consumers
+    read_by_removed_subgraphs = {name for i in removed if i in old.with_subgraphs for name in old.reads(i)}
+
+    def read_by_removed(name: str) -> bool:
+        return bool(name) and (name in read_by_removed_subgraphs or any(i in removed for i in consumers.get(name, ())))
+
     inputs = set(index.graph_inputs)
     outputs = set(index.graph_outputs)
     kept_initializers = [
         t for t in model.graph.initializer
-        if not (t.name in read_by_removed and not reads(t.name) and t.name not in inputs and t.name not in outputs)
+        if not (read_by_removed(t.name) and not reads(t.name) and t.name not in inputs and t.name not in outputs)
     ]
+    gone_values: set[str] = set()
+    facts = index.nodes
+    for i in removed:  # set updates from the facts' tuples (the empty name dropped after): most of the graph
+        gone_values.update(facts[i][3])
+    gone_values.discard("")
     replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
-    gone_values = {o for i in removed for o in old.outputs(i)} - replaced_outputs
+    gone_values -= replaced_outputs
 
     # Order: every kept node at its old position, each plan's nodes at the position of its update's last
     # node, then a stable topological sort (a reader of a fused output placed earlier moves after it).
@@ -614,7 +633,7 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
         for j, node in enumerate(plan.nodes):
             entries.append(((anchor, 1 + j), node))
     available = inputs | {t.name for t in kept_initializers} | {t.name for plan in plans for t in plan.initializers}
-    entry_outputs = [old.outputs(i) for i in kept] + [[n for n in node.output if n] for plan in plans for node in plan.nodes]
+    entry_outputs = [old.outputs(i) for i in kept] + new_outputs
     ordered = _stable_topological_sort(entries, available=available, reads=entry_reads, outputs=entry_outputs)
 
     # The new model is built field by field: the old node list is never copied whole (only the kept nodes).
@@ -626,7 +645,9 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
     graph.initializer.extend(kept_initializers)
     graph.initializer.extend(t for plan in plans for t in plan.initializers)
     graph.value_info.extend(vi for vi in model.graph.value_info if vi.name not in gone_values)
-    graph.value_info.extend(info for plan in plans for info in _declared_types(plan, index))
+    declared = _DeclaredTypes(index)
+    for plan in plans:
+        declared.add_to(graph.value_info, plan)
     ensure_sgd_function(result)
     return result
 
@@ -660,6 +681,49 @@ def _declared_types(plan: Plan, index: GraphIndex) -> list[onnx.ValueInfoProto]:
     return infos
 
 
+class _DeclaredTypes:
+    """:func:`_declared_types`, appended straight into the output's ``value_info`` with each tensor type built once
+    per (dtype, dims) and copied: ``helper.make_tensor_value_info`` builds the type anew (a message per
+    dimension), which cost about a sixth of ``apply_plans`` with one stat per update. The values declared and
+    their order are :func:`_declared_types`'s, and so are their bytes (tests/test_rewrite_value_info.py)."""
+
+    def __init__(self, index: GraphIndex) -> None:
+        self._index = index
+        self._types: dict[tuple[int, tuple[int, ...]], onnx.TypeProto] = {}
+
+    def _type(self, dtype: int, dims: Sequence[int]) -> onnx.TypeProto:
+        key = (dtype, tuple(dims))
+        found = self._types.get(key)
+        if found is None:
+            found = self._types[key] = helper.make_tensor_type_proto(dtype, list(dims))
+        return found
+
+    def add_to(self, infos, plan: Plan) -> None:
+        """Append to ``infos`` (a repeated ``ValueInfoProto`` field) what :func:`_declared_types` gives ``plan``."""
+        match = plan.match
+        dims = Planner._static_dims(match)
+        if dims is not None and match.first_step is None:
+            sgd = plan.sgd_node
+            if match.dtype == onnx.TensorProto.BFLOAT16:
+                for node in plan.nodes:
+                    if node.op_type == "ConstantOfShape":
+                        self._declare(infos, node.output[0], onnx.TensorProto.FLOAT, dims)  # stat_float
+            typed = self._type(match.dtype, dims)
+            for name in (sgd.input[5], sgd.output[2]):
+                info = infos.add()
+                info.name = name
+                info.type.CopyFrom(typed)
+        if plan.gradient_input != match.gradient:
+            gradient = self._index.spec(match.gradient)
+            if gradient.dtype and gradient.shape is not None and all(isinstance(d, int) and d >= 0 for d in gradient.shape):
+                self._declare(infos, plan.gradient_input, gradient.dtype, list(gradient.shape))
+
+    def _declare(self, infos, name: str, dtype: int, dims: Sequence[int]) -> None:
+        info = infos.add()
+        info.name = name
+        info.type.CopyFrom(self._type(dtype, dims))
+
+
 class _OldNodes:
     """The nodes of the graph being rewritten, by position: their reads and outputs from the index's node facts,
     the protobuf read only for what subgraphs read."""
@@ -669,6 +733,11 @@ class _OldNodes:
         self._facts = index.nodes
         self._with_subgraphs = set(index.subgraph_nodes)
         self._reads: dict[int, list[str]] = {}
+
+    @property
+    def with_subgraphs(self) -> set[int]:
+        """The positions of the nodes that hold a subgraph (whose reads are more than their inputs)."""
+        return self._with_subgraphs
 
     def __len__(self) -> int:
         return len(self._facts)
@@ -732,20 +801,22 @@ def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new
 
     outputs = set(index.graph_outputs)
     # The loop below runs over every cone node (most of the graph in a pure optimizer step): the look-ups
-    # are inlined.
+    # are inlined, and the names read from the index's facts (an empty name, an omitted slot, is skipped).
     consumers_get, outer_get, delta_get = consumers.get, outer.get, delta.get
-    outputs_of, reads_of = old.outputs, old.reads
+    facts, with_subgraphs, reads_of = index.nodes, old.with_subgraphs, old.reads
     for i in sorted(cone - removed, reverse=True):
+        fact = facts[i]
         read = False
-        for o in outputs_of(i):
-            if o in outputs or len(consumers_get(o, ())) + outer_get(o, 0) + delta_get(o, 0):
+        for o in fact[3]:
+            if o and (o in outputs or len(consumers_get(o, ())) + outer_get(o, 0) + delta_get(o, 0)):
                 read = True
                 break
         if read:
             continue
         removed.add(i)
-        for name in reads_of(i):
-            delta[name] = delta_get(name, 0) - 1
+        for name in reads_of(i) if i in with_subgraphs else fact[2]:
+            if name:
+                delta[name] = delta_get(name, 0) - 1
     return removed, count
 
 
@@ -772,6 +843,22 @@ def _set_field(target, field, value) -> None:
         getattr(target, field.name).CopyFrom(value)
     else:
         setattr(target, field.name, value)
+
+
+def _reads_and_outputs(node: onnx.NodeProto) -> tuple[list[str], list[str]]:
+    """:func:`_reads` of ``node`` and the names it outputs (empty slots left out), each field read once."""
+    names = list(node.input)
+    if "" in names:
+        names = [name for name in names if name]
+    for attribute in node.attribute:
+        kind = attribute.type
+        if kind == onnx.AttributeProto.GRAPH or kind == onnx.AttributeProto.GRAPHS:
+            for sub in _subgraphs(attribute):
+                names.extend(_outer_reads(sub))
+    outputs = list(node.output)
+    if "" in outputs:
+        outputs = [name for name in outputs if name]
+    return names, outputs
 
 
 def _reads(node: onnx.NodeProto) -> list[str]:
@@ -807,6 +894,15 @@ def _stable_topological_sort(
             if source is not None and source != k and name not in available:
                 waiting[k] += 1
                 dependants.setdefault(source, []).append(k)
+    # When the entries in position order already respect every dependency (no reader placed before what it
+    # reads), that order is the result: the smallest entry left is then always ready, so Kahn's algorithm
+    # would take them in that very order. Checked per dependency; the heap runs only otherwise.
+    keyed = sorted(range(len(entries)), key=lambda k: (entries[k][0], k))
+    rank = [0] * len(entries)
+    for r, k in enumerate(keyed):
+        rank[k] = r
+    if all(rank[source] < rank[k] for source, readers in dependants.items() for k in readers):
+        return [entries[k][1] for k in keyed]
     ready = [(entries[k][0], k) for k in range(len(entries)) if waiting[k] == 0]
     heapq.heapify(ready)
     order: list[onnx.NodeProto] = []
