@@ -598,7 +598,7 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
             reads_, outputs_ = _reads_and_outputs(node)
             new_reads.append(reads_)
             new_outputs.append(outputs_)
-    removed, reads = _removed_nodes(old, index, plans, new_reads)
+    removed, is_read = _removed_nodes(old, index, plans, new_reads)
 
     # Scalars only the removed nodes read go with them; every other initializer stays. Whether a removed node
     # reads one is asked of its readers in the index (input slots), and of the removed nodes holding subgraphs
@@ -613,7 +613,7 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
     outputs = set(index.graph_outputs)
     kept_initializers = [
         t for t in model.graph.initializer
-        if not (read_by_removed(t.name) and not reads(t.name) and t.name not in inputs and t.name not in outputs)
+        if not (read_by_removed(t.name) and not is_read(t.name) and t.name not in inputs and t.name not in outputs)
     ]
     gone_values: set[str] = set()
     facts = index.nodes
@@ -765,15 +765,19 @@ class _OldNodes:
         return names
 
 
-def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new_reads: list[list[str]]) -> tuple[set[int], Callable[[str], int]]:
-    """The old nodes the plans remove, and the count of reads of a value after the rewrite.
+def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new_reads: list[list[str]]) -> tuple[set[int], Callable[[str], bool]]:
+    """The old nodes the plans remove, and whether a value is read after the rewrite.
 
     The fused node now produces each update's outputs: their old producers go. Another node of an update's
     cone goes only if nothing reads its outputs after the rewrite (neither a kept node, a subgraph, a new
     node nor the graph's outputs); cone nodes are visited last to first, so a chain of helpers goes whole.
-    A value's read count starts from the index (one per input slot of every node, plus one per subgraph
-    that reads it from the outer scope) and is corrected for the removed and the new nodes (``new_reads``:
-    what each new node reads).
+    A value is read after the rewrite when one of its readers in the index (one per input slot of every
+    node, and the nodes whose subgraphs read it from the outer scope) is not removed, or a new node reads it
+    (``new_reads``: what each new node reads). This is the count of reads the index gives, less the removed
+    readers' reads, plus the new ones, being non-zero: each of the three parts is a count of its own, so
+    their sum is zero exactly when every reader is removed and no new node reads the value; asking the
+    readers spares a count update per input of every removed node (most of the graph in a pure optimizer
+    step).
     """
     replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
     cone = set().union(*(plan.match.nodes for plan in plans))
@@ -782,42 +786,43 @@ def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new
     producer = index.producer
     removed: set[int] = {k for k in (producer.get(name) for name in replaced_outputs) if k is not None and k in cone}
 
-    outer: dict[str, int] = {}
+    outer: dict[str, list[int]] = {}  # value -> the nodes whose subgraphs read it from the outer scope
     for i in index.subgraph_nodes:
         for name in old.reads(i)[len(old.inputs(i)):]:
-            outer[name] = outer.get(name, 0) + 1
-    # Reads after the rewrite = the index's count + these corrections (kept sparse: most names keep theirs).
-    delta: dict[str, int] = {}
-    for i in removed:
-        for name in old.reads(i):
-            delta[name] = delta.get(name, 0) - 1
+            outer.setdefault(name, []).append(i)
+    new_read: set[str] = set()
     for names in new_reads:
-        for name in names:
-            delta[name] = delta.get(name, 0) + 1
+        new_read.update(names)
     consumers = index.consumers
 
-    def count(name: str) -> int:
-        return len(consumers.get(name, ())) + outer.get(name, 0) + delta.get(name, 0)
+    def is_read(name: str) -> bool:
+        if name in new_read:
+            return True
+        return any(r not in removed for r in consumers.get(name, ())) or any(r not in removed for r in outer.get(name, ()))
 
     outputs = set(index.graph_outputs)
     # The loop below runs over every cone node (most of the graph in a pure optimizer step): the look-ups
     # are inlined, and the names read from the index's facts (an empty name, an omitted slot, is skipped).
-    consumers_get, outer_get, delta_get = consumers.get, outer.get, delta.get
-    facts, with_subgraphs, reads_of = index.nodes, old.with_subgraphs, old.reads
+    consumers_get, facts = consumers.get, index.nodes
     for i in sorted(cone - removed, reverse=True):
-        fact = facts[i]
         read = False
-        for o in fact[3]:
-            if o and (o in outputs or len(consumers_get(o, ())) + outer_get(o, 0) + delta_get(o, 0)):
+        for o in facts[i][3]:
+            if not o:
+                continue
+            if o in outputs or o in new_read or o in outer and is_read(o):
                 read = True
                 break
-        if read:
-            continue
-        removed.add(i)
-        for name in reads_of(i) if i in with_subgraphs else fact[2]:
-            if name:
-                delta[name] = delta_get(name, 0) - 1
-    return removed, count
+            readers = consumers_get(o)
+            if readers is not None:
+                for r in readers:
+                    if r not in removed:
+                        read = True
+                        break
+                if read:
+                    break
+        if not read:
+            removed.add(i)
+    return removed, is_read
 
 
 def _copy_into(target, source, *, skip: set[str]) -> None:
