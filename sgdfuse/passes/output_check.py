@@ -171,6 +171,7 @@ def _class_key(
     outer: list[str] = []
     produced: set[str] = set()
     domains, op_types, inputs, outputs, has_attributes = table.domains, table.op_types, table.inputs, table.outputs, table.has_attributes
+    has_subgraph = table.has_subgraph
     for k in positions:
         node = graph_nodes[k]
         append(domains[k])
@@ -185,10 +186,12 @@ def _class_key(
         produced.update(names)
         append(None)
         if has_attributes[k]:
+            # The table says whether any attribute is typed GRAPH or GRAPHS: without one, no type is read.
+            subgraph = has_subgraph[k]
             for attribute in node.attribute:
                 # A subgraph keeps its names in these bytes: plans with one only share a class by name.
                 append(attribute.SerializeToString())
-                if attribute.type in _GRAPH_TYPES:
+                if subgraph and attribute.type in _GRAPH_TYPES:
                     for sub in _subgraphs(attribute):
                         outer.extend(sorted(_outer_reads(sub)))
         append(None)
