@@ -891,23 +891,32 @@ def _stable_topological_sort(
         for name in names:
             if name:
                 producer[name] = k
-    waiting: list[int] = [0] * len(entries)
-    dependants: dict[int, list[int]] = {}
-    for k, names in enumerate(reads):
-        for name in set(names):
-            source = producer.get(name)
-            if source is not None and source != k and name not in available:
-                waiting[k] += 1
-                dependants.setdefault(source, []).append(k)
     # When the entries in position order already respect every dependency (no reader placed before what it
     # reads), that order is the result: the smallest entry left is then always ready, so Kahn's algorithm
-    # would take them in that very order. Checked per dependency; the heap runs only otherwise.
-    keyed = sorted(range(len(entries)), key=lambda k: (entries[k][0], k))
+    # would take them in that very order. Checked per dependency while the dependencies are collected; the
+    # heap runs only otherwise.
+    keys = [(entry[0], k) for k, entry in enumerate(entries)]
+    keyed = sorted(range(len(entries)), key=keys.__getitem__)
     rank = [0] * len(entries)
     for r, k in enumerate(keyed):
         rank[k] = r
-    if all(rank[source] < rank[k] for source, readers in dependants.items() for k in readers):
+    edges: list[tuple[int, int]] = []
+    in_order = True
+    producer_get = producer.get
+    for k, names in enumerate(reads):
+        for name in set(names) if len(names) > 1 else names:
+            source = producer_get(name)
+            if source is not None and source != k and name not in available:
+                edges.append((source, k))
+                if rank[source] > rank[k]:
+                    in_order = False
+    if in_order:
         return [entries[k][1] for k in keyed]
+    waiting: list[int] = [0] * len(entries)
+    dependants: dict[int, list[int]] = {}
+    for source, k in edges:
+        waiting[k] += 1
+        dependants.setdefault(source, []).append(k)
     ready = [(entries[k][0], k) for k in range(len(entries)) if waiting[k] == 0]
     heapq.heapify(ready)
     order: list[onnx.NodeProto] = []
