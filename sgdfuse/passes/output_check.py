@@ -55,7 +55,12 @@ def unproven(output: onnx.ModelProto, source: onnx.ModelProto, index: GraphIndex
     # The output's nodes as it holds them, read once (natively where the scanner builds).
     table = node_table(output)
     # The new nodes as the output holds them (by their first output, a name defined once there).
-    wanted = {node.output[0]: (i, j) for i, plan in enumerate(plans) for j, node in enumerate(plan.nodes) if node.output}
+    wanted: dict[str, tuple[int, int]] = {}
+    for i, plan in enumerate(plans):
+        for j, node in enumerate(plan.nodes):
+            names = node.output  # read once: each read of a protobuf field makes a new object
+            if names:
+                wanted[names[0]] = (i, j)
     found: dict[tuple[int, int], int] = {}
     reason = _structure(output.graph, table, wanted, found)
     if reason:
@@ -111,7 +116,8 @@ def _structure(graph: onnx.GraphProto, table: NodeTable, wanted: dict[str, tuple
         if not outputs:
             continue
         named = [name for name in outputs if name] if "" in outputs else outputs
-        if not isdisjoint(named) or len(set(named)) != len(named):
+        # (A set of the outputs only for nodes with several: most nodes have one.)
+        if not isdisjoint(named) or (len(named) > 1 and len(set(named)) != len(named)):
             name = next(n for k, n in enumerate(named) if n in defined or n in named[:k])
             return f"{name!r} is defined twice"
         define(named)
@@ -161,42 +167,49 @@ def _class_key(
     be typed here. ``read_keys`` caches :func:`_read_key` per name (a shared learning rate is read by many plans)."""
     ids: dict[str, int] = {}
     key: list = []  # flat: this runs once per fused update
+    append, number = key.append, ids.setdefault
     outer: list[str] = []
     produced: set[str] = set()
+    domains, op_types, inputs, outputs, has_attributes = table.domains, table.op_types, table.inputs, table.outputs, table.has_attributes
+    has_subgraph = table.has_subgraph
     for k in positions:
         node = graph_nodes[k]
-        key.append(table.domains[k])
-        key.append(table.op_types[k])
-        key.append(node.overload)
-        for name in table.inputs[k]:
-            key.append(ids.setdefault(name, len(ids)) if name else -1)
-        key.append(None)  # input/output separator
-        for name in table.outputs[k]:
-            key.append(ids.setdefault(name, len(ids)) if name else -1)
-            produced.add(name)
-        key.append(None)
-        if table.has_attributes[k]:
+        append(domains[k])
+        append(op_types[k])
+        append(node.overload)
+        for name in inputs[k]:
+            append(number(name, len(ids)) if name else -1)
+        append(None)  # input/output separator
+        names = outputs[k]
+        for name in names:
+            append(number(name, len(ids)) if name else -1)
+        produced.update(names)
+        append(None)
+        if has_attributes[k]:
+            # The table says whether any attribute is typed GRAPH or GRAPHS: without one, no type is read.
+            subgraph = has_subgraph[k]
             for attribute in node.attribute:
                 # A subgraph keeps its names in these bytes: plans with one only share a class by name.
-                key.append(attribute.SerializeToString())
-                if attribute.type in _GRAPH_TYPES:
+                append(attribute.SerializeToString())
+                if subgraph and attribute.type in _GRAPH_TYPES:
                     for sub in _subgraphs(attribute):
                         outer.extend(sorted(_outer_reads(sub)))
-        key.append(None)
-    for name in [*ids, *outer]:
+        append(None)
+    producer = index.producer
+    for name in [*ids, *outer] if outer else ids:
         if name in produced:
-            if name in index.producer:  # an old value the plan now produces: its type must not change
+            if name in producer:  # an old value the plan now produces: its type must not change
                 spec = index.spec(name)
                 if not spec.dtype:
                     return f"{name!r}, which the rewrite produces anew, had no known type"
-                key.append(("replaced", ids[name], spec.dtype, spec.shape))
+                append(("replaced", ids[name], spec.dtype, spec.shape))
             continue
         typed = read_keys.get(name)
         if typed is None:
             typed = read_keys[name] = _read_key(name, index, new_initializers)
         if isinstance(typed, str):
             return typed
-        key.append((ids.get(name, name), typed))
+        append((ids.get(name, name), typed))
     return tuple(key)
 
 
@@ -212,8 +225,9 @@ def _read_key(name: str, index: GraphIndex, new_initializers: dict[str, onnx.Ten
     spec = index.spec(name)
     count = spec.num_elements()
     if count is None or count <= SMALL_CONSTANT_ELEMENTS:  # large values are never shapes (as initializers)
-        node = index.node(name)
-        if node is not None and node.op_type == "Constant":
+        # The producer's op type from the index's facts (as protobuf gives it), not read from its node again.
+        producer = index.producer.get(name)
+        if producer is not None and index.nodes[producer][0] == "Constant":
             return f"a new node reads the Constant {name!r}, whose value inference may use"
     if not spec.dtype:
         return f"{name!r}, read by a new node, has no known type"

@@ -71,16 +71,37 @@ class Plan:
 @dataclasses.dataclass
 class _Template:
     """The first plan of a structural class, the fresh names it made in order (``(requested, made)``), and its
-    base name (:func:`_base_of`)."""
+    base name (:func:`_base_of`).
+
+    The rest is derived from those once, so that replaying (:meth:`Planner._replayed`, once per member) only
+    looks names up: ``values``, the first match's values in the order :meth:`Planner._replayed` renames them
+    (None where the match has none); ``suffixes``, per fresh name made from the base, what followed the base
+    and the name made; ``nodes``, per plan node, a copy without name, inputs and outputs, and those names."""
 
     plan: Plan
     fresh: list[tuple[str, str]]
     base: str
+    values: tuple[str | None, ...] = ()
+    suffixes: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    nodes: list[tuple[onnx.NodeProto, str, tuple[str, ...], tuple[str, ...]]] = dataclasses.field(default_factory=list)
+
+
+# Characters a plan's names keep from the parameters' output name (compiled once: _base_of runs per plan).
+_UNSAFE_NAME_CHARACTERS = re.compile(r"[^A-Za-z0-9_.:/-]")
 
 
 def _base_of(match: Match) -> str:
     """The prefix of every name a plan makes for ``match``."""
-    return "sgdfuse/" + re.sub(r"[^A-Za-z0-9_.:/-]", "_", match.parameters_out)
+    return "sgdfuse/" + _UNSAFE_NAME_CHARACTERS.sub("_", match.parameters_out)
+
+
+def _renamed_values(match: Match) -> tuple[str | None, ...]:
+    """The values of ``match`` a replayed plan renames, in order (:meth:`Planner._replayed`): parameters,
+    gradient, buffer, their outputs, and the runtime learning rate and momentum (None when constant)."""
+    return (
+        match.parameters, match.gradient, match.accum, match.parameters_out, match.accum_out,
+        _symbol(match.learning_rate), _symbol(match.momentum),
+    )
 
 
 def _single_symbol(poly: Poly) -> bool:
@@ -133,6 +154,8 @@ class Planner:
         self._templates: dict[object, _Template] = {}
         self._templates_arena = onnx.GraphProto()
         self._fresh_log: list[tuple[str, str]] | None = None
+        # Read once per planner, not once per plan (an environment look-up per plan cost about 5% of planning).
+        self._check_classes = os.environ.get(MEMO_CHECK_ENV) == "1"
 
     def _fresh(self, base: str) -> str:
         name, counter = base, 1
@@ -178,9 +201,9 @@ class Planner:
             finally:
                 fresh, self._fresh_log = self._fresh_log, None
             # The template keeps copies: the caller owns the plan it is given (and may change it).
-            self._templates[key] = _Template(self._pristine(plan), fresh, _base_of(match))
+            self._templates[key] = self._template(self._pristine(plan), fresh, _base_of(match))
             return plan
-        if os.environ.get(MEMO_CHECK_ENV) == "1":
+        if self._check_classes:
             direct = self._shadow()._plan(match)
             plan = self._replayed(template, match)
             _assert_same_plan(plan, direct)
@@ -207,35 +230,28 @@ class Planner:
     def _replayed(self, template: _Template, match: Match) -> Plan:
         """``template``'s plan for ``match``: the first member's values renamed to ``match``'s, and each fresh
         name made again from ``match``'s base, in the order the first plan made them."""
-        first = template.plan.match
         names: dict[str, str] = {}
-        for old, new in (
-            (first.parameters, match.parameters),
-            (first.gradient, match.gradient),
-            (first.accum, match.accum),
-            (first.parameters_out, match.parameters_out),
-            (first.accum_out, match.accum_out),
-            (_symbol(first.learning_rate), _symbol(match.learning_rate)),
-            (_symbol(first.momentum), _symbol(match.momentum)),
-        ):
+        for old, new in zip(template.values, _renamed_values(match)):
             if old is not None:
                 names[old] = new
         base = _base_of(match)
-        prefix = template.base + "/"
-        for requested, made in template.fresh:
-            if requested.startswith(prefix):
-                names[made] = self._fresh(base + requested[len(template.base):])
-            # else: a shared constant's name, made once for all plans
+        fresh = self._fresh
+        for suffix, made in template.suffixes:
+            names[made] = fresh(base + suffix)
         rename = names.get
         nodes = []
         sgd = None
-        for node in template.plan.nodes:
-            copy = self._arena.node.add()
-            copy.CopyFrom(node)
-            copy.name = rename(node.name, node.name)
-            copy.input[:] = [rename(n, n) for n in node.input]
-            copy.output[:] = [rename(n, n) for n in node.output]
-            if node is template.plan.sgd_node:
+        add = self._arena.node.add
+        sgd_template = template.plan.sgd_node
+        for stripped, name, inputs, outputs in template.nodes:
+            # The copy without names, then the names: about 40% cheaper than copying the whole node and
+            # assigning its inputs and outputs again (the fields serialise in field order either way).
+            copy = add()
+            copy.CopyFrom(stripped)
+            copy.name = rename(name, name)  # set even when empty, as the direct plan's copy has it
+            copy.input.extend([rename(n, n) for n in inputs])
+            copy.output.extend([rename(n, n) for n in outputs])
+            if stripped is sgd_template:
                 sgd = copy
             nodes.append(copy)
         plan = template.plan
@@ -243,6 +259,21 @@ class Planner:
             match, nodes, [], sgd, rename(plan.gradient_input, plan.gradient_input),
             rename(plan.learning_rate_input, plan.learning_rate_input), rename(plan.momentum_input, plan.momentum_input), plan.stat,
         )
+
+    def _template(self, plan: Plan, fresh: list[tuple[str, str]], base: str) -> _Template:
+        """The :class:`_Template` of ``plan`` (already :meth:`_pristine`, whose nodes it strips of their names in
+        place: the template's plan is its own)."""
+        prefix = base + "/"
+        # A fresh name requested outside the base is a shared constant's, made once for all plans.
+        suffixes = [(requested[len(base):], made) for requested, made in fresh if requested.startswith(prefix)]
+        nodes = []
+        for node in plan.nodes:
+            entry = (node, node.name, tuple(node.input), tuple(node.output))
+            node.ClearField("name")
+            del node.input[:]
+            del node.output[:]
+            nodes.append(entry)
+        return _Template(plan, fresh, base, _renamed_values(plan.match), suffixes, nodes)
 
     def _pristine(self, plan: Plan) -> Plan:
         """``plan`` with copies of its nodes, kept apart from the plans handed out."""
@@ -559,19 +590,38 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
         result.CopyFrom(model)
         return result
     old = _OldNodes(model.graph.node, index)
-    new_reads = [_reads(node) for plan in plans for node in plan.nodes]
-    removed, reads = _removed_nodes(old, index, plans, new_reads)
+    # What each new node reads and outputs, read from it once (each read of a protobuf field makes new objects).
+    new_reads: list[list[str]] = []
+    new_outputs: list[list[str]] = []
+    for plan in plans:
+        for node in plan.nodes:
+            reads_, outputs_ = _reads_and_outputs(node)
+            new_reads.append(reads_)
+            new_outputs.append(outputs_)
+    removed, is_read = _removed_nodes(old, index, plans, new_reads)
 
-    # Scalars only the removed nodes read go with them; every other initializer stays.
-    read_by_removed = {name for i in removed for name in old.reads(i)}
+    # Scalars only the removed nodes read go with them; every other initializer stays. Whether a removed node
+    # reads one is asked of its readers in the index (input slots), and of the removed nodes holding subgraphs
+    # (outer reads): most of the graph is removed, and a set of everything it reads cost more than this.
+    consumers = index.consumers
+    read_by_removed_subgraphs = {name for i in removed if i in old.with_subgraphs for name in old.reads(i)}
+
+    def read_by_removed(name: str) -> bool:
+        return bool(name) and (name in read_by_removed_subgraphs or any(i in removed for i in consumers.get(name, ())))
+
     inputs = set(index.graph_inputs)
     outputs = set(index.graph_outputs)
     kept_initializers = [
         t for t in model.graph.initializer
-        if not (t.name in read_by_removed and not reads(t.name) and t.name not in inputs and t.name not in outputs)
+        if not (read_by_removed(t.name) and not is_read(t.name) and t.name not in inputs and t.name not in outputs)
     ]
+    gone_values: set[str] = set()
+    facts = index.nodes
+    for i in removed:  # set updates from the facts' tuples (the empty name dropped after): most of the graph
+        gone_values.update(facts[i][3])
+    gone_values.discard("")
     replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
-    gone_values = {o for i in removed for o in old.outputs(i)} - replaced_outputs
+    gone_values -= replaced_outputs
 
     # Order: every kept node at its old position, each plan's nodes at the position of its update's last
     # node, then a stable topological sort (a reader of a fused output placed earlier moves after it).
@@ -583,7 +633,7 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
         for j, node in enumerate(plan.nodes):
             entries.append(((anchor, 1 + j), node))
     available = inputs | {t.name for t in kept_initializers} | {t.name for plan in plans for t in plan.initializers}
-    entry_outputs = [old.outputs(i) for i in kept] + [[n for n in node.output if n] for plan in plans for node in plan.nodes]
+    entry_outputs = [old.outputs(i) for i in kept] + new_outputs
     ordered = _stable_topological_sort(entries, available=available, reads=entry_reads, outputs=entry_outputs)
 
     # The new model is built field by field: the old node list is never copied whole (only the kept nodes).
@@ -595,7 +645,9 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
     graph.initializer.extend(kept_initializers)
     graph.initializer.extend(t for plan in plans for t in plan.initializers)
     graph.value_info.extend(vi for vi in model.graph.value_info if vi.name not in gone_values)
-    graph.value_info.extend(info for plan in plans for info in _declared_types(plan, index))
+    declared = _DeclaredTypes(index)
+    for plan in plans:
+        declared.add_to(graph.value_info, plan)
     ensure_sgd_function(result)
     return result
 
@@ -629,6 +681,49 @@ def _declared_types(plan: Plan, index: GraphIndex) -> list[onnx.ValueInfoProto]:
     return infos
 
 
+class _DeclaredTypes:
+    """:func:`_declared_types`, appended straight into the output's ``value_info`` with each tensor type built once
+    per (dtype, dims) and copied: ``helper.make_tensor_value_info`` builds the type anew (a message per
+    dimension), which cost about a sixth of ``apply_plans`` with one stat per update. The values declared and
+    their order are :func:`_declared_types`'s, and so are their bytes (tests/test_rewrite_value_info.py)."""
+
+    def __init__(self, index: GraphIndex) -> None:
+        self._index = index
+        self._types: dict[tuple[int, tuple[int, ...]], onnx.TypeProto] = {}
+
+    def _type(self, dtype: int, dims: Sequence[int]) -> onnx.TypeProto:
+        key = (dtype, tuple(dims))
+        found = self._types.get(key)
+        if found is None:
+            found = self._types[key] = helper.make_tensor_type_proto(dtype, list(dims))
+        return found
+
+    def add_to(self, infos, plan: Plan) -> None:
+        """Append to ``infos`` (a repeated ``ValueInfoProto`` field) what :func:`_declared_types` gives ``plan``."""
+        match = plan.match
+        dims = Planner._static_dims(match)
+        if dims is not None and match.first_step is None:
+            sgd = plan.sgd_node
+            if match.dtype == onnx.TensorProto.BFLOAT16:
+                for node in plan.nodes:
+                    if node.op_type == "ConstantOfShape":
+                        self._declare(infos, node.output[0], onnx.TensorProto.FLOAT, dims)  # stat_float
+            typed = self._type(match.dtype, dims)
+            for name in (sgd.input[5], sgd.output[2]):
+                info = infos.add()
+                info.name = name
+                info.type.CopyFrom(typed)
+        if plan.gradient_input != match.gradient:
+            gradient = self._index.spec(match.gradient)
+            if gradient.dtype and gradient.shape is not None and all(isinstance(d, int) and d >= 0 for d in gradient.shape):
+                self._declare(infos, plan.gradient_input, gradient.dtype, list(gradient.shape))
+
+    def _declare(self, infos, name: str, dtype: int, dims: Sequence[int]) -> None:
+        info = infos.add()
+        info.name = name
+        info.type.CopyFrom(self._type(dtype, dims))
+
+
 class _OldNodes:
     """The nodes of the graph being rewritten, by position: their reads and outputs from the index's node facts,
     the protobuf read only for what subgraphs read."""
@@ -638,6 +733,11 @@ class _OldNodes:
         self._facts = index.nodes
         self._with_subgraphs = set(index.subgraph_nodes)
         self._reads: dict[int, list[str]] = {}
+
+    @property
+    def with_subgraphs(self) -> set[int]:
+        """The positions of the nodes that hold a subgraph (whose reads are more than their inputs)."""
+        return self._with_subgraphs
 
     def __len__(self) -> int:
         return len(self._facts)
@@ -665,15 +765,19 @@ class _OldNodes:
         return names
 
 
-def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new_reads: list[list[str]]) -> tuple[set[int], Callable[[str], int]]:
-    """The old nodes the plans remove, and the count of reads of a value after the rewrite.
+def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new_reads: list[list[str]]) -> tuple[set[int], Callable[[str], bool]]:
+    """The old nodes the plans remove, and whether a value is read after the rewrite.
 
     The fused node now produces each update's outputs: their old producers go. Another node of an update's
     cone goes only if nothing reads its outputs after the rewrite (neither a kept node, a subgraph, a new
     node nor the graph's outputs); cone nodes are visited last to first, so a chain of helpers goes whole.
-    A value's read count starts from the index (one per input slot of every node, plus one per subgraph
-    that reads it from the outer scope) and is corrected for the removed and the new nodes (``new_reads``:
-    what each new node reads).
+    A value is read after the rewrite when one of its readers in the index (one per input slot of every
+    node, and the nodes whose subgraphs read it from the outer scope) is not removed, or a new node reads it
+    (``new_reads``: what each new node reads). This is the count of reads the index gives, less the removed
+    readers' reads, plus the new ones, being non-zero: each of the three parts is a count of its own, so
+    their sum is zero exactly when every reader is removed and no new node reads the value; asking the
+    readers spares a count update per input of every removed node (most of the graph in a pure optimizer
+    step).
     """
     replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
     cone = set().union(*(plan.match.nodes for plan in plans))
@@ -682,40 +786,43 @@ def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new
     producer = index.producer
     removed: set[int] = {k for k in (producer.get(name) for name in replaced_outputs) if k is not None and k in cone}
 
-    outer: dict[str, int] = {}
+    outer: dict[str, list[int]] = {}  # value -> the nodes whose subgraphs read it from the outer scope
     for i in index.subgraph_nodes:
         for name in old.reads(i)[len(old.inputs(i)):]:
-            outer[name] = outer.get(name, 0) + 1
-    # Reads after the rewrite = the index's count + these corrections (kept sparse: most names keep theirs).
-    delta: dict[str, int] = {}
-    for i in removed:
-        for name in old.reads(i):
-            delta[name] = delta.get(name, 0) - 1
+            outer.setdefault(name, []).append(i)
+    new_read: set[str] = set()
     for names in new_reads:
-        for name in names:
-            delta[name] = delta.get(name, 0) + 1
+        new_read.update(names)
     consumers = index.consumers
 
-    def count(name: str) -> int:
-        return len(consumers.get(name, ())) + outer.get(name, 0) + delta.get(name, 0)
+    def is_read(name: str) -> bool:
+        if name in new_read:
+            return True
+        return any(r not in removed for r in consumers.get(name, ())) or any(r not in removed for r in outer.get(name, ()))
 
     outputs = set(index.graph_outputs)
     # The loop below runs over every cone node (most of the graph in a pure optimizer step): the look-ups
-    # are inlined.
-    consumers_get, outer_get, delta_get = consumers.get, outer.get, delta.get
-    outputs_of, reads_of = old.outputs, old.reads
+    # are inlined, and the names read from the index's facts (an empty name, an omitted slot, is skipped).
+    consumers_get, facts = consumers.get, index.nodes
     for i in sorted(cone - removed, reverse=True):
         read = False
-        for o in outputs_of(i):
-            if o in outputs or len(consumers_get(o, ())) + outer_get(o, 0) + delta_get(o, 0):
+        for o in facts[i][3]:
+            if not o:
+                continue
+            if o in outputs or o in new_read or o in outer and is_read(o):
                 read = True
                 break
-        if read:
-            continue
-        removed.add(i)
-        for name in reads_of(i):
-            delta[name] = delta_get(name, 0) - 1
-    return removed, count
+            readers = consumers_get(o)
+            if readers is not None:
+                for r in readers:
+                    if r not in removed:
+                        read = True
+                        break
+                if read:
+                    break
+        if not read:
+            removed.add(i)
+    return removed, is_read
 
 
 def _copy_into(target, source, *, skip: set[str]) -> None:
@@ -743,6 +850,22 @@ def _set_field(target, field, value) -> None:
         setattr(target, field.name, value)
 
 
+def _reads_and_outputs(node: onnx.NodeProto) -> tuple[list[str], list[str]]:
+    """:func:`_reads` of ``node`` and the names it outputs (empty slots left out), each field read once."""
+    names = list(node.input)
+    if "" in names:
+        names = [name for name in names if name]
+    for attribute in node.attribute:
+        kind = attribute.type
+        if kind == onnx.AttributeProto.GRAPH or kind == onnx.AttributeProto.GRAPHS:
+            for sub in _subgraphs(attribute):
+                names.extend(_outer_reads(sub))
+    outputs = list(node.output)
+    if "" in outputs:
+        outputs = [name for name in outputs if name]
+    return names, outputs
+
+
 def _reads(node: onnx.NodeProto) -> list[str]:
     names = [name for name in node.input if name]
     for attribute in node.attribute:
@@ -768,14 +891,32 @@ def _stable_topological_sort(
         for name in names:
             if name:
                 producer[name] = k
+    # When the entries in position order already respect every dependency (no reader placed before what it
+    # reads), that order is the result: the smallest entry left is then always ready, so Kahn's algorithm
+    # would take them in that very order. Checked per dependency while the dependencies are collected; the
+    # heap runs only otherwise.
+    keys = [(entry[0], k) for k, entry in enumerate(entries)]
+    keyed = sorted(range(len(entries)), key=keys.__getitem__)
+    rank = [0] * len(entries)
+    for r, k in enumerate(keyed):
+        rank[k] = r
+    edges: list[tuple[int, int]] = []
+    in_order = True
+    producer_get = producer.get
+    for k, names in enumerate(reads):
+        for name in set(names) if len(names) > 1 else names:
+            source = producer_get(name)
+            if source is not None and source != k and name not in available:
+                edges.append((source, k))
+                if rank[source] > rank[k]:
+                    in_order = False
+    if in_order:
+        return [entries[k][1] for k in keyed]
     waiting: list[int] = [0] * len(entries)
     dependants: dict[int, list[int]] = {}
-    for k, names in enumerate(reads):
-        for name in set(names):
-            source = producer.get(name)
-            if source is not None and source != k and name not in available:
-                waiting[k] += 1
-                dependants.setdefault(source, []).append(k)
+    for source, k in edges:
+        waiting[k] += 1
+        dependants.setdefault(source, []).append(k)
     ready = [(entries[k][0], k) for k in range(len(entries)) if waiting[k] == 0]
     heapq.heapify(ready)
     order: list[onnx.NodeProto] = []
