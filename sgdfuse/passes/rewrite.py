@@ -645,15 +645,15 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
     graph.initializer.extend(kept_initializers)
     graph.initializer.extend(t for plan in plans for t in plan.initializers)
     graph.value_info.extend(vi for vi in model.graph.value_info if vi.name not in gone_values)
-    declared = _DeclaredTypes(index)
+    declared = _DeclaredTypes()
     for plan in plans:
         declared.add_to(graph.value_info, plan)
     ensure_sgd_function(result)
     return result
 
 
-def _declared_types(plan: Plan, index: GraphIndex) -> list[onnx.ValueInfoProto]:
-    """Value infos for the values ``plan`` adds whose type is certain: exactly what ONNX shape inference gives
+class _DeclaredTypes:
+    """Value infos for the values a plan adds whose type is certain: exactly what ONNX shape inference gives
     them in the output (tests/test_rewrite_value_info.py compares the two on every testdata model).
 
     Declared only when the parameters' shape is static (all known dimensions) and ``stat`` comes from
@@ -664,31 +664,11 @@ def _declared_types(plan: Plan, index: GraphIndex) -> list[onnx.ValueInfoProto]:
     Without them every fused model lacked two types per update, and lowering's index had to run shape
     inference over the whole model (growing faster than linearly: 12.9 s at 50,000 updates); other values
     (first-step flags, computed learning rates, a runtime momentum's ``If``) stay undeclared, and inference
-    then runs as before."""
-    match = plan.match
-    infos: list[onnx.ValueInfoProto] = []
-    dims = Planner._static_dims(match)
-    if dims is not None and match.first_step is None:
-        sgd = plan.sgd_node
-        for node in plan.nodes:
-            if match.dtype == onnx.TensorProto.BFLOAT16 and node.op_type == "ConstantOfShape":
-                infos.append(helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, dims))  # stat_float
-        infos.append(helper.make_tensor_value_info(sgd.input[5], match.dtype, dims))
-        infos.append(helper.make_tensor_value_info(sgd.output[2], match.dtype, dims))
-    # A maximize update's negated gradient is left undeclared: its type is the gradient's as inference reads
-    # it, which need not be the index's (a gradient input that is also a graph output declared otherwise is
-    # read with the output's declaration), whereas stat's shape is that of the constant ConstantOfShape reads.
-    return infos
+    then runs as before.
+    Each tensor type is built once per (dtype, dims) and copied (``helper.make_tensor_value_info`` builds a
+    type anew, a message per dimension: about a sixth of ``apply_plans`` with one stat per update)."""
 
-
-class _DeclaredTypes:
-    """:func:`_declared_types`, appended straight into the output's ``value_info`` with each tensor type built once
-    per (dtype, dims) and copied: ``helper.make_tensor_value_info`` builds the type anew (a message per
-    dimension), which cost about a sixth of ``apply_plans`` with one stat per update. The values declared and
-    their order are :func:`_declared_types`'s, and so are their bytes (tests/test_rewrite_value_info.py)."""
-
-    def __init__(self, index: GraphIndex) -> None:
-        self._index = index
+    def __init__(self) -> None:
         self._types: dict[tuple[int, tuple[int, ...]], onnx.TypeProto] = {}
 
     def _type(self, dtype: int, dims: Sequence[int]) -> onnx.TypeProto:
@@ -699,7 +679,7 @@ class _DeclaredTypes:
         return found
 
     def add_to(self, infos, plan: Plan) -> None:
-        """Append to ``infos`` (a repeated ``ValueInfoProto`` field) what :func:`_declared_types` gives ``plan``."""
+        """Append to ``infos`` (a repeated ``ValueInfoProto`` field) the value infos of what ``plan`` adds."""
         match = plan.match
         dims = Planner._static_dims(match)
         if dims is not None and match.first_step is None:
@@ -713,10 +693,9 @@ class _DeclaredTypes:
                 info = infos.add()
                 info.name = name
                 info.type.CopyFrom(typed)
-        if plan.gradient_input != match.gradient:
-            gradient = self._index.spec(match.gradient)
-            if gradient.dtype and gradient.shape is not None and all(isinstance(d, int) and d >= 0 for d in gradient.shape):
-                self._declare(infos, plan.gradient_input, gradient.dtype, list(gradient.shape))
+        # A maximize update's negated gradient is left undeclared: its type is the gradient's as inference reads
+        # it, which need not be the index's (a gradient input that is also a graph output declared otherwise is
+        # read with the output's declaration), whereas stat's shape is that of the constant ConstantOfShape reads.
 
     def _declare(self, infos, name: str, dtype: int, dims: Sequence[int]) -> None:
         info = infos.add()
