@@ -17,6 +17,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_wire.h"
+
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -28,19 +30,12 @@
 
 namespace {
 
-constexpr int kMaxDepth = 64;
+using namespace sgdfuse_wire;
 
-struct Reader {
-  const uint8_t* p;
-  const uint8_t* end;
-};
 
-struct Failure {
-  const char* reason = nullptr;
-  const uint8_t* at = nullptr;
-};
 
-struct Table {
+
+struct Table : Scan {
   // Per selected GraphProto field (input, output, value_info): the names and the type numbers, in order.
   PyObject* names[3] = {nullptr, nullptr, nullptr};
   PyObject* type_ids[3] = {nullptr, nullptr, nullptr};
@@ -51,97 +46,10 @@ struct Table {
   long node_count = 0;
   int wanted = 0;  // bit 0: input, 1: output, 2: value_info
   const uint8_t* base = nullptr;
-  Failure failure;
   bool python_error = false;
 
-  bool fail(const char* reason, const uint8_t* at) {
-    if (failure.reason == nullptr) {
-      failure.reason = reason;
-      failure.at = at;
-    }
-    return false;
-  }
 };
 
-bool read_varint(Reader& r, uint64_t& out) {
-  uint64_t value = 0;
-  for (int i = 0; i < 10; ++i) {
-    if (r.p >= r.end) return false;
-    const uint8_t byte = *r.p++;
-    value |= uint64_t(byte & 0x7f) << (7 * i);  // bits past 64 (in a tenth byte) are dropped, as protobuf does
-    if ((byte & 0x80) == 0) {
-      out = value;
-      return true;
-    }
-  }
-  return false;  // more than ten bytes
-}
-
-// A tag: field number (1 .. 2^29 - 1) and wire type (0..5).
-bool read_tag(Table& t, Reader& r, uint32_t& field, int& wire_type) {
-  const uint8_t* at = r.p;
-  uint64_t tag;
-  if (!read_varint(r, tag)) return t.fail("truncated or overlong tag", at);
-  if (tag > 0xffffffffu) return t.fail("tag above 32 bits", at);
-  field = uint32_t(tag >> 3);
-  wire_type = int(tag & 7);
-  if (field == 0) return t.fail("field number 0", at);
-  if (wire_type > 5) return t.fail("wire type 6 or 7", at);
-  return true;
-}
-
-// The payload of a length-delimited field, whose tag has been read.
-bool read_bytes(Table& t, Reader& r, Reader& payload) {
-  const uint8_t* at = r.p;
-  uint64_t length;
-  if (!read_varint(r, length)) return t.fail("truncated length", at);
-  if (length > uint64_t(r.end - r.p)) return t.fail("length past the end of the data", at);
-  payload.p = r.p;
-  payload.end = r.p + length;
-  r.p = payload.end;
-  return true;
-}
-
-// Skip the value of a field whose tag (field, wire_type) has been read.
-bool skip_field(Table& t, Reader& r, uint32_t field, int wire_type, int depth) {
-  const uint8_t* at = r.p;
-  switch (wire_type) {
-    case 0: {
-      uint64_t ignored;
-      if (!read_varint(r, ignored)) return t.fail("truncated varint", at);
-      return true;
-    }
-    case 1:
-      if (r.end - r.p < 8) return t.fail("truncated fixed64", at);
-      r.p += 8;
-      return true;
-    case 5:
-      if (r.end - r.p < 4) return t.fail("truncated fixed32", at);
-      r.p += 4;
-      return true;
-    case 2: {
-      Reader ignored;
-      return read_bytes(t, r, ignored);
-    }
-    case 3: {
-      if (depth >= kMaxDepth) return t.fail("groups nested too deep", at);
-      for (;;) {
-        uint32_t inner;
-        int inner_type;
-        if (r.p >= r.end) return t.fail("group without an end", at);
-        const uint8_t* tag_at = r.p;
-        if (!read_tag(t, r, inner, inner_type)) return false;
-        if (inner_type == 4) {
-          if (inner != field) return t.fail("end group of another field", tag_at);
-          return true;
-        }
-        if (!skip_field(t, r, inner, inner_type, depth + 1)) return false;
-      }
-    }
-    default:  // 4: an end group outside its group
-      return t.fail("end group without a start", at);
-  }
-}
 
 
 // Append to a list, taking the reference to item (which may be null after a failed call).

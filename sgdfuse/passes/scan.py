@@ -44,6 +44,7 @@ __all__ = [
     "python_node_table",
     "native_node_table",
     "build_scanner",
+    "build_extension",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ NATIVE_ENV = "SGDFUSE_NATIVE_SCAN"
 loading the native scanner."""
 
 _SOURCE = Path(__file__).with_name("_scan.cc")
+_WIRE_HEADER = Path(__file__).with_name("_wire.h")
 _MODULE = "sgdfuse.passes._scan"
 # -fno-strict-aliasing as CPython's own extensions are built; no -ffast-math (there is no arithmetic to speed).
 _FLAGS = ("-std=c++17", "-O2", "-fno-strict-aliasing", "-fPIC", "-shared", "-fvisibility=hidden")
@@ -102,6 +104,12 @@ class ScanError(SgdfuseError):
         super().__init__(f"malformed protobuf at byte {offset}: {reason}")
         self.offset = offset
         self.reason = reason
+
+    @classmethod
+    def from_message(cls, message: str) -> "ScanError":
+        """The error a native scanner reported as ``malformed protobuf at byte N: reason`` (its ValueError)."""
+        head, _, reason = message.partition(": ")
+        return cls(int(head.rsplit(" ", 1)[-1]), reason)
 
 
 class ScannerBuildError(NativeBuildError):
@@ -172,15 +180,8 @@ def native_node_table(data: bytes | bytearray | memoryview, *, graph: bool = Fal
     try:
         op_types, domains, inputs, outputs, has_attributes, has_subgraph = module.scan(data, not graph)
     except ValueError as error:
-        offset, reason = _scan_failure(str(error))
-        raise ScanError(offset, reason) from None
+        raise ScanError.from_message(str(error)) from None
     return NodeTable(tuple(op_types), tuple(domains), tuple(inputs), tuple(outputs), tuple(has_attributes), tuple(has_subgraph), "native")
-
-
-def _scan_failure(message: str) -> tuple[int, str]:
-    """``(offset, reason)`` of the scanner's message ``malformed protobuf at byte N: reason``."""
-    head, _, reason = message.partition(": ")
-    return int(head.rsplit(" ", 1)[-1]), reason
 
 
 def python_node_table(model: onnx.ModelProto) -> NodeTable:
@@ -245,46 +246,60 @@ def build_scanner(*, cache_dir: str | os.PathLike | None = None, force: bool = F
 _LOADED: dict[str, ScannerBuild | ScannerBuildError] = {}
 
 
-def _python_includes() -> list[str]:
-    """The directories holding ``Python.h`` and ``pyconfig.h`` (they differ on Debian's system Python)."""
-    paths = sysconfig.get_paths()
-    found = list(dict.fromkeys(p for p in (paths.get("include"), paths.get("platinclude")) if p))
-    if not any(os.path.isfile(os.path.join(p, "Python.h")) for p in found):
-        raise ScannerBuildError(
-            "no-headers",
-            f"the native node scanner needs Python's headers (Python.h, looked in {', '.join(found) or 'nowhere'}): "
-            f"install them (e.g. `apt-get install python3-dev`), or set {NATIVE_ENV}=0 to read nodes through protobuf",
-        )
-    return found
+def build_extension(source: Path, module_name: str, cache_name: str, what: str, *, root: str, force: bool = False) -> ScannerBuild:
+    """Build (or reuse) and load the CPython extension module ``module_name`` compiled from the C++ file
+    ``source`` and the wire-format header ``_wire.h`` it includes (both beside this file), cached under
+    ``root / cache_name`` by a key of compiler, flags, Python ABI, sources and header: the node scanner's
+    build, shared by :mod:`sgdfuse.passes.value_scan`.
 
-
-def _build_and_load(root: str, force: bool) -> ScannerBuild:
-    includes = _python_includes()
-    compiler, compiler_version = find_compiler("the native node scanner", ScannerBuildError)
+    Raises:
+        ScannerBuildError: no compiler (``no-compiler``), no Python headers (``no-headers``), or the compile or
+            the load failed (``compile-failed``); ``what`` names the scanner in the message.
+    """
+    includes = _python_includes(what)
+    compiler, compiler_version = find_compiler(what, ScannerBuildError)
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     patchlevel = Path(includes[0], "patchlevel.h")
     headers = patchlevel.read_bytes() if patchlevel.is_file() else b""
     flags = [*_FLAGS, *(["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else [])]
     key = hashlib.sha256(
-        b"\0".join([compiler_version.encode(), *(f.encode() for f in flags), suffix.encode(), sys.version.encode(), headers, _SOURCE.read_bytes()])
+        b"\0".join([compiler_version.encode(), *(f.encode() for f in flags), suffix.encode(), sys.version.encode(), headers,
+                     source.read_bytes(), _WIRE_HEADER.read_bytes()])
     ).hexdigest()[:16]
     path, cached, seconds = build_cached(
-        Path(root) / "node-scan" / key,
-        f"_scan{suffix}",
-        lambda output: [compiler, *flags, *(f"-I{p}" for p in includes), str(_SOURCE), "-o", str(output)],
-        what="the native node scanner",
+        Path(root) / cache_name / key,
+        f"{module_name.rpartition('.')[2]}{suffix}",
+        lambda output: [compiler, *flags, *(f"-I{p}" for p in includes), str(source), "-o", str(output)],
+        what=what,
         compiler=compiler,
         compiler_version=compiler_version,
         metadata={"python": sys.version, "extension_suffix": suffix},
         force=force,
         error_type=ScannerBuildError,
     )
-    spec = importlib.util.spec_from_file_location(_MODULE, path)
+    spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ScannerBuildError("compile-failed", f"{path} cannot be loaded as an extension module")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except ImportError as error:
-        raise ScannerBuildError("compile-failed", f"the native node scanner built at {path} does not load: {error}") from error
+        raise ScannerBuildError("compile-failed", f"{what} built at {path} does not load: {error}") from error
     return ScannerBuild(path, module, cached, seconds)
+
+
+def _python_includes(what: str) -> list[str]:
+    """The directories holding ``Python.h`` and ``pyconfig.h`` (they differ on Debian's system Python)."""
+    paths = sysconfig.get_paths()
+    found = list(dict.fromkeys(p for p in (paths.get("include"), paths.get("platinclude")) if p))
+    if not any(os.path.isfile(os.path.join(p, "Python.h")) for p in found):
+        raise ScannerBuildError(
+            "no-headers",
+            f"{what} needs Python's headers (Python.h, looked in {', '.join(found) or 'nowhere'}): "
+            f"install them (e.g. `apt-get install python3-dev`), or set {NATIVE_ENV}=0 to read the model through protobuf",
+        )
+    return found
+
+
+def _build_and_load(root: str, force: bool) -> ScannerBuild:
+    return build_extension(_SOURCE, _MODULE, "node-scan", "the native node scanner", root=root, force=force)

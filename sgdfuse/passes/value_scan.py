@@ -13,17 +13,13 @@ Field numbers (onnx/onnx.proto): ``ModelProto.graph`` 7; ``GraphProto.node`` 1 (
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.machinery
-import importlib.util
 import logging
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
-from sgdfuse.native import build_cached, cache_root, find_compiler
-from sgdfuse.passes.scan import _FLAGS, NATIVE_ENV, ScanError, ScannerBuildError, _python_includes, _scan_failure
+from sgdfuse.native import cache_root
+from sgdfuse.passes.scan import NATIVE_ENV, ScanError, ScannerBuildError, build_extension
 
 __all__ = ["INPUT", "OUTPUT", "VALUE_INFO", "ScannedInfos", "scan_value_infos", "native_available"]
 
@@ -81,8 +77,7 @@ def scan_value_infos(data: bytes | bytearray | memoryview, fields: int) -> Scann
     try:
         names, type_ids, types, node_count = module.scan(data, fields)
     except ValueError as error:
-        offset, reason = _scan_failure(str(error))
-        raise ScanError(offset, reason) from None
+        raise ScanError.from_message(str(error)) from None
     return ScannedInfos(names, type_ids, types, node_count)
 
 
@@ -105,33 +100,4 @@ def _module() -> ModuleType:
 
 
 def _build_and_load(root: str) -> ModuleType:
-    # As the node scanner's build (sgdfuse.passes.scan._build_and_load): the key covers compiler, flags,
-    # source and Python ABI.
-    includes = _python_includes()
-    compiler, compiler_version = find_compiler("the native value-info scanner", ScannerBuildError)
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    patchlevel = Path(includes[0], "patchlevel.h")
-    headers = patchlevel.read_bytes() if patchlevel.is_file() else b""
-    flags = [*_FLAGS, *(["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else [])]
-    key = hashlib.sha256(
-        b"\0".join([compiler_version.encode(), *(f.encode() for f in flags), suffix.encode(), sys.version.encode(), headers, _SOURCE.read_bytes()])
-    ).hexdigest()[:16]
-    path, _, _ = build_cached(
-        Path(root) / "value-scan" / key,
-        f"_vscan{suffix}",
-        lambda output: [compiler, *flags, *(f"-I{p}" for p in includes), str(_SOURCE), "-o", str(output)],
-        what="the native value-info scanner",
-        compiler=compiler,
-        compiler_version=compiler_version,
-        metadata={"python": sys.version, "extension_suffix": suffix},
-        error_type=ScannerBuildError,
-    )
-    spec = importlib.util.spec_from_file_location(_MODULE, path)
-    if spec is None or spec.loader is None:
-        raise ScannerBuildError("compile-failed", f"{path} cannot be loaded as an extension module")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except ImportError as error:
-        raise ScannerBuildError("compile-failed", f"the native value-info scanner built at {path} does not load: {error}") from error
-    return module
+    return build_extension(_SOURCE, _MODULE, "value-scan", "the native value-info scanner", root=root).module
