@@ -17,7 +17,7 @@ from rich.table import Table
 
 import sgdfuse
 from sgdfuse import contract
-from sgdfuse import api
+from sgdfuse import api, external_data
 from sgdfuse.errors import ModelNameError, OutputWriteError, SgdfuseError
 from sgdfuse.passes.rewrite import ROLES_BY_PLAUSIBILITY
 from sgdfuse.passes.sgd_match import RolePins
@@ -295,6 +295,8 @@ def _check_destinations(destinations, inputs) -> None:
     """Each output can be written (before the work, not after it) and none of them is an input: the input is
     never modified, so ``optimize m.onnx -o m.onnx`` is refused rather than overwriting the model."""
     sources = {os.path.realpath(os.fspath(path)) for path in inputs if path is not None}
+    # The data files an input model names are input too (a report written over one corrupts the model).
+    data = {name: (item, path) for path in inputs if path is not None for name, item in external_data.data_files(path).items()}
     taken: set[str] = set()
     for path in destinations:
         if path is None:
@@ -302,6 +304,13 @@ def _check_destinations(destinations, inputs) -> None:
         target = resolve_destination(path)
         if target in sources:
             raise OutputWriteError(os.fspath(path), "is an input of this command; sgdfuse never overwrites its input: give another output path")
+        if target in data:
+            item, model = data[target]
+            raise OutputWriteError(
+                os.fspath(path),
+                f"is the external data file {item.location!r} of tensor {item.tensor!r} of the input {model}; sgdfuse never "
+                "overwrites its input: give another output path",
+            )
         if target in taken:
             raise OutputWriteError(os.fspath(path), "is named twice among the files to write (two outputs would be one file): give each output its own path")
         taken.add(target)

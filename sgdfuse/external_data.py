@@ -299,6 +299,34 @@ def check_model(model: onnx.ModelProto, path: str | os.PathLike, *, base_dir: st
     return [check_tensor(tensor, base, source=source, files=files) for tensor in external_tensors(model)]
 
 
+def data_files(path: str | os.PathLike) -> dict[str, ExternalData]:
+    """The external data files the ONNX model file ``path`` names, by real path (one tensor each): files a
+    command reading that model must never write, as it never writes the model itself.
+
+    The file's bytes are searched for the external-data markers first (:func:`may_hold_external_data`; protobuf's
+    binary format), so a model without external data is not parsed. A file that is missing or does not parse as
+    an ONNX model names no data file here (the command's own load then says what is wrong with it).
+
+    Raises:
+        ExternalDataError: a location breaks a rule (as :func:`check_model`).
+        ModelLoadError: a named data file is missing.
+    """
+    source = os.fspath(path)
+    try:
+        with open(source, "rb") as handle:
+            content = handle.read()
+    except OSError:
+        return {}
+    serialization_format = onnx.serialization.registry.get_format_from_file_extension(os.path.splitext(source)[1]) or "protobuf"
+    if serialization_format == "protobuf" and not may_hold_external_data(content):
+        return {}
+    try:
+        model = onnx.load_model_from_string(content, format=serialization_format)
+    except Exception:  # not an ONNX model (a MindIR file, a truncated one): nothing to protect here
+        return {}
+    return {data.path: data for data in check_model(model, source)}
+
+
 def open_checked(data: ExternalData, *, source: str, whole: bool = False) -> int:
     """A read-only descriptor on a checked data file (the caller closes it), refused if what is there now is
     not the file that was checked. ``whole``: only the file's identity is compared, not ``data``'s range

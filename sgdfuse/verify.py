@@ -184,6 +184,14 @@ EXTRA_KINDS = EXTREME_KINDS + ("restart",)
 first step again ("restart": counters 0, first-step condition true) with the buffer the chain left, which is
 where a first step that ignores the old buffer must be seen to ignore it."""
 
+RANDOM_STATE = "random-state"
+"""A further lockstep step of :func:`check_models`, from the chain's state with every SGD-updated buffer fed
+random values (both sides the same): a whole model computes its gradients from what it is fed, and a
+gradient that is zero on that data (a dead ReLU chain) leaves a buffer that starts at zero at zero for the
+whole chain, so ``momentum * accum`` would never be compared (a momentum or learning rate wired to another
+constant passed ``check``; found by a fresh trial). ``verify_plans`` feeds the gradients themselves, so its
+buffers leave zero after the first step."""
+
 _UNIT_ROUNDOFF = {onnx.TensorProto.FLOAT: 2.0**-24, onnx.TensorProto.FLOAT16: 2.0**-11, onnx.TensorProto.BFLOAT16: 2.0**-8}
 _SMALLEST_SUBNORMAL = {onnx.TensorProto.FLOAT: 2.0**-149, onnx.TensorProto.FLOAT16: 2.0**-24, onnx.TensorProto.BFLOAT16: 2.0**-133}
 _DOUBLE_ROUNDOFF = 2.0**-53
@@ -460,6 +468,11 @@ def _state_initial(spec: _Input, size: int | None, rng: np.random.Generator) -> 
     if spec.role == "accum":
         return np.zeros(shape, dtype=dtype)  # a fresh optimizer's buffer
     return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+def _random_state(spec: _Input, size: int | None, rng: np.random.Generator) -> np.ndarray:
+    """A momentum buffer's value after some steps (:data:`RANDOM_STATE`): standard-normal, in its dtype."""
+    return rng.standard_normal(_concrete_shape(spec, size)).astype(np.float32).astype(onnx_to_numpy_dtype(spec.dtype))
 
 
 def _counter(kind: str, step: int, chained: int) -> int:
@@ -2226,12 +2239,17 @@ def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, o
             if spec.name in state_names:
                 original_feeds[spec.name] = convert(_state_initial(spec, size, rng))
         fused_feeds = dict(original_feeds)
-        sequence = kinds + (list(EXTRA_KINDS) if mode == "lockstep" else [])
+        sequence = kinds + ([*EXTRA_KINDS, RANDOM_STATE] if mode == "lockstep" else [])
         base = None
         for step, kind in enumerate(sequence):
-            if kind in EXTRA_KINDS:
+            if kind in EXTRA_KINDS or kind == RANDOM_STATE:
                 base = base or (dict(original_feeds), dict(fused_feeds))
                 original_feeds, fused_feeds = dict(base[0]), dict(base[1])
+            if kind == RANDOM_STATE:
+                for spec in inputs:
+                    if spec.role == "accum" and spec.name in state_names:
+                        value = convert(_random_state(spec, size, rng))
+                        original_feeds[spec.name] = fused_feeds[spec.name] = value
             for spec in inputs:
                 if spec.name not in state_names:
                     value = convert(_feed(spec, kind, _counter(kind, step, len(kinds)), size, rng))
@@ -2239,7 +2257,7 @@ def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, o
             original_out = _run_side(pair.original, original_feeds, outputs, "original model")
             fused_out = _run_side(pair.fused, fused_feeds, fused_names, "fused model")
             results.append((mode, step, kind, original_feeds, fused_feeds, original_out, fused_out))
-            if kind not in EXTRA_KINDS:
+            if kind not in EXTRA_KINDS and kind != RANDOM_STATE:
                 original_feeds, fused_feeds = dict(original_feeds), dict(fused_feeds)
                 _carry(original_feeds, original_out, original_pairs)
                 if mode == "lockstep":

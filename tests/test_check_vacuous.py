@@ -58,3 +58,42 @@ def test_an_update_that_is_nan_everywhere_is_not_called_agreeing():
     failed = {e["name"]: e["message"] for e in result.outputs if not e["passed"]}
     assert set(failed) == {"p_out", "buf_out"}
     assert all("no finite value" in message for message in failed.values())
+
+
+def _dead_gradient_step() -> onnx.ModelProto:
+    """A training step whose gradient is computed in the graph and is zero on any data (a dead ReLU:
+    Relu(-|x|)): buf_out = 0.9*buf + g, p_out = p - 0.1*buf_out, FLOAT [4, 3]."""
+    shape = [4, 3]
+    nodes = [
+        helper.make_node("Abs", ["x"], ["x_abs"]),
+        helper.make_node("Neg", ["x_abs"], ["x_neg"]),
+        helper.make_node("Relu", ["x_neg"], ["g"]),
+        helper.make_node("Mul", ["buf", "m"], ["bm"]),
+        helper.make_node("Add", ["bm", "g"], ["buf_out"]),
+        helper.make_node("Mul", ["buf_out", "lr"], ["step"]),
+        helper.make_node("Sub", ["p", "step"], ["p_out"]),
+    ]
+    return make_model(
+        nodes,
+        [value("p", TensorProto.FLOAT, shape), value("buf", TensorProto.FLOAT, shape), value("x", TensorProto.FLOAT, shape)],
+        [value("p_out", TensorProto.FLOAT, shape), value("buf_out", TensorProto.FLOAT, shape)],
+        [scalar("m", 0.9, TensorProto.FLOAT), scalar("lr", 0.1, TensorProto.FLOAT)],
+    )
+
+
+def test_a_wrong_momentum_is_caught_when_the_graph_gradient_is_zero_on_the_fed_data():
+    # From zero state a zero gradient keeps the buffer zero at every chained step, so momentum * accum is never
+    # compared unless a step feeds the buffer a value (verify.RANDOM_STATE): a fused model reading another
+    # momentum passed check on the bench's dead forward-chain updates (a fresh trial's finding).
+    original = _dead_gradient_step()
+    fused = sgdfuse.optimize(original).model
+    assert sum(node.op_type == "SGD" for node in fused.graph.node) == 1
+    right = check_models(original, fused, steps=3)
+    assert right.passed, [e for e in right.outputs if not e["passed"]]
+    wrong = onnx.ModelProto()
+    wrong.CopyFrom(fused)
+    tensor = next(t for t in wrong.graph.initializer if t.name.startswith("sgdfuse/momentum"))
+    tensor.CopyFrom(numpy_helper.from_array(np.full_like(numpy_helper.to_array(tensor), 0.8), tensor.name))
+    result = check_models(original, wrong, steps=3)
+    assert not result.passed
+    assert any(e["max_abs_error"] > 0 for e in result.outputs + result.in_place if not e["passed"])

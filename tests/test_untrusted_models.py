@@ -448,3 +448,27 @@ def test_two_outputs_naming_one_file_are_refused(layout, capsys):
     code, _, err, _ = _run("optimize", model, "-o", same, "--report", same, capsys=capsys)
     assert code == 1 and "named twice" in err, err
     assert list((layout / "out").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["optimize", "{model}", "-o", "{out}/fused.onnx", "--report", "{data}"],
+        ["inspect", "{model}", "--report", "{data}"],
+        ["lower", "{model}", "--soc", "Ascend910B2", "-o", "{out}/l.air", "--json", "{data}"],
+        ["optimize", "{model}", "-o", "{out}/fused.onnx", "--report", "{dir}/missing/../weights.bin"],
+    ],
+    ids=["optimize-report", "inspect-report", "lower-json", "optimize-report-dotdot"],
+)
+def test_no_output_is_written_over_a_data_file_of_the_input(layout, capsys, command):
+    # A report or JSON dump named like the input's external data file replaced the weights with JSON and
+    # exited 0 (a fresh trial's finding); the data files an input names are input as much as the model is.
+    model_dir = layout / "in" / "a" / "b"
+    model = _write_model(model_dir / "model.onnx", [_external("w_frozen", "weights.bin")])
+    data = model_dir / "weights.bin"
+    before = _tree(layout)
+    argv = [part.format(model=model, out=layout / "out", data=data, dir=model_dir) for part in command]
+    code, _, err, _ = _run(*argv, capsys=capsys)
+    assert code == 1
+    assert "is the external data file 'weights.bin' of tensor 'w_frozen' of the input" in err, err
+    assert _tree(layout) == before
