@@ -76,8 +76,8 @@ class ModelNameError(SgdfuseError):
         self.name, self.where, self.path = name, where, path
         super().__init__(
             (f"{path}: " if path else "")
-            + f"{where} is named {name!r}, which is not valid UTF-8 (ONNX names are UTF-8 strings); rename it "
-            "in the exporter or with onnx's Python API, and run again"
+            + f"{where} ({name!r}) is not valid UTF-8 (ONNX's names and strings are UTF-8 text); rename it in the "
+            "exporter or with onnx's Python API, and run again"
         )
 
     def in_file(self, path: str | os.PathLike) -> "ModelNameError":

@@ -93,5 +93,25 @@ def test_a_node_name_that_is_not_utf8_is_refused_by_lower_naming_the_file(tmp_pa
     assert _run(["optimize", path, "-o", fused])[0] == 0
     code, err = _run(["lower", fused, "--soc", "Ascend910B2", "-o", tmp_path / "out.air"])
     assert code == 1
-    assert err.startswith(f"error: {fused}: a node is named b'\\xff\\xfe"), err
+    assert err.startswith(f"error: {fused}: a node (b'\\xff\\xfe"), err
     assert not (tmp_path / "out.air").exists()
+
+
+@pytest.mark.parametrize("field", ["producer_name", "op_type"])
+def test_other_model_strings_that_are_not_utf8_are_one_error_too(field, tmp_path):
+    # A producer name the rewrite copies into its output, an op type the checker and lowering read: each
+    # stopped a command with an internal error or wrote an invalid model (a fresh trial's finding).
+    model = _update_model()
+    if field == "producer_name":
+        model.producer_name = "PRODUCER"
+        placeholder = b"PRODUCER"
+    else:
+        model.graph.node.append(helper.make_node("Relu", ["p"], ["p_relu"], name="relu"))
+        model.graph.output.append(helper.make_tensor_value_info("p_relu", TensorProto.FLOAT, [4, 3]))
+        placeholder = b"Relu"
+    path = _with_bytes(model, placeholder, tmp_path / "bad.onnx")
+    for argv in (["optimize", path, "-o", tmp_path / "out.onnx"], ["lower", path, "--soc", "Ascend910B2", "-o", tmp_path / "out.air"],
+                 ["check", path, path]):
+        code, err = _run(argv)
+        assert code == 1 and err.startswith(f"error: {path}: ") and "not valid UTF-8" in err, (argv, err)
+        assert not (tmp_path / "out.onnx").exists() and not (tmp_path / "out.air").exists()

@@ -174,6 +174,7 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     nodes = _node_facts(model, data)
     producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph, nodes)
     _require_text_names(graph, nodes, producer, consumers)
+    _require_model_text(model)
     specs: dict[str, TensorSpec] = {}
     types: dict[bytes, tuple | None] = {}
     declared = _scanned(data, INPUT | OUTPUT | VALUE_INFO, len(graph.node))
@@ -284,6 +285,9 @@ def _require_text_names(graph: onnx.GraphProto, nodes: list[NodeFacts], producer
             node = graph.node[k]
             label = node.name if type(node.name) is str and node.name else f"#{k} ({nodes[k][0]})"
             raise ModelNameError(name, f"{role} of node {label}")
+    for k, (op_type, domain, *_) in enumerate(nodes):
+        if type(op_type) is not str or type(domain) is not str:
+            raise ModelNameError(op_type if type(op_type) is not str else domain, f"the {'op type' if type(op_type) is not str else 'domain'} of node #{k}")
 
 
 def require_text_names(model: onnx.ModelProto) -> None:
@@ -297,7 +301,10 @@ def require_text_names(model: onnx.ModelProto) -> None:
         ModelNameError: the first such name, with what carries it.
     """
     graph = model.graph
+    _require_model_text(model)
     table = node_table(model)
+    _require_text(table.op_types, "a node's op type")
+    _require_text(table.domains, "a node's domain")
     for names_per_node, role in ((table.outputs, "an output"), (table.inputs, "an input")):
         for k, names in enumerate(names_per_node):
             if not all(type(name) is str for name in names):
@@ -306,6 +313,17 @@ def require_text_names(model: onnx.ModelProto) -> None:
     for values, role in ((graph.input, "a graph input"), (graph.output, "a graph output"), (graph.initializer, "an initializer"),
                          (graph.value_info, "a value info"), (graph.node, "a node")):
         _require_text([value.name for value in values], role)
+
+
+def _require_model_text(model: onnx.ModelProto) -> None:
+    """The model's own strings (``producer_name``, ``producer_version``, ``domain``, the graph's name, the opset
+    domains) are text: the rewrite copies them into its output (found by a fresh trial: a producer name in other
+    bytes stopped ``optimize`` with an internal error)."""
+    for value, role in ((model.producer_name, "the model's producer_name"), (model.producer_version, "the model's producer_version"),
+                        (model.domain, "the model's domain"), (model.graph.name, "the graph")):
+        if type(value) is not str:
+            raise ModelNameError(value, role)
+    _require_text([o.domain for o in model.opset_import], "an opset import's domain")
 
 
 def _require_text(names, role: str) -> None:
