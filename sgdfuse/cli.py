@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -281,6 +282,23 @@ def _progress(model: Path, quiet: bool):
     return _Bar()
 
 
+@contextlib.contextmanager
+def _about_file(path: Path):
+    """Errors raised inside name the model file ``path``: a :class:`ModelNameError` without a file, and a
+    lowering error about "model" (its subject) or about one of its nodes or values."""
+    from sgdfuse.lowering.errors import LoweringError
+
+    try:
+        yield
+    except ModelNameError as error:
+        raise error if error.path else error.in_file(path) from None
+    except LoweringError as error:
+        if error.subject == os.fspath(path) or error.subject.startswith(f"{os.fspath(path)}: "):
+            raise
+        text = str(error)
+        raise SgdfuseError(f"{path}: {text[len('model: '):] if error.subject == 'model' else text}") from error
+
+
 def _require_text_names(model: onnx.ModelProto, path: Path) -> None:
     """:func:`sgdfuse.passes.index.require_text_names`, the error naming the file ``path``."""
     from sgdfuse.passes.index import require_text_names
@@ -546,81 +564,79 @@ def lower_command(
         destinations = [destination, init_destination, json_path]
     _check_destinations(destinations, (model,))
 
-    try:
+    with _about_file(model):  # an error about "model" names the file
         fused, report = prepare(model)
-    except ModelNameError as error:
-        raise error if error.path else error.in_file(model) from None
-    _require_text_names(fused, model)
-    if report is not None:
-        reasons = Counter(r.reason for r in report.refused)
-        refused = f"{len(report.refused)} refused" + (
-            " (" + ", ".join(f"{count} {reason}" for reason, count in sorted(reasons.items())) + ")" if reasons else ""
-        )
-        checks = report.verification
-        if checks.enabled:
-            failed = sum(1 for u in checks.updates if not u["passed"])
-            verified = f"verification ran ({len(checks.updates)} update(s), {checks.steps} chained steps in {checks.runner}, {failed} failed)"
-        else:
-            verified = "verification did not run"
-        _out.print(
-            f"{model.name} had no ai.sgdfuse::SGD node, so it was optimised first: {len(report.fused)} update(s) fused, "
-            f"{refused}; {verified}",
-            markup=False, highlight=False, soft_wrap=True,
-        )
-    guessed = [node.name for node in fused.graph.node if is_sgd_node(node) and ROLES_BY_PLAUSIBILITY in node.doc_string]
-    if guessed:
-        _err.print(
-            f"warning: the roles of {len(guessed)} SGD node(s) ({', '.join(guessed[:3])}{', ...' if len(guessed) > 3 else ''}) were "
-            "decided by plausibility alone (momentum in (0, 1), dampening 0): the buffer written in place is a guess. "
-            "Pin it with `sgdfuse optimize --state NEW=OLD` or `--buffers GLOB` if it is wrong.",
-            markup=False, highlight=False, soft_wrap=True,
-        )
-    if not any(is_sgd_node(node) for node in fused.graph.node):
-        _err.print(
-            f"warning: {model.name} has no momentum-SGD update to lower (no ai.sgdfuse::SGD node after optimising); "
-            f"the output has no SGD op. `sgdfuse inspect {model}` shows why candidates were refused.",
-            markup=False, highlight=False, soft_wrap=True,
-        )
-
-    if output_format == "onnx-atc":
-        written, plugin = onnx_atc.write_onnx_atc(
-            fused, destination, soc=soc, optimise=False, explicit_onnx_domain=explicit_onnx_domain
-        )
-        domains = (
-            f"standard nodes in domain {onnx_atc.STANDARD_DOMAIN} (onnx.checker refuses this form)"
-            if explicit_onnx_domain
-            else 'standard nodes in the default domain ""'
-        )
-        _out.print(f"Wrote {written} (SGD nodes as {onnx_atc.ATC_OP_KEY}, {domains})", markup=False, highlight=False, soft_wrap=True)
-        _out.print(f"Wrote {plugin} (ATC op plugin source mapping {onnx_atc.ATC_OP_KEY} to GE SGD)", markup=False, highlight=False, soft_wrap=True)
-        return
-    lowered = lowering.lower(fused, soc=soc, optimise=False)
-    if verify:
-        from sgdfuse.lowering.verify import LoweringVerificationError, verify_lowering
-
-        check = verify_lowering(fused, lowered, steps=steps)
-        if not check.passed:
-            raise LoweringVerificationError(
-                str(model), f"the lowered GE graph disagrees with onnxruntime on the fused model: {check.message}; nothing was written"
+        _require_text_names(fused, model)
+        if report is not None:
+            reasons = Counter(r.reason for r in report.refused)
+            refused = f"{len(report.refused)} refused" + (
+                " (" + ", ".join(f"{count} {reason}" for reason, count in sorted(reasons.items())) + ")" if reasons else ""
             )
-        _out.print(f"Verified: the GE graph agrees with onnxruntime over {check.steps} chained in-place steps.")
-    with OutputBatch() as batch:  # step graph, init graph and JSON together or not at all
-        lowered.save_air(destination, batch=batch)
-        lowered.save_init_air(init_destination, batch=batch)
+            checks = report.verification
+            if checks.enabled:
+                failed = sum(1 for u in checks.updates if not u["passed"])
+                verified = f"verification ran ({len(checks.updates)} update(s), {checks.steps} chained steps in {checks.runner}, {failed} failed)"
+            else:
+                verified = "verification did not run"
+            _out.print(
+                f"{model.name} had no ai.sgdfuse::SGD node, so it was optimised first: {len(report.fused)} update(s) fused, "
+                f"{refused}; {verified}",
+                markup=False, highlight=False, soft_wrap=True,
+            )
+        guessed = [node.name for node in fused.graph.node if is_sgd_node(node) and ROLES_BY_PLAUSIBILITY in node.doc_string]
+        if guessed:
+            _err.print(
+                f"warning: the roles of {len(guessed)} SGD node(s) ({', '.join(guessed[:3])}{', ...' if len(guessed) > 3 else ''}) were "
+                "decided by plausibility alone (momentum in (0, 1), dampening 0): the buffer written in place is a guess. "
+                "Pin it with `sgdfuse optimize --state NEW=OLD` or `--buffers GLOB` if it is wrong.",
+                markup=False, highlight=False, soft_wrap=True,
+            )
+        if not any(is_sgd_node(node) for node in fused.graph.node):
+            _err.print(
+                f"warning: {model.name} has no momentum-SGD update to lower (no ai.sgdfuse::SGD node after optimising); "
+                f"the output has no SGD op. `sgdfuse inspect {model}` shows why candidates were refused.",
+                markup=False, highlight=False, soft_wrap=True,
+            )
+
+        if output_format == "onnx-atc":
+            written, plugin = onnx_atc.write_onnx_atc(
+                fused, destination, soc=soc, optimise=False, explicit_onnx_domain=explicit_onnx_domain
+            )
+            domains = (
+                f"standard nodes in domain {onnx_atc.STANDARD_DOMAIN} (onnx.checker refuses this form)"
+                if explicit_onnx_domain
+                else 'standard nodes in the default domain ""'
+            )
+            _out.print(f"Wrote {written} (SGD nodes as {onnx_atc.ATC_OP_KEY}, {domains})", markup=False, highlight=False, soft_wrap=True)
+            _out.print(f"Wrote {plugin} (ATC op plugin source mapping {onnx_atc.ATC_OP_KEY} to GE SGD)", markup=False, highlight=False, soft_wrap=True)
+            return
+        lowered = lowering.lower(fused, soc=soc, optimise=False)
+        if verify:
+            from sgdfuse.lowering.verify import LoweringVerificationError, verify_lowering
+
+            check = verify_lowering(fused, lowered, steps=steps)
+            if not check.passed:
+                raise LoweringVerificationError(
+                    str(model), f"the lowered GE graph disagrees with onnxruntime on the fused model: {check.message}; nothing was written"
+                )
+            _out.print(f"Verified: the GE graph agrees with onnxruntime over {check.steps} chained in-place steps.")
+        with OutputBatch() as batch:  # step graph, init graph and JSON together or not at all
+            lowered.save_air(destination, batch=batch)
+            lowered.save_init_air(init_destination, batch=batch)
+            if json_path is not None:
+                batch.stage(json_path, (lowered.to_json() + "\n").encode())
+            batch.commit()
+        table = Table(title=f"GE graph for {soc} ({lowered.product_line.name})")
+        for column in ("ops", "SGD ops", "state variables", "inputs (Data)", "outputs"):
+            table.add_column(column)
+        table.add_row(
+            str(lowered.op_count()), str(len(lowered.sgd_ops)), str(len(lowered.state)),
+            _names(lowered.inputs), _names(lowered.outputs),
+        )
+        _out.print(table)
+        _out.print(f"Wrote {destination} (step graph) and {init_destination} (init graph: assigns the state variables)")
         if json_path is not None:
-            batch.stage(json_path, (lowered.to_json() + "\n").encode())
-        batch.commit()
-    table = Table(title=f"GE graph for {soc} ({lowered.product_line.name})")
-    for column in ("ops", "SGD ops", "state variables", "inputs (Data)", "outputs"):
-        table.add_column(column)
-    table.add_row(
-        str(lowered.op_count()), str(len(lowered.sgd_ops)), str(len(lowered.state)),
-        _names(lowered.inputs), _names(lowered.outputs),
-    )
-    _out.print(table)
-    _out.print(f"Wrote {destination} (step graph) and {init_destination} (init graph: assigns the state variables)")
-    if json_path is not None:
-        _out.print(f"Wrote {json_path}")
+            _out.print(f"Wrote {json_path}")
 
 
 @app.command("state")

@@ -112,3 +112,19 @@ def test_an_option_value_out_of_range_is_a_usage_error(argv, tmp_path):
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: Invalid value for"), err
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_a_lowering_error_about_the_model_names_the_file(tmp_path):
+    # `lower` of a model with an op that has no GE rule said "error: model: ..." (a fresh trial's finding): the
+    # one line names the file the user gave.
+    model = onnx.load(Path(__file__).resolve().parent.parent / "testdata" / "torch" / "mlp_train_step_dynamo.onnx")
+    relu = next(node for node in model.graph.node if node.op_type == "Relu")
+    relu.op_type = "Relv"  # an op type no lowering rule knows
+    path = tmp_path / "relv.onnx"
+    onnx.save(model, path)
+    fused = tmp_path / "relv.fused.onnx"
+    assert _run("optimize", path, "-o", fused, "--no-verify")[0] == 0
+    code, _, err = _run("lower", fused, "--soc", "Ascend910B2", "-o", tmp_path / "out.air")
+    assert code == 1
+    assert err.startswith(f"error: {fused}: 1 node(s) of 1 op type(s) have no ONNX→GE lowering rule [Relv]"), err
+    assert not (tmp_path / "out.air").exists()
