@@ -292,7 +292,8 @@ def _require_text_names(graph: onnx.GraphProto, nodes: list[NodeFacts], producer
 
 def require_text_names(model: onnx.ModelProto) -> None:
     """Check that every name of ``model``'s main graph is valid UTF-8: the values its nodes read and write, its
-    graph inputs, outputs, initializers, value infos and nodes (a node's name becomes a GE op's; protobuf hands a ``string`` field holding other bytes
+    graph inputs, outputs, initializers, value infos, nodes (a node's name becomes a GE op's) and attributes, op
+    types and domains of the nodes, and the model's own strings (protobuf hands a ``string`` field holding other bytes
     out as ``bytes``, which onnxruntime, onnx's checker and every name table here then fail on). For commands
     that read a model without indexing it first (``check``, ``lower`` of a fused model); :func:`build_index`
     checks the same names as it reads them.
@@ -313,6 +314,9 @@ def require_text_names(model: onnx.ModelProto) -> None:
     for values, role in ((graph.input, "a graph input"), (graph.output, "a graph output"), (graph.initializer, "an initializer"),
                          (graph.value_info, "a value info"), (graph.node, "a node")):
         _require_text([value.name for value in values], role)
+    for k, attributed in enumerate(table.has_attributes):
+        if attributed:  # onnxruntime decodes every attribute name (it failed with four lines of its own first)
+            _require_text([a.name for a in graph.node[k].attribute], f"an attribute of node #{k} ({table.op_types[k]})")
 
 
 def _require_model_text(model: onnx.ModelProto) -> None:
