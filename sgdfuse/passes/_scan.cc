@@ -39,8 +39,6 @@ namespace {
 
 using namespace sgdfuse_wire;
 
-
-
 // A Python str of the UTF-8 text, interned; bytes when it is not valid UTF-8 (as protobuf's Python API).
 PyObject* decode_string(const uint8_t* data, size_t size) {
   PyObject* text = PyUnicode_DecodeUTF8(reinterpret_cast<const char*>(data), Py_ssize_t(size), nullptr);
@@ -110,7 +108,6 @@ class StringCache {
   std::vector<Entry> entries_;
 };
 
-
 // Everything one scan produces; the lists own their items.
 struct Table : Scan {
   PyObject* op_types = nullptr;
@@ -123,7 +120,6 @@ struct Table : Scan {
   // A name read again soon is not decoded and interned again (a learning rate is read by thousands of nodes).
   StringCache strings;
   bool python_error = false;  // a Python exception is set (out of memory)
-
 };
 
 PyObject* make_string(Table& t, const uint8_t* data, size_t size) { return t.strings.get(data, size); }
@@ -252,18 +248,7 @@ bool scan_graph(Table& t, Reader r) {
 }
 
 bool scan_model(Table& t, Reader r) {
-  while (r.p < r.end) {
-    uint32_t field;
-    int wire_type;
-    if (!read_tag(t, r, field, wire_type)) return false;
-    if (field == 7 && wire_type == 2) {
-      Reader graph;
-      if (!read_bytes(t, r, graph) || !scan_graph(t, graph)) return false;
-    } else if (!skip_field(t, r, field, wire_type, 0)) {
-      return false;
-    }
-  }
-  return true;
+  return scan_length_delimited(t, r, 7, [&t](Reader graph) { return scan_graph(t, graph); });
 }
 
 void release(Table& t) {

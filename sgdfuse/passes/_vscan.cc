@@ -32,9 +32,6 @@ namespace {
 
 using namespace sgdfuse_wire;
 
-
-
-
 struct Table : Scan {
   // Per selected GraphProto field (input, output, value_info): the names and the type numbers, in order.
   PyObject* names[3] = {nullptr, nullptr, nullptr};
@@ -47,10 +44,7 @@ struct Table : Scan {
   int wanted = 0;  // bit 0: input, 1: output, 2: value_info
   const uint8_t* base = nullptr;
   bool python_error = false;
-
 };
-
-
 
 // Append to a list, taking the reference to item (which may be null after a failed call).
 bool append(Table& t, PyObject* list, PyObject* item) {
@@ -144,18 +138,7 @@ bool scan_graph(Table& t, Reader r) {
 }
 
 bool scan_model(Table& t, Reader r) {
-  while (r.p < r.end) {
-    uint32_t field;
-    int wire_type;
-    if (!read_tag(t, r, field, wire_type)) return false;
-    if (field == 7 && wire_type == 2) {
-      Reader graph;
-      if (!read_bytes(t, r, graph) || !scan_graph(t, graph)) return false;
-    } else if (!skip_field(t, r, field, wire_type, 0)) {
-      return false;
-    }
-  }
-  return true;
+  return scan_length_delimited(t, r, 7, [&t](Reader graph) { return scan_graph(t, graph); });
 }
 
 void release(Table& t) {

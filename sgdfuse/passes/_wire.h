@@ -114,4 +114,22 @@ inline bool skip_field(Scan& t, Reader& r, uint32_t field, int wire_type, int de
   }
 }
 
+// Each field of the message in r numbered `number` with wire type 2 goes to visit(payload) (false stops the
+// scan); every other field is skipped. A ModelProto's graph (field 7), for both scanners.
+template <class Visit>
+bool scan_length_delimited(Scan& t, Reader r, uint32_t number, Visit&& visit) {
+  while (r.p < r.end) {
+    uint32_t field;
+    int wire_type;
+    if (!read_tag(t, r, field, wire_type)) return false;
+    if (field == number && wire_type == 2) {
+      Reader payload;
+      if (!read_bytes(t, r, payload) || !visit(payload)) return false;
+    } else if (!skip_field(t, r, field, wire_type, 0)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace sgdfuse_wire

@@ -229,33 +229,37 @@ def build_scanner(*, cache_dir: str | os.PathLike | None = None, force: bool = F
             compile failed (``"compile-failed"``, the compiler's output in ``log``); a failure is remembered,
             so a process tries once per cache root.
     """
-    root = str(cache_root(cache_dir))
-    loaded = _LOADED.get(root)
-    if loaded is None or force:
-        try:
-            loaded = _build_and_load(root, force)
-        except ScannerBuildError as error:
-            loaded = error
-        _LOADED[root] = loaded
-    if isinstance(loaded, ScannerBuildError):
-        raise loaded
-    return loaded
+    return build_extension(_SOURCE, _MODULE, "node-scan", "the native node scanner", root=str(cache_root(cache_dir)), force=force)
 
 
-# What build_scanner() found per cache root in this process: the build, or the error it raised.
-_LOADED: dict[str, ScannerBuild | ScannerBuildError] = {}
+# What build_extension() found per module and cache root in this process: the build, or the error it raised.
+_LOADED: dict[tuple[str, str], ScannerBuild | ScannerBuildError] = {}
 
 
 def build_extension(source: Path, module_name: str, cache_name: str, what: str, *, root: str, force: bool = False) -> ScannerBuild:
     """Build (or reuse) and load the CPython extension module ``module_name`` compiled from the C++ file
     ``source`` and the wire-format header ``_wire.h`` it includes (both beside this file), cached under
     ``root / cache_name`` by a key of compiler, flags, Python ABI, sources and header: the node scanner's
-    build, shared by :mod:`sgdfuse.passes.value_scan`.
+    build, shared by :mod:`sgdfuse.passes.value_scan`. Once per module and cache root in a process (a
+    failure is remembered too), unless ``force``.
 
     Raises:
         ScannerBuildError: no compiler (``no-compiler``), no Python headers (``no-headers``), or the compile or
             the load failed (``compile-failed``); ``what`` names the scanner in the message.
     """
+    loaded = _LOADED.get((module_name, root))
+    if loaded is None or force:
+        try:
+            loaded = _build_extension(source, module_name, cache_name, what, root=root, force=force)
+        except ScannerBuildError as error:
+            loaded = error
+        _LOADED[(module_name, root)] = loaded
+    if isinstance(loaded, ScannerBuildError):
+        raise loaded
+    return loaded
+
+
+def _build_extension(source: Path, module_name: str, cache_name: str, what: str, *, root: str, force: bool) -> ScannerBuild:
     includes = _python_includes(what)
     compiler, compiler_version = find_compiler(what, ScannerBuildError)
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
@@ -301,5 +305,3 @@ def _python_includes(what: str) -> list[str]:
     return found
 
 
-def _build_and_load(root: str, force: bool) -> ScannerBuild:
-    return build_extension(_SOURCE, _MODULE, "node-scan", "the native node scanner", root=root, force=force)

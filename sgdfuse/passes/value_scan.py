@@ -81,23 +81,6 @@ def scan_value_infos(data: bytes | bytearray | memoryview, fields: int) -> Scann
     return ScannedInfos(names, type_ids, types, node_count)
 
 
-_LOADED: dict[str, ModuleType | ScannerBuildError] = {}
-
-
 def _module() -> ModuleType:
-    """The built scanner module, built once per process and cache root (a failure is remembered)."""
-    root = str(cache_root())
-    loaded = _LOADED.get(root)
-    if loaded is None:
-        try:
-            loaded = _build_and_load(root)
-        except ScannerBuildError as error:
-            loaded = error
-        _LOADED[root] = loaded
-    if isinstance(loaded, ScannerBuildError):
-        raise loaded
-    return loaded
-
-
-def _build_and_load(root: str) -> ModuleType:
-    return build_extension(_SOURCE, _MODULE, "value-scan", "the native value-info scanner", root=root).module
+    """The built scanner module (built once per process and cache root, a failure remembered: build_extension)."""
+    return build_extension(_SOURCE, _MODULE, "value-scan", "the native value-info scanner", root=str(cache_root())).module
