@@ -737,19 +737,24 @@ def _in_place_problem(match: Match, named_next: dict[str, str], canonical: dict[
 def _skip_copies(index: GraphIndex, value: str) -> str:
     """Follow ``Identity`` and float-to-float ``Cast``/``CastLike`` back to the value they copy or round:
     a buffer output ``Cast(v32, FLOAT16)`` is the buffer ``v32`` the parameter update reads."""
-    seen = set()
-    while value not in seen:
-        seen.add(value)
-        node = index.node(value)
-        if node is None or node.domain not in ("", "ai.onnx") or not node.input:
+    # The index's node facts, not the protobuf node: this runs for every graph output, several times.
+    producer, facts = index.producer, index.nodes
+    seen: set[str] | None = None
+    while True:
+        k = producer.get(value)
+        if k is None:
             return value
-        if node.op_type == "Identity" or (
-            node.op_type in ("Cast", "CastLike") and index.spec(node.input[0]).dtype in _EPS and index.spec(value).dtype in _EPS
-        ):
-            value = node.input[0]
-            continue
-        return value
-    return value
+        op, domain, inputs = facts[k][:3]
+        if domain not in ("", "ai.onnx") or not inputs:
+            return value
+        if not (op == "Identity" or (op in ("Cast", "CastLike") and index.spec(inputs[0]).dtype in _EPS and index.spec(value).dtype in _EPS)):
+            return value
+        if seen is None:
+            seen = {value}
+        value = inputs[0]
+        if value in seen:
+            return value
+        seen.add(value)
 
 
 def _no_buffer_miss(index: GraphIndex, w: str, form_w: Form, outputs_by_canonical: dict[str, list[str]]) -> Miss:
