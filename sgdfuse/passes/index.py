@@ -20,7 +20,7 @@ from sgdfuse.errors import ModelNameError
 from sgdfuse.contract import TensorSpec
 from sgdfuse.external_data import tensor_to_array
 from sgdfuse.passes.scan import ScanError, node_table
-from sgdfuse.passes.value_scan import INPUT, OUTPUT, VALUE_INFO, ScannedInfos, native_available, scan_value_infos
+from sgdfuse.passes.value_scan import INPUT, OUTPUT, VALUE_INFO, ScannedInfos, inference_bytes, native_available, scan_value_infos
 
 __all__ = ["GraphIndex", "NodeFacts", "build_index", "require_text_names", "SMALL_CONSTANT_ELEMENTS", "tensor_type_of"]
 
@@ -459,6 +459,11 @@ def _inferred_value_infos(
         stripped = _stripped(model)
         if data is None or stripped is not model:
             data = stripped.SerializeToString()
+        if native_available():
+            try:
+                data = inference_bytes(data)  # without node names and metadata: the same types, less to parse and copy
+            except ScanError as error:
+                logger.debug("inference runs on the whole model: the stripper refused its bytes (%s)", error)
         # What onnx.shape_inference.infer_shapes runs on the bytes it serialises, before parsing the result.
         result = onnx.shape_inference.C.infer_shapes(data, False, False, data_propagation)  # check_type, strict_mode, data_prop
         if not subgraph_nodes and native_available():
