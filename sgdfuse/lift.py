@@ -15,12 +15,13 @@ cannot run, and :func:`missing_kernels` names them from onnxruntime's error.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["FLOAT_TYPES", "lift_to_double", "missing_kernels", "specialise"]
+__all__ = ["FLOAT_TYPES", "bfloat16_through_float", "lift_to_double", "missing_kernels", "specialise"]
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16})
 """The ONNX float types that are lifted (DOUBLE stays as it is)."""
@@ -51,6 +52,71 @@ def missing_kernels(error: BaseException | str) -> list[str]:
     """Op types onnxruntime reports having no kernel for (``Could not find an implementation for
     Conv(11) node ...``), from its error text; empty when the error says something else."""
     return sorted(set(re.findall(r"Could not find an implementation for (\w+)\(", str(error))))
+
+
+def bfloat16_through_float(model: onnx.ModelProto, op_types: Collection[str]) -> onnx.ModelProto:
+    """A copy of ``model`` in which every main-graph node of a default-domain op in ``op_types`` that reads or
+    writes BFLOAT16 computes in FLOAT: each BFLOAT16 operand goes through ``Cast(to=FLOAT)`` and each BFLOAT16
+    result comes back through ``Cast(to=BFLOAT16)`` under its own name. For onnxruntime's CPU provider, which
+    has no BFLOAT16 kernel for ``Add``, ``Sub``, ``Mul``, ``Div``, ``Neg``, ``Where``, ``Expand`` and most others
+    (seen with onnxruntime 1.32; ``Cast`` to and from BFLOAT16 it runs).
+
+    The result is what BFLOAT16 arithmetic gives, rounding once per op to nearest even: a BFLOAT16 value is a
+    FLOAT value exactly, so moves and sign changes (``Where``, ``Expand``, ``Neg``) are exact, and for ``+``,
+    ``-``, ``*``, ``/`` and square roots the FLOAT result rounded to BFLOAT16 is the correctly rounded BFLOAT16
+    result, since FLOAT's 24-bit significand holds at least 2 x 8 + 2 bits (Figueroa, "When is double rounding
+    innocuous?", SIGNUM 1995). Other ops round their FLOAT result once, as a device computing them in FLOAT does.
+
+    Operand and result types come from ONNX shape inference on ``model``; a node any of whose float operands
+    or results it leaves untyped is left as it is (onnxruntime then reports it again). Graph inputs and outputs
+    keep their types, so the model is fed and read as before. ``model`` is not modified.
+    """
+    wanted = set(op_types)
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types: dict[str, int] = {}
+    for info in list(inferred.graph.input) + list(inferred.graph.output) + list(inferred.graph.value_info):
+        if info.type.HasField("tensor_type"):
+            types[info.name] = info.type.tensor_type.elem_type
+    for tensor in model.graph.initializer:
+        types[tensor.name] = tensor.data_type
+    taken = set(types) | {name for node in model.graph.node for name in (*node.input, *node.output)}
+
+    def fresh(base: str) -> str:
+        name, counter = base, 1
+        while name in taken:
+            name, counter = f"{base}_{counter}", counter + 1
+        taken.add(name)
+        return name
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    nodes: list[onnx.NodeProto] = []
+    for node in copy.graph.node:
+        names = [n for n in (*node.input, *node.output) if n]
+        if node.op_type not in wanted or node.domain not in ("", "ai.onnx") or TensorProto.BFLOAT16 not in {types.get(n) for n in names}:
+            nodes.append(node)
+            continue
+        if any(n not in types for n in names):
+            nodes.append(node)  # an operand of unknown type: nothing safe to cast
+            continue
+        widened: dict[str, str] = {}
+        for k, name in enumerate(node.input):
+            if name and types[name] == TensorProto.BFLOAT16:
+                if name not in widened:
+                    widened[name] = fresh(f"{name}/as_float")
+                    nodes.append(helper.make_node("Cast", [name], [widened[name]], to=TensorProto.FLOAT))
+                node.input[k] = widened[name]
+        rounded = []
+        for k, name in enumerate(node.output):
+            if name and types[name] == TensorProto.BFLOAT16:
+                wide = fresh(f"{name}/in_float")
+                node.output[k] = wide
+                rounded.append(helper.make_node("Cast", [wide], [name], to=TensorProto.BFLOAT16))
+        nodes.append(node)
+        nodes.extend(rounded)
+    del copy.graph.node[:]
+    copy.graph.node.extend(nodes)
+    return copy
 
 
 def _lift_graph(graph: onnx.GraphProto) -> None:

@@ -127,7 +127,55 @@ def make_session(model: onnx.ModelProto | bytes) -> "ort.InferenceSession | Refe
 
         ortkernel.register(options)
     data = model if isinstance(model, bytes) else model.SerializeToString()
-    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    try:
+        return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    except ONNXRUNTIME_ERRORS as error:
+        session = _bfloat16_in_float(model, error, options)
+        if session is None:
+            raise
+        return session
+
+
+_MAX_EMULATION_ROUNDS = 32
+"""How many times :func:`_bfloat16_in_float` asks onnxruntime again (each answer names one op it lacks)."""
+
+
+def _bfloat16_in_float(model: onnx.ModelProto | bytes, error: Exception, options: ort.SessionOptions) -> "ort.InferenceSession | None":
+    """A session (with ``options``) of ``model`` with every op onnxruntime has no BFLOAT16 kernel for computed
+    in FLOAT (:func:`sgdfuse.lift.bfloat16_through_float`: the same BFLOAT16 results), or None when ``error``
+    is not about a missing kernel, the model has no BFLOAT16 value, or onnxruntime still refuses an op the
+    transform cannot widen. onnxruntime names one missing kernel per attempt, so this asks again until it
+    accepts."""
+    from sgdfuse.lift import bfloat16_through_float, missing_kernels  # lift imports nothing of runtime
+
+    missing = set(missing_kernels(error))
+    if not missing:
+        return None
+    proto = onnx.ModelProto.FromString(model) if isinstance(model, bytes) else model
+    if not _holds_bfloat16(proto):
+        return None
+    for _ in range(_MAX_EMULATION_ROUNDS):
+        data = bfloat16_through_float(proto, missing).SerializeToString()
+        try:
+            return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+        except ONNXRUNTIME_ERRORS as again:
+            more = set(missing_kernels(again)) - missing
+            if not more:
+                return None
+            missing |= more
+    return None
+
+
+def _holds_bfloat16(model: onnx.ModelProto) -> bool:
+    """Whether any graph input, output, value info or initializer of the main graph is BFLOAT16, or any
+    ``Cast`` makes one."""
+    graph = model.graph
+    infos = (*graph.input, *graph.output, *graph.value_info)
+    if any(i.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for i in infos):
+        return True
+    if any(t.data_type == onnx.TensorProto.BFLOAT16 for t in graph.initializer):
+        return True
+    return any(a.name == "to" and a.i == onnx.TensorProto.BFLOAT16 for n in graph.node if n.op_type == "Cast" for a in n.attribute)
 
 
 def run(
