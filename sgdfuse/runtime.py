@@ -154,27 +154,16 @@ def _bfloat16_in_float(model: onnx.ModelProto | bytes, error: Exception, options
     proto = onnx.ModelProto.FromString(model) if isinstance(model, bytes) else model
     if not _holds_bfloat16(proto):
         return None
-    # What earlier models taught: verification builds a session per batch of slices, each would otherwise
-    # fail once per missing op before it runs. Widening an op onnxruntime does have changes no number.
-    missing |= _MISSING_BFLOAT16_KERNELS
     for _ in range(_MAX_EMULATION_ROUNDS):
         data = bfloat16_through_float(proto, missing).SerializeToString()
         try:
-            session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+            return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
         except ONNXRUNTIME_ERRORS as again:
             more = set(missing_kernels(again)) - missing
             if not more:
                 return None
             missing |= more
-            continue
-        _MISSING_BFLOAT16_KERNELS.update(missing)
-        return session
     return None
-
-
-_MISSING_BFLOAT16_KERNELS: set[str] = set()
-"""Op types :func:`_bfloat16_in_float` found onnxruntime lacking in this process (a cache: any op type may be
-widened without changing a result)."""
 
 
 def _holds_bfloat16(model: onnx.ModelProto) -> bool:
