@@ -458,19 +458,29 @@ def _gradient_live(gradient, compared: Iterable) -> bool:
     """Is some element of ``gradient`` finite and non-zero where every value of ``compared`` of the gradient's
     shape (an update's outputs and state writes, on either side) is finite? Then the gradient term took part
     in a comparison (:data:`WIDE`)."""
-    if gradient is None:
+    g = _float_array(gradient)
+    if g is None or g.size == 0:
         return False
-    g = np.asarray(gradient)
-    if g.size == 0 or (g.dtype.kind != "f" and g.dtype.name != "bfloat16"):
-        return False
-    g = g.astype(np.float64)
     with np.errstate(invalid="ignore"):
         mask = np.isfinite(g) & (g != 0)
+        if not mask.any():
+            return False
         for value in compared:
-            value = np.asarray(value)
-            if value.shape == g.shape and (value.dtype.kind == "f" or value.dtype.name == "bfloat16"):
-                mask &= np.isfinite(value.astype(np.float64))
+            value = _float_array(value)
+            if value is not None and value.shape == g.shape:
+                mask &= np.isfinite(value)
     return bool(mask.any())
+
+
+def _float_array(value) -> np.ndarray | None:
+    """``value`` as a numpy float array (BFLOAT16 widened to DOUBLE, which numpy's ufuncs need), or None when it
+    is not a float tensor."""
+    if value is None:
+        return None
+    array = np.asarray(value)
+    if array.dtype.kind == "f":
+        return array
+    return array.astype(np.float64) if array.dtype.name == "bfloat16" else None
 
 
 # ------------------------------------------------------------------------------------------- feeds
@@ -1093,10 +1103,11 @@ def _view_live(view: _UpdateView, original_feeds, original_out, fused_out) -> bo
     return _gradient_live(_gradient_of(view, original_feeds, original_out, fused_out), compared)
 
 
-def _live_views(views: Sequence[_UpdateView], steps: Sequence[tuple]) -> list[bool]:
+def _live_views(views: Sequence[_UpdateView], steps: Sequence[tuple], known: Sequence[bool]) -> list[bool]:
     """Per view: was its gradient live (:func:`_view_live`) on one of ``steps``, each ``(original feeds,
-    original outputs, fused outputs)``? Stops at the first step where it was."""
-    return [any(_view_live(view, *step) for step in steps) for view in views]
+    original outputs, fused outputs)``, or is it ``known`` to be (from an earlier run)? Stops at the first
+    step where it was."""
+    return [seen or any(_view_live(view, *step) for step in steps) for view, seen in zip(views, known)]
 
 
 def _lazy_bounds(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out, *, lifted: bool) -> dict:
@@ -1540,7 +1551,8 @@ def _run_schedule(pair: _Pair, slices: _Slices, tallies: Sequence[_Tally], *, st
             original_feeds, fused_feeds = dict(original_feeds), dict(fused_feeds)
             _carry(original_feeds, completed[-1][2], original_pairs)
             _carry(fused_feeds, completed[-1][3], fused_pairs)
-    live = _live_views(slices.views, [(o_in, o_out, f_out) for o_in, _, o_out, f_out, _, _ in completed])
+    live = _live_views(slices.views, [(o_in, o_out, f_out) for o_in, _, o_out, f_out, _, _ in completed],
+                       [tally.gradient_seen for tally in tallies])
     if not all(live):
         # A gradient computed in the slice (a guard reading it brings its cone in) that the random data kept at zero.
         original_feeds, fused_feeds = dict(base[0]), dict(base[1])
@@ -1699,15 +1711,16 @@ def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Map
     names the fed inputs the gradient is computed from, data before state (graph-input order). Returns what
     was failed (output names and state inputs)."""
     failed: list[str] = []
+    memo: dict[str, frozenset] = {}
+    order = {name: position for position, name in enumerate(inputs)}
     for k, view in enumerate(views):
         tallies = _view_tallies(k, view, output_tallies, state_tallies)
         if not tallies or any(t.gradient_seen for t in tallies):
             continue
         probe = fused.producer.get(view.gradient)
         gradient = fused.nodes[probe].input[0] if probe is not None else view.gradient
-        found = fused.sources([gradient])
-        sources = sorted((name for name in inputs if name in found and name != gradient),
-                         key=lambda name: inputs[name].role in ("parameters", "accum"))
+        found = fused.fed_sources(gradient, inputs, memo) - {gradient}
+        sources = sorted(found, key=lambda name: (inputs[name].role in ("parameters", "accum"), order[name]))
         message = _dead_gradient_message(
             gradient, sources, list(view.outputs),
             "check feeds every input random values and wide ones, and none reaches this gradient. Check a form of the "
@@ -1836,6 +1849,31 @@ class _Side:
             if k is not None:
                 stack.extend(reads[k])
         return found
+
+    def fed_sources(self, value: str, fed: Mapping[str, object], memo: dict[str, frozenset]) -> frozenset:
+        """The names in ``fed`` that ``value`` is, or is computed from by this side's nodes. ``memo`` keeps the
+        answer for every value visited, so that the cones of many values (the gradients of a chain of layers)
+        are walked once between them."""
+        stack = [value]
+        visiting: set[str] = set()  # on the stack below: a cycle (a malformed model) is not followed round
+        producer, reads = self.producer.get, self.reads
+        empty: frozenset = frozenset()
+        while stack:
+            current = stack[-1]
+            if current in memo:
+                stack.pop()
+                continue
+            k = producer(current)
+            if current not in visiting:
+                visiting.add(current)
+                pending = [name for name in reads[k] if name not in memo and name not in visiting] if k is not None else []
+                if pending:
+                    stack.extend(pending)
+                    continue
+            stack.pop()
+            found = frozenset([current]) if current in fed else empty
+            memo[current] = found.union(*(memo.get(name, empty) for name in reads[k])) if k is not None else found
+        return memo[value]
 
     def extend(self, nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> None:
         """Add ``nodes`` (after every other) and ``outputs`` (values to compute) to this side."""
@@ -2485,7 +2523,8 @@ def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, o
         if mode == "lockstep":
             lockstep_base, lockstep_rng, wide_step = base, rng, len(sequence)
     plain_views = [view for _, view in views]
-    live = _live_views(plain_views, [(o_in, o_out, f_out) for *_, o_in, _, o_out, f_out in results])
+    known = [any(t.gradient_seen for t in _view_tallies(k, view, output_tallies, state_tallies)) for k, view in views]
+    live = _live_views(plain_views, [(o_in, o_out, f_out) for *_, o_in, _, o_out, f_out in results], known)
     skipped = ""
     if not all(live):
         original_feeds, fused_feeds = dict(lockstep_base[0]), dict(lockstep_base[1])
