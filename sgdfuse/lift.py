@@ -54,12 +54,15 @@ def missing_kernels(error: BaseException | str) -> list[str]:
     return sorted(set(re.findall(r"Could not find an implementation for (\w+)\(", str(error))))
 
 
-def bfloat16_through_float(model: onnx.ModelProto, op_types: Collection[str]) -> onnx.ModelProto:
-    """A copy of ``model`` in which every main-graph node of a default-domain op in ``op_types`` that reads or
-    writes BFLOAT16 computes in FLOAT: each BFLOAT16 operand goes through ``Cast(to=FLOAT)`` and each BFLOAT16
-    result comes back through ``Cast(to=BFLOAT16)`` under its own name. For onnxruntime's CPU provider, which
-    has no BFLOAT16 kernel for ``Add``, ``Sub``, ``Mul``, ``Div``, ``Neg``, ``Where``, ``Expand`` and most others
-    (seen with onnxruntime 1.32; ``Cast`` to and from BFLOAT16 it runs).
+def bfloat16_through_float(model: onnx.ModelProto, op_types: Collection[str] | None) -> tuple[onnx.ModelProto, bool]:
+    """A copy of ``model`` in which every default-domain node of an op in ``op_types`` (None: of any op but
+    ``Cast``, ``CastLike`` and control flow) that reads or writes BFLOAT16 computes in FLOAT: each BFLOAT16
+    operand goes through ``Cast(to=FLOAT)`` and each BFLOAT16 result comes back through ``Cast(to=BFLOAT16)``
+    under its own name; and whether any node was changed. For onnxruntime's CPU provider, which has no
+    BFLOAT16 kernel for ``Add``, ``Sub``, ``Mul``, ``Div``, ``Neg``, ``Where``, ``Expand`` and most others (seen
+    with onnxruntime 1.32; ``Cast`` to and from BFLOAT16 it runs), nor for the ops it runs through their ONNX
+    function bodies (``Softmax``, ``LessOrEqual`` at opset 18, whose error names the body's ``ReduceMax`` or
+    ``Less``: ``op_types`` None widens those too).
 
     The result is what BFLOAT16 arithmetic gives, rounding once per op to nearest even: a BFLOAT16 value is a
     FLOAT value exactly, so moves and sign changes (``Where``, ``Expand``, ``Neg``) are exact, and for ``+``,
@@ -67,19 +70,19 @@ def bfloat16_through_float(model: onnx.ModelProto, op_types: Collection[str]) ->
     result, since FLOAT's 24-bit significand holds at least 2 x 8 + 2 bits (Figueroa, "When is double rounding
     innocuous?", SIGNUM 1995). Other ops round their FLOAT result once, as a device computing them in FLOAT does.
 
-    Operand and result types come from ONNX shape inference on ``model``; a node any of whose float operands
-    or results it leaves untyped is left as it is (onnxruntime then reports it again). Graph inputs and outputs
-    keep their types, so the model is fed and read as before. ``model`` is not modified.
+    Model-local functions are inlined first (``onnx.inliner``: their bodies are nodes like any other), and
+    subgraphs (``If``, ``Loop`` bodies) are widened the same way. Operand and result types come from ONNX shape
+    inference; a node any of whose operands or results it leaves untyped is left as it is (onnxruntime then
+    reports it again). Graph inputs and outputs keep their types, so the model is fed and read as before.
+    ``model`` is not modified.
     """
-    wanted = set(op_types)
-    inferred = onnx.shape_inference.infer_shapes(model)
-    types: dict[str, int] = {}
-    for info in list(inferred.graph.input) + list(inferred.graph.output) + list(inferred.graph.value_info):
-        if info.type.HasField("tensor_type"):
-            types[info.name] = info.type.tensor_type.elem_type
-    for tensor in model.graph.initializer:
-        types[tensor.name] = tensor.data_type
-    taken = set(types) | {name for node in model.graph.node for name in (*node.input, *node.output)}
+    from onnx import inliner
+
+    source = inliner.inline_local_functions(model) if len(model.functions) else model
+    inferred = onnx.shape_inference.infer_shapes(source)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(source)
+    taken = _all_names(copy.graph)
 
     def fresh(base: str) -> str:
         name, counter = base, 1
@@ -88,12 +91,41 @@ def bfloat16_through_float(model: onnx.ModelProto, op_types: Collection[str]) ->
         taken.add(name)
         return name
 
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
+    changed = _widen_graph(copy.graph, inferred.graph, {}, None if op_types is None else set(op_types), fresh)
+    return copy, changed
+
+
+_NOT_WIDENED = frozenset({"Cast", "CastLike", "If", "Loop", "Scan", "SequenceMap"})
+"""Ops :func:`bfloat16_through_float` leaves as they are even when asked for every op: onnxruntime runs the
+casts in BFLOAT16, and control flow computes nothing itself (its bodies are widened)."""
+
+
+def _graph_types(graph: onnx.GraphProto, outer: dict[str, int]) -> dict[str, int]:
+    types = dict(outer)
+    for info in (*graph.input, *graph.output, *graph.value_info):
+        if info.type.HasField("tensor_type"):
+            types[info.name] = info.type.tensor_type.elem_type
+    for tensor in graph.initializer:
+        types[tensor.name] = tensor.data_type
+    return types
+
+
+def _widen_graph(graph: onnx.GraphProto, inferred: onnx.GraphProto, outer: dict[str, int], wanted: set[str] | None, fresh) -> bool:
+    """Widen ``graph``'s nodes in place (:func:`bfloat16_through_float`), reading types from ``inferred``, the
+    same graph after shape inference, and from the enclosing scopes' ``outer``; True when any node changed."""
+    types = _graph_types(inferred, outer)
+    changed = False
     nodes: list[onnx.NodeProto] = []
-    for node in copy.graph.node:
+    for node, typed in zip(graph.node, inferred.node):
+        for attribute, inferred_attribute in zip(node.attribute, typed.attribute):
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                changed |= _widen_graph(attribute.g, inferred_attribute.g, types, wanted, fresh)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for sub, inferred_sub in zip(attribute.graphs, inferred_attribute.graphs):
+                    changed |= _widen_graph(sub, inferred_sub, types, wanted, fresh)
         names = [n for n in (*node.input, *node.output) if n]
-        if node.op_type not in wanted or node.domain not in ("", "ai.onnx") or TensorProto.BFLOAT16 not in {types.get(n) for n in names}:
+        chosen = node.op_type not in _NOT_WIDENED if wanted is None else node.op_type in wanted
+        if not chosen or node.domain not in ("", "ai.onnx") or TensorProto.BFLOAT16 not in {types.get(n) for n in names}:
             nodes.append(node)
             continue
         if any(n not in types for n in names):
@@ -114,9 +146,29 @@ def bfloat16_through_float(model: onnx.ModelProto, op_types: Collection[str]) ->
                 rounded.append(helper.make_node("Cast", [wide], [name], to=TensorProto.BFLOAT16))
         nodes.append(node)
         nodes.extend(rounded)
-    del copy.graph.node[:]
-    copy.graph.node.extend(nodes)
-    return copy
+        changed = True
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return changed
+
+
+def _all_names(graph: onnx.GraphProto) -> set[str]:
+    """Every value name of ``graph`` and its subgraphs (inputs, outputs, value infos, initializers, node ends)."""
+    names: set[str] = set()
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        names.update(i.name for i in (*g.input, *g.output, *g.value_info))
+        names.update(t.name for t in g.initializer)
+        for node in g.node:
+            names.update(node.input)
+            names.update(node.output)
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    stack.append(attribute.g)
+                elif attribute.type == onnx.AttributeProto.GRAPHS:
+                    stack.extend(attribute.graphs)
+    return names
 
 
 def _lift_graph(graph: onnx.GraphProto) -> None:

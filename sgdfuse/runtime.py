@@ -143,39 +143,43 @@ _MAX_EMULATION_ROUNDS = 32
 def _bfloat16_in_float(model: onnx.ModelProto | bytes, error: Exception, options: ort.SessionOptions) -> "ort.InferenceSession | None":
     """A session (with ``options``) of ``model`` with every op onnxruntime has no BFLOAT16 kernel for computed
     in FLOAT (:func:`sgdfuse.lift.bfloat16_through_float`: the same BFLOAT16 results), or None when ``error``
-    is not about a missing kernel, the model has no BFLOAT16 value, or onnxruntime still refuses an op the
-    transform cannot widen. onnxruntime names one missing kernel per attempt, so this asks again until it
-    accepts."""
+    is not about a missing kernel or ``model`` has no BFLOAT16 node to widen. onnxruntime names one missing
+    kernel per attempt, so this asks again until it accepts; a kernel it names that is no node of the model
+    (an op of a function body onnxruntime expands: ``Softmax``'s ``ReduceMax``) widens every BFLOAT16 op.
+
+    Raises:
+        onnxruntime's error for the last attempt, when it still refuses a model this could widen.
+    """
     from sgdfuse.lift import bfloat16_through_float, missing_kernels  # lift imports nothing of runtime
 
-    missing = set(missing_kernels(error))
+    missing: set[str] | None = set(missing_kernels(error))
     if not missing:
         return None
     proto = onnx.ModelProto.FromString(model) if isinstance(model, bytes) else model
-    if not _holds_bfloat16(proto):
-        return None
+    last: Exception = error
     for _ in range(_MAX_EMULATION_ROUNDS):
-        data = bfloat16_through_float(proto, missing).SerializeToString()
+        widened, changed = bfloat16_through_float(proto, missing)
+        if not changed:
+            if missing is None:
+                return None if last is error else _reraise(last)
+            missing = None  # the op named is not a node here: widen every BFLOAT16 op
+            continue
         try:
-            return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+            return ort.InferenceSession(widened.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except ONNXRUNTIME_ERRORS as again:
-            more = set(missing_kernels(again)) - missing
-            if not more:
-                return None
-            missing |= more
-    return None
+            last = again
+            more = set(missing_kernels(again))
+            if missing is None or not more:
+                raise
+            if more <= missing:
+                missing = None
+            else:
+                missing |= more
+    raise last
 
 
-def _holds_bfloat16(model: onnx.ModelProto) -> bool:
-    """Whether any graph input, output, value info or initializer of the main graph is BFLOAT16, or any
-    ``Cast`` makes one."""
-    graph = model.graph
-    infos = (*graph.input, *graph.output, *graph.value_info)
-    if any(i.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16 for i in infos):
-        return True
-    if any(t.data_type == onnx.TensorProto.BFLOAT16 for t in graph.initializer):
-        return True
-    return any(a.name == "to" and a.i == onnx.TensorProto.BFLOAT16 for n in graph.node if n.op_type == "Cast" for a in n.attribute)
+def _reraise(error: Exception):
+    raise error
 
 
 def run(

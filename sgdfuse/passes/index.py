@@ -514,7 +514,7 @@ def _needs_data_propagation(model: onnx.ModelProto, nodes: list[NodeFacts], prod
         if key not in schemas:
             try:
                 schemas[key] = None if version is None else onnx.defs.get_schema(op, version, "" if domain == "ai.onnx" else domain)
-            except onnx.defs.SchemaError:
+            except (onnx.defs.SchemaError, TypeError, OverflowError):  # an opset version outside int32: unknown
                 schemas[key] = None
         return schemas[key]
 
