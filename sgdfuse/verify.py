@@ -251,17 +251,23 @@ class _Terms:
     da: np.ndarray | float = 0.0
 
 
+def _times(coefficient: float, magnitude):
+    """``coefficient * magnitude``, 0 for a zero coefficient whatever the magnitude: a term the update does not
+    form (weight decay 0 times NaN parameters) bounds nothing, and a NaN there would make the bound NaN."""
+    return coefficient * magnitude if coefficient else 0.0
+
+
 def _magnitudes(momentum: float, dampening: float, weight_decay: float, nesterov: bool, p, g, a, lr: float) -> tuple[np.ndarray, np.ndarray]:
     """``(S_w, S_v)``: sums of the magnitudes of every term either side forms (module docstring)."""
-    m, d, wd = abs(momentum), abs(dampening), abs(weight_decay)
+    m, d, wd, lr = abs(momentum), abs(dampening), abs(weight_decay), abs(lr)
     with np.errstate(invalid="ignore", over="ignore"):
         p64, g64, a64 = (np.abs(np.asarray(x, dtype=np.float64)) for x in (p, g, a))
-        grad = g64 + wd * p64
-        s_buffer = m * a64 + (1 + d) * grad
+        grad = g64 + _times(wd, p64)
+        s_buffer = _times(m, a64) + (1 + d) * grad
         if nesterov:
-            s_weights = p64 + abs(lr) * (grad + m * s_buffer)
+            s_weights = p64 + _times(lr, grad + _times(m, s_buffer))
         else:
-            s_weights = p64 + abs(lr) * s_buffer
+            s_weights = p64 + _times(lr, s_buffer)
     return s_weights, s_buffer
 
 
@@ -309,13 +315,14 @@ def coefficient_bound(
     eps_f = COEFFICIENT_ROUNDINGS * _UNIT_ROUNDOFF[onnx.TensorProto.FLOAT]
     with np.errstate(invalid="ignore", over="ignore"):
         p64, g64, a64 = (np.abs(np.asarray(x, dtype=np.float64)) for x in (p, g, a))
-        ma, kg, kwp = m * a64, k * g64, k * wd * p64
+        ma, kg, kwp = _times(m, a64), _times(k, g64), _times(k * wd, p64)
         t_v = ma + kg + kwp
         b_v = eps_p * ma + eps_f * kg + 2 * eps_f * kwp
         if nesterov:
-            b_w = lr * (eps_f * wd * p64 + m * b_v + eps_p * m * t_v) + eps_p * lr * (g64 + wd * p64 + m * t_v)
+            b_w = _times(lr, _times(eps_f * wd, p64) + _times(m, b_v) + _times(eps_p * m, t_v)) + _times(
+                eps_p * lr, g64 + _times(wd, p64) + _times(m, t_v))
         else:
-            b_w = lr * b_v + eps_p * lr * t_v
+            b_w = _times(lr, b_v) + _times(eps_p * lr, t_v)
     return b_w, b_v
 
 
@@ -328,9 +335,12 @@ def _bounds(terms: _Terms, *, lifted: bool) -> tuple[np.ndarray, np.ndarray]:
     floor = 4 * _SMALLEST_SUBNORMAL[t.dtype]
     m, k, wd, lr = abs(t.m), abs(1.0 - t.d), abs(t.wd), abs(t.lr)
     with np.errstate(invalid="ignore", over="ignore"):
-        b_v = b_v + 2 * OPERATIONS * u * s_v + floor + m * t.da + k * wd * t.dp
-        b_w = b_w + 2 * OPERATIONS * u * s_w + floor + (1 + lr * k * wd * (1 + m)) * t.dp + lr * (m + m * m) * t.da
-    return np.nan_to_num(b_w, nan=np.inf), np.nan_to_num(b_v, nan=np.inf)
+        b_v = b_v + 2 * OPERATIONS * u * s_v + floor + _times(m, t.da) + _times(k * wd, t.dp)
+        b_w = b_w + 2 * OPERATIONS * u * s_w + floor + (1 + lr * k * wd * (1 + m)) * t.dp + _times(lr * (m + m * m), t.da)
+    # A NaN left in a bound comes from a NaN term the update does form: the exact value is NaN there, both
+    # sides must give NaN (difference 0), and a finite value on either side fails. (An infinite bound would
+    # pass any finite difference: a wrong momentum once passed where a NaN gradient had made the parameters NaN.)
+    return np.nan_to_num(b_w, nan=0.0, posinf=np.inf), np.nan_to_num(b_v, nan=0.0, posinf=np.inf)
 
 
 def difference(want: np.ndarray, have: np.ndarray) -> np.ndarray:
