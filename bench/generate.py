@@ -73,7 +73,7 @@ VARIANTS = (
 GROUPS = ((0.1, 0.9), (0.05, 0.8), (0.01, 0.9))  # (lr, momentum)
 SHAPES = ((8,), (4, 4), (2, 3), (16,))
 WEIGHT_DECAY = 1e-4
-BATCH = 2
+BATCH = 8
 CHAIN_DEPTH = 4
 """Layers per forward chain (each starts from the input ``x`` and ends in a loss output)."""
 OPSET = 20
@@ -301,7 +301,8 @@ def build(n_updates: int, seed: int = 0) -> tuple[onnx.ModelProto, dict]:
             name = "loss" if k < CHAIN_DEPTH else f"loss_{k // CHAIN_DEPTH}"
             loss = b.node("dynamo", "ReduceMean", [h], out=name, unrelated=True, keepdims=0)
             b.add_output("loss", loss, FLOAT, [])
-            h = x
+            if k < n_forward - 1:
+                h = x  # the next chain starts again from the input; the last chain's end feeds the metrics
     grads = []
     for w, h_prev, h_next in layers:
         t = b.node("dynamo", "Transpose", [h_prev], unrelated=True, perm=[1, 0], vi=(FLOAT, [4, BATCH]))
