@@ -47,17 +47,55 @@ def _rows(table: scan.NodeTable) -> list[tuple]:
     return list(zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_attributes, table.has_subgraph))
 
 
-def _check_all_readers(model: onnx.ModelProto, data: bytes) -> scan.NodeTable:
-    """Every reader gives protobuf's rows for ``model`` (parsed from ``data``); returns the native table."""
+PREFIXES = ("", "sgdfuse/", "n", "名")
+
+
+def _protobuf_names(model: onnx.ModelProto, prefix: str) -> tuple:
+    """The node names protobuf returns that start with ``prefix`` (a name that is not UTF-8 comes back as bytes
+    and is compared as UTF-8 bytes)."""
+    names = []
+    for node in model.graph.node:
+        name = node.name
+        if (name.startswith(prefix) if isinstance(name, str) else name.startswith(prefix.encode())):
+            names.append(name)
+    return tuple(names)
+
+
+def _check_details(model: onnx.ModelProto, rows: list, *, canonical: bool) -> None:
+    """``rows`` (one per node) are protobuf's overloads and attributes: each attribute's bytes parse to the
+    attribute protobuf holds, and, for bytes protobuf wrote (``canonical``), are what it writes for it."""
+    assert len(rows) == len(model.graph.node)
+    for (overload, attributes), node in zip(rows, model.graph.node):
+        assert overload == node.overload
+        assert [onnx.AttributeProto.FromString(a) for a in attributes] == list(node.attribute)
+        if canonical:
+            assert list(attributes) == [a.SerializeToString() for a in node.attribute]
+
+
+def _check_all_readers(model: onnx.ModelProto, data: bytes, *, canonical: bool = True) -> scan.NodeTable:
+    """Every reader gives protobuf's rows, prefixed names and node details for ``model`` (parsed from
+    ``data``); returns the native table."""
     expected = _protobuf_rows(model)
     native = scan.native_node_table(data)
     assert native.reader == "native"
     assert _rows(native) == expected
+    assert native.prefixed_names is None
     assert _rows(scan.python_node_table(model)) == expected
     from_bytes = scan.node_table(model, data)
     assert from_bytes.reader == "native" and _rows(from_bytes) == expected
     reserialised = scan.node_table(model)
     assert reserialised.reader == "native" and _rows(reserialised) == expected
+    for prefix in PREFIXES:
+        names = _protobuf_names(model, prefix)
+        assert scan.native_node_table(data, name_prefix=prefix).prefixed_names == names
+        assert scan.python_node_table(model, name_prefix=prefix).prefixed_names == names
+        assert scan.node_table(model, data, name_prefix=prefix) == scan.python_node_table(model, name_prefix=prefix)
+    everything = list(range(len(model.graph.node)))
+    _check_details(model, scan.native_node_details(data, everything), canonical=canonical)
+    _check_details(model, scan.python_node_details(model, everything), canonical=True)
+    _check_details(model, scan.node_details(model, everything, data), canonical=canonical)
+    some = everything[1::3]
+    assert scan.native_node_details(data, some) == [scan.native_node_details(data, everything)[k] for k in some]
     return native
 
 
@@ -268,6 +306,12 @@ def test_hand_encoded_models_read_as_protobuf_reads_them(data):
     assert _rows(scan.python_node_table(model)) == expected
     graph_data = model.graph.SerializeToString()
     assert _rows(scan.native_node_table(graph_data, graph=True)) == expected
+    for prefix in PREFIXES:
+        assert scan.native_node_table(data, name_prefix=prefix).prefixed_names == _protobuf_names(model, prefix)
+    everything = list(range(len(model.graph.node)))
+    # Hand-encoded attributes are not protobuf's own encoding: their bytes parse to its attributes.
+    _check_details(model, scan.native_node_details(data, everything), canonical=False)
+    _check_details(model, scan.native_node_details(graph_data, everything, graph=True), canonical=True)
 
 
 @settings(max_examples=200, deadline=None)
@@ -293,6 +337,34 @@ def test_nodes_with_odd_names_made_with_the_onnx_helper_read_the_same(rows):
     _check_all_readers(onnx.load_model_from_string(data), data)
 
 
+def test_node_names_and_overloads_keep_the_last_value_and_attributes_append():
+    attribute = lambda name: _field(5, 2, _field(1, 2, name) + _field(20, 0, _varint(2)) + _field(3, 0, _varint(1)))  # noqa: E731
+    node = (
+        _field(3, 2, b"first") + attribute(b"a") + _field(8, 2, b"one") + _field(3, 2, b"sgdfuse/last")
+        + _field(5, 0, b"\x01") + attribute(b"b") + _field(8, 2, b"two") + _field(8, 0, b"\x03")
+    )
+    data = _field(7, 2, _field(1, 2, node) + _field(1, 2, _field(3, 2, b"sgdfuse")))
+    model = onnx.ModelProto()
+    model.ParseFromString(data)
+    assert scan.native_node_table(data, name_prefix="sgdfuse/").prefixed_names == ("sgdfuse/last",) == _protobuf_names(model, "sgdfuse/")
+    ((overload, attributes), (empty, none)) = scan.native_node_details(data, [0, 1])
+    assert overload == "two" == model.graph.node[0].overload and (empty, none) == ("", ())
+    assert [onnx.AttributeProto.FromString(a).name for a in attributes] == ["a", "b"]
+    _check_details(model, scan.native_node_details(data, [0, 1]), canonical=False)  # type (20) before i (3)
+
+
+def test_node_details_want_increasing_positions_and_read_the_model_when_the_bytes_hold_fewer_nodes():
+    model = _subgraph_model()
+    with pytest.raises(ValueError):
+        scan.node_details(model, [2, 1])
+    with pytest.raises(ValueError):
+        scan.node_details(model, [len(model.graph.node)])
+    other = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [], []))
+    assert scan.native_node_details(other.SerializeToString(), [0, 3]) == [("", ())]
+    rows = scan.node_details(model, [0, 3], other.SerializeToString())
+    assert rows == scan.python_node_details(model, [0, 3])
+
+
 def test_strings_that_are_not_utf8_come_back_as_bytes_as_protobuf_gives_them():
     node = _field(1, 2, b"\xff") + _field(1, 2, b"ok") + _field(4, 2, b"\xed\xa0\x80") + _field(2, 2, b"ok")
     data = _field(7, 2, _field(1, 2, node))
@@ -302,6 +374,12 @@ def test_strings_that_are_not_utf8_come_back_as_bytes_as_protobuf_gives_them():
     assert table.inputs == ((b"\xff", "ok"),) and table.op_types == (b"\xed\xa0\x80",)
     assert table.outputs[0][0] is table.inputs[0][1]
     assert _rows(table) == _rows(scan.python_node_table(model)) == _protobuf_rows(model)
+    named = _field(7, 2, _field(1, 2, _field(3, 2, b"sgdfuse/\xff") + _field(8, 2, b"\xfe")) + _field(1, 2, _field(3, 2, b"x\xff")))
+    model = onnx.ModelProto()
+    model.ParseFromString(named)
+    assert scan.native_node_table(named, name_prefix="sgdfuse/").prefixed_names == (b"sgdfuse/\xff",) == _protobuf_names(model, "sgdfuse/")
+    assert scan.python_node_table(model, name_prefix="sgdfuse/").prefixed_names == (b"sgdfuse/\xff",)
+    assert scan.native_node_details(named, [0]) == [(b"\xfe", ())] == scan.python_node_details(model, [0])
 
 
 def test_repeated_singular_fields_keep_the_last_value_and_repeated_ones_append_in_order():
@@ -362,6 +440,10 @@ def test_malformed_bytes_raise_a_scan_error_naming_the_offset(name):
         scan.native_node_table(data)
     assert 0 <= raised.value.offset <= len(data)
     assert raised.value.reason
+    try:  # the details stop at the last node asked for: the malformed part may lie past it
+        scan.native_node_details(data, [0])
+    except scan.ScanError as error:
+        assert 0 <= error.offset <= len(data) and error.reason
 
 
 def test_protobuf_refuses_the_malformed_bytes_too_except_groups_nested_deeper_than_the_scanner_goes():
@@ -399,6 +481,8 @@ def test_truncated_or_corrupted_bytes_never_crash_and_node_table_falls_back(_sma
         assert len(table) <= len(expected)
     # Fewer nodes or an error: node_table notices and reads the model instead.
     assert _rows(scan.node_table(model, truncated)) == expected
+    everything = list(range(len(model.graph.node)))
+    assert scan.node_details(model, everything, truncated) == scan.python_node_details(model, everything)
     flips = data.draw(st.lists(st.tuples(st.integers(0, len(blob) - 1), st.integers(0, 255)), min_size=1, max_size=8))
     corrupted = bytearray(blob)
     for at, value in flips:

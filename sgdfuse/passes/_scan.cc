@@ -5,8 +5,8 @@
 //
 // Field numbers (onnx/onnx.proto, proto2):
 //   ModelProto.graph = 7 (GraphProto)            GraphProto.node = 1 (repeated NodeProto)
-//   NodeProto: input = 1, output = 2 (repeated string), op_type = 4, domain = 7 (string),
-//              attribute = 5 (repeated AttributeProto); others (name 3, doc_string 6, overload 8, ...) skipped
+//   NodeProto: input = 1, output = 2 (repeated string), name = 3, op_type = 4, domain = 7, overload = 8
+//              (string), attribute = 5 (repeated AttributeProto); others (doc_string 6, ...) skipped
 //   AttributeProto: type = 20 (closed enum AttributeType, 0..14; GRAPH = 5, GRAPHS = 10),
 //                   g = 6 (GraphProto), graphs = 11 (repeated GraphProto)
 // Wire format (protobuf encoding spec): a tag is a varint (field << 3 | wire type); wire types 0 varint,
@@ -15,8 +15,8 @@
 // Parsing follows protobuf's (upb's) semantics for the fields read here, so that the results equal what the
 // Python protobuf API returns for the same bytes:
 //   - a known field with another wire type than its declared one is an unknown field (skipped);
-//   - repeated fields append in the order they occur, wherever they occur; a singular string (op_type,
-//     domain) or enum (type) seen again replaces the earlier value (last one wins); a message field seen
+//   - repeated fields append in the order they occur, wherever they occur; a singular string (name, op_type,
+//     domain, overload) or enum (type) seen again replaces the earlier value (last one wins); a message field seen
 //     again (ModelProto.graph) is merged, so the nodes of every occurrence are appended;
 //   - an enum value is read as int32 (the varint truncated); a value outside AttributeType leaves the field
 //     as it was (proto2 closed enum: the value goes to the unknown fields);
@@ -116,6 +116,10 @@ struct Table : Scan {
   PyObject* outputs = nullptr;
   PyObject* has_attributes = nullptr;
   PyObject* has_subgraph = nullptr;
+  // The names (field 3) of the nodes whose name starts with these bytes, when the caller asks (else null).
+  PyObject* prefixed_names = nullptr;
+  const uint8_t* prefix = nullptr;
+  size_t prefix_size = 0;
   const uint8_t* base = nullptr;
   // A name read again soon is not decoded and interned again (a learning rate is read by thousands of nodes).
   StringCache strings;
@@ -196,19 +200,21 @@ bool scan_node(Table& t, Reader r, std::vector<Span>& inputs, std::vector<Span>&
   outputs.clear();
   Span op_type{nullptr, 0};
   Span domain{nullptr, 0};
+  Span name{nullptr, 0};
   bool attributes = false;
   bool subgraph = false;
   while (r.p < r.end) {
     uint32_t field;
     int wire_type;
     if (!read_tag(t, r, field, wire_type)) return false;
-    if (wire_type == 2 && (field == 1 || field == 2 || field == 4 || field == 5 || field == 7)) {
+    if (wire_type == 2 && (field == 1 || field == 2 || field == 3 || field == 4 || field == 5 || field == 7)) {
       Reader payload;
       if (!read_bytes(t, r, payload)) return false;
       const Span span{payload.p, size_t(payload.end - payload.p)};
       switch (field) {
         case 1: inputs.push_back(span); break;
         case 2: outputs.push_back(span); break;
+        case 3: name = span; break;
         case 4: op_type = span; break;
         case 7: domain = span; break;
         default: {  // 5: attribute
@@ -225,6 +231,11 @@ bool scan_node(Table& t, Reader r, std::vector<Span>& inputs, std::vector<Span>&
   static const uint8_t kEmpty = 0;
   if (op_type.data == nullptr) op_type.data = &kEmpty;
   if (domain.data == nullptr) domain.data = &kEmpty;
+  if (name.data == nullptr) name.data = &kEmpty;
+  if (t.prefixed_names != nullptr && name.size >= t.prefix_size && std::memcmp(name.data, t.prefix, t.prefix_size) == 0 &&
+      !append(t, t.prefixed_names, make_string(t, name.data, name.size))) {
+    return false;
+  }
   return append(t, t.op_types, make_string(t, op_type.data, op_type.size)) &&
          append(t, t.domains, make_string(t, domain.data, domain.size)) &&
          append(t, t.inputs, name_tuple(t, inputs)) && append(t, t.outputs, name_tuple(t, outputs)) &&
@@ -258,13 +269,25 @@ void release(Table& t) {
   Py_XDECREF(t.outputs);
   Py_XDECREF(t.has_attributes);
   Py_XDECREF(t.has_subgraph);
+  Py_XDECREF(t.prefixed_names);
 }
 
-// scan(data, is_model) -> (op_types, domains, inputs, outputs, has_attributes, has_subgraph), six lists.
+// The ValueError of a failed scan (unless a Python exception is set already).
+void raise_failure(const Scan& s, const uint8_t* base, bool python_error) {
+  if (python_error) return;
+  const Py_ssize_t offset = s.failure.at ? Py_ssize_t(s.failure.at - base) : 0;
+  PyErr_Format(PyExc_ValueError, "malformed protobuf at byte %zd: %s", offset, s.failure.reason);
+}
+
+// scan(data, is_model, name_prefix=None) -> (op_types, domains, inputs, outputs, has_attributes, has_subgraph,
+// prefixed_names), seven lists; prefixed_names holds the names of the nodes whose name starts with the bytes
+// name_prefix, in node order (empty when name_prefix is None).
 PyObject* scan(PyObject*, PyObject* args) {
   Py_buffer view;
   int is_model;
-  if (!PyArg_ParseTuple(args, "y*p", &view, &is_model)) return nullptr;
+  Py_buffer prefix{};
+  prefix.buf = nullptr;
+  if (!PyArg_ParseTuple(args, "y*p|z*", &view, &is_model, &prefix)) return nullptr;
   Table t;
   t.base = static_cast<const uint8_t*>(view.buf);
   t.op_types = PyList_New(0);
@@ -273,8 +296,15 @@ PyObject* scan(PyObject*, PyObject* args) {
   t.outputs = PyList_New(0);
   t.has_attributes = PyList_New(0);
   t.has_subgraph = PyList_New(0);
+  PyObject* names = PyList_New(0);
+  if (prefix.buf != nullptr) {
+    t.prefixed_names = names;
+    Py_XINCREF(names);
+    t.prefix = static_cast<const uint8_t*>(prefix.buf);
+    t.prefix_size = size_t(prefix.len);
+  }
   PyObject* result = nullptr;
-  if (t.op_types && t.domains && t.inputs && t.outputs && t.has_attributes && t.has_subgraph) {
+  if (t.op_types && t.domains && t.inputs && t.outputs && t.has_attributes && t.has_subgraph && names) {
     const Reader r{t.base, t.base + view.len};
     bool done = false;
     try {
@@ -284,20 +314,164 @@ PyObject* scan(PyObject*, PyObject* args) {
       t.python_error = true;
     }
     if (done) {
-      result = PyTuple_Pack(6, t.op_types, t.domains, t.inputs, t.outputs, t.has_attributes, t.has_subgraph);
-    } else if (!t.python_error) {
-      const Py_ssize_t offset = t.failure.at ? Py_ssize_t(t.failure.at - t.base) : 0;
-      PyErr_Format(PyExc_ValueError, "malformed protobuf at byte %zd: %s", offset, t.failure.reason);
+      result = PyTuple_Pack(7, t.op_types, t.domains, t.inputs, t.outputs, t.has_attributes, t.has_subgraph, names);
+    } else {
+      raise_failure(t, t.base, t.python_error);
     }
   }
+  Py_XDECREF(names);
   release(t);
+  if (prefix.buf != nullptr) PyBuffer_Release(&prefix);
+  PyBuffer_Release(&view);
+  return result;
+}
+
+// What details() reads of the nodes asked for: their overload (field 8, last wins) and the bytes of each
+// attribute (field 5 with wire type 2, in order; a field of another wire type is an unknown field).
+struct Details : Scan {
+  const std::vector<Py_ssize_t>* positions = nullptr;
+  size_t next = 0;           // the next entry of positions to find
+  Py_ssize_t position = 0;   // of the next node in the graph
+  PyObject* rows = nullptr;  // one (overload, attributes) tuple per position
+  StringCache strings;
+  bool python_error = false;
+};
+
+bool detail_node(Details& d, Reader r) {
+  Span overload{nullptr, 0};
+  std::vector<Span> attributes;
+  while (r.p < r.end) {
+    uint32_t field;
+    int wire_type;
+    if (!read_tag(d, r, field, wire_type)) return false;
+    if (wire_type == 2 && (field == 5 || field == 8)) {
+      Reader payload;
+      if (!read_bytes(d, r, payload)) return false;
+      const Span span{payload.p, size_t(payload.end - payload.p)};
+      if (field == 5) {
+        attributes.push_back(span);
+      } else {
+        overload = span;
+      }
+    } else if (!skip_field(d, r, field, wire_type, 0)) {
+      return false;
+    }
+  }
+  static const uint8_t kEmpty = 0;
+  if (overload.data == nullptr) overload.data = &kEmpty;
+  PyObject* text = d.strings.get(overload.data, overload.size);
+  PyObject* blobs = PyTuple_New(Py_ssize_t(attributes.size()));
+  PyObject* row = nullptr;
+  if (text != nullptr && blobs != nullptr) {
+    bool made = true;
+    for (size_t i = 0; i < attributes.size() && made; ++i) {
+      PyObject* blob = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(attributes[i].data), Py_ssize_t(attributes[i].size));
+      if (blob == nullptr) {
+        made = false;
+      } else {
+        PyTuple_SET_ITEM(blobs, Py_ssize_t(i), blob);
+      }
+    }
+    if (made) row = PyTuple_Pack(2, text, blobs);
+  }
+  Py_XDECREF(text);
+  Py_XDECREF(blobs);
+  if (row == nullptr || PyList_Append(d.rows, row) != 0) {
+    Py_XDECREF(row);
+    d.python_error = true;
+    return false;
+  }
+  Py_DECREF(row);
+  return true;
+}
+
+bool detail_graph(Details& d, Reader r) {
+  const std::vector<Py_ssize_t>& positions = *d.positions;
+  while (r.p < r.end && d.next < positions.size()) {
+    uint32_t field;
+    int wire_type;
+    if (!read_tag(d, r, field, wire_type)) return false;
+    if (field == 1 && wire_type == 2) {
+      Reader node;
+      if (!read_bytes(d, r, node)) return false;
+      if (d.position == positions[d.next]) {
+        if (!detail_node(d, node)) return false;
+        ++d.next;
+      }
+      ++d.position;
+    } else if (!skip_field(d, r, field, wire_type, 0)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// details(data, is_model, positions) -> one (overload, attributes) tuple per position (node numbers in the main
+// graph, strictly increasing): overload a str (bytes when not UTF-8), attributes a tuple of the bytes of each
+// AttributeProto as they stand in data. Positions past the last node get no row (the list is shorter).
+PyObject* details(PyObject*, PyObject* args) {
+  Py_buffer view;
+  int is_model;
+  PyObject* sequence;
+  if (!PyArg_ParseTuple(args, "y*pO", &view, &is_model, &sequence)) return nullptr;
+  std::vector<Py_ssize_t> positions;
+  PyObject* fast = PySequence_Fast(sequence, "positions must be a sequence of ints");
+  bool ordered = fast != nullptr;
+  if (fast != nullptr) {
+    const Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
+    try {
+      positions.reserve(size_t(count));
+    } catch (const std::bad_alloc&) {
+      PyErr_NoMemory();
+      ordered = false;
+    }
+    for (Py_ssize_t i = 0; i < count && ordered; ++i) {
+      const Py_ssize_t value = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(fast, i));
+      if (value == -1 && PyErr_Occurred()) {
+        ordered = false;
+      } else if (value < 0 || (!positions.empty() && value <= positions.back())) {
+        PyErr_SetString(PyExc_ValueError, "positions must be non-negative and strictly increasing");
+        ordered = false;
+      } else {
+        positions.push_back(value);
+      }
+    }
+    Py_DECREF(fast);
+  }
+  PyObject* result = nullptr;
+  if (ordered) {
+    Details d;
+    d.positions = &positions;
+    d.rows = PyList_New(0);
+    const uint8_t* base = static_cast<const uint8_t*>(view.buf);
+    if (d.rows != nullptr) {
+      const Reader r{base, base + view.len};
+      bool done = false;
+      try {
+        done = is_model ? scan_length_delimited(d, r, 7, [&d](Reader graph) { return detail_graph(d, graph); }) : detail_graph(d, r);
+      } catch (const std::bad_alloc&) {
+        PyErr_NoMemory();
+        d.python_error = true;
+      }
+      if (done) {
+        result = d.rows;
+        Py_INCREF(result);
+      } else {
+        raise_failure(d, base, d.python_error);
+      }
+      Py_DECREF(d.rows);
+    }
+  }
   PyBuffer_Release(&view);
   return result;
 }
 
 PyMethodDef kMethods[] = {
     {"scan", scan, METH_VARARGS,
-     "scan(data, is_model) -> six lists: op_types, domains, inputs, outputs, has_attributes, has_subgraph."},
+     "scan(data, is_model, name_prefix=None) -> seven lists: op_types, domains, inputs, outputs, has_attributes, "
+     "has_subgraph, and the node names starting with name_prefix."},
+    {"details", details, METH_VARARGS,
+     "details(data, is_model, positions) -> per position, (overload, the bytes of each attribute)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

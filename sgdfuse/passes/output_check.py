@@ -30,7 +30,8 @@ from onnx import helper
 
 from sgdfuse.fused_op import DOMAIN, OP_TYPE
 from sgdfuse.passes.index import _GRAPH_TYPES, SMALL_CONSTANT_ELEMENTS, GraphIndex, _outer_reads, _subgraphs, tensor_type_of
-from sgdfuse.passes.scan import NodeTable, node_table
+from sgdfuse.passes import value_scan
+from sgdfuse.passes.scan import NodeDetails, NodeTable, ScanError, native_available, node_details, node_table
 
 __all__ = ["unproven"]
 
@@ -52,8 +53,10 @@ def unproven(output: onnx.ModelProto, source: onnx.ModelProto, index: GraphIndex
     reason = _versions(output, source)
     if reason:
         return reason
-    # The output's nodes as it holds them, read once (natively where the scanner builds).
-    table = node_table(output)
+    # The output's nodes as it holds them, read once (natively where the scanners build, from one
+    # serialisation that the new nodes' details and the declared value infos are read from too).
+    data = _serialised(output)
+    table = node_table(output, data)
     # The new nodes as the output holds them (by their first output, a name defined once there).
     wanted: dict[str, tuple[int, int]] = {}
     for i, plan in enumerate(plans):
@@ -72,7 +75,7 @@ def unproven(output: onnx.ModelProto, source: onnx.ModelProto, index: GraphIndex
     new_initializers = {t.name: t for t in output.graph.initializer if t.name in names}
     if len(new_initializers) != len(names):
         return "a planned initializer is not in the output"
-    return _new_nodes(output, index, table, positions, new_initializers)
+    return _new_nodes(output, index, table, positions, new_initializers, data)
 
 
 def _versions(output: onnx.ModelProto, source: onnx.ModelProto) -> str | None:
@@ -129,21 +132,64 @@ def _structure(graph: onnx.GraphProto, table: NodeTable, wanted: dict[str, tuple
     return None
 
 
+def _serialised(model: onnx.ModelProto) -> bytes | None:
+    """``model`` serialised for the native scanners, or None without them (nothing is serialised then) or when
+    protobuf refuses (past its 2 GB limit): the readers fall back to protobuf's Python API."""
+    if not (native_available() or value_scan.native_available()):
+        return None
+    try:
+        return model.SerializeToString()
+    except Exception as error:  # protobuf raises ValueError (upb) or EncodeError past 2 GB
+        logger.debug("the output does not serialise (%s); reading it through protobuf", error)
+        return None
+
+
+def _declarations(output: onnx.ModelProto, data: bytes | None, produced: set[str]) -> dict[str, tuple[bytes, ...]]:
+    """Per name in ``produced`` that ``output.graph.value_info`` declares, the serialised types of its entries in
+    order (natively: their bytes in ``data``; through protobuf: each type serialised again). Equal bytes are
+    equal types."""
+    scanned = None
+    if data is not None and value_scan.native_available():
+        try:
+            scanned = value_scan.scan_value_infos(data, value_scan.VALUE_INFO)
+        except ScanError as error:
+            logger.debug("native value-info scanner refused the output, reading its value infos through protobuf: %s", error)
+    declared: dict[str, tuple[bytes, ...]] = {}
+    if scanned is not None and scanned.node_count == len(output.graph.node):
+        types = scanned.types
+        for name, number in zip(scanned.names[2], scanned.type_ids[2]):
+            if name in produced:
+                declared[name] = declared.get(name, ()) + (types[number],)
+        return declared
+    for info in output.graph.value_info:
+        name = info.name
+        if name in produced:
+            declared[name] = declared.get(name, ()) + (info.type.SerializeToString(),)
+    return declared
+
+
 def _new_nodes(
-    output: onnx.ModelProto, index: GraphIndex, table: NodeTable, plans: list[list[int]], new_initializers: dict[str, onnx.TensorProto]
+    output: onnx.ModelProto, index: GraphIndex, table: NodeTable, plans: list[list[int]], new_initializers: dict[str, onnx.TensorProto],
+    data: bytes | None = None,
 ) -> str | None:
     """Steps 3 and 4: one plan (its new nodes, by position in ``output``, in order) per class checked in a small
-    model."""
+    model. ``data``: the output serialised (:func:`_serialised`), or None."""
     classes: dict[tuple, list[int]] = {}
     read_keys: dict[str, tuple | str] = {}
     graph_nodes = output.graph.node
+    # Overload and attributes of every new node, as the output holds them (natively: their bytes there).
+    ordered = sorted({k for positions in plans for k in positions})
+    details = dict(zip(ordered, node_details(output, ordered, data)))
+    # The output's value infos for what the new nodes produce: inference must give those types (strict mode).
+    outputs = table.outputs
+    declared = _declarations(output, data, {name for k in ordered for name in outputs[k]})
     for positions in plans:
-        key = _class_key(positions, graph_nodes, table, index, new_initializers, read_keys)
+        key = _class_key(positions, graph_nodes, table, details, declared, index, new_initializers, read_keys)
         if isinstance(key, str):
             return key
         classes.setdefault(key, positions)
     representatives = [[graph_nodes[k] for k in positions] for positions in classes.values()]
-    small, replaced = _small_model(output, index, representatives, new_initializers)
+    small, replaced = _small_model(output, index, representatives, new_initializers, declared)
     try:
         onnx.checker.check_model(small, full_check=True)
         inferred = onnx.shape_inference.infer_shapes(small, check_type=True, strict_mode=True)
@@ -160,56 +206,70 @@ def _new_nodes(
 
 
 def _class_key(
-    positions: list[int], graph_nodes, table: NodeTable, index: GraphIndex, new_initializers: dict[str, onnx.TensorProto], read_keys: dict[str, tuple | str]
+    positions: list[int], graph_nodes, table: NodeTable, details: dict[int, NodeDetails], declared: dict[str, tuple[bytes, ...]],
+    index: GraphIndex, new_initializers: dict[str, onnx.TensorProto], read_keys: dict[str, tuple | str],
 ) -> tuple | str:
     """What the checker sees of one plan's nodes (at ``positions`` of the output graph), with names replaced by
     their order of appearance: two plans with one key get one verdict. A reason string when a value read cannot
-    be typed here. ``read_keys`` caches :func:`_read_key` per name (a shared learning rate is read by many plans)."""
-    ids: dict[str, int] = {}
-    key: list = []  # flat: this runs once per fused update
-    append, number = key.append, ids.setdefault
+    be typed here. ``details``: per position, the node's overload and its attributes' bytes
+    (:func:`~sgdfuse.passes.scan.node_details`: equal bytes are equal attributes); ``declared``: the output's
+    declarations of what the nodes produce (:func:`_declarations`). ``read_keys`` caches :func:`_read_key` per
+    name read by more than one plan's nodes: the initializers (a shared learning rate is read by many plans)."""
+    inputs, outputs = table.inputs, table.outputs
+    sequence: tuple[str, ...] = ()
+    written: tuple[str, ...] = ()
+    for k in positions:  # tuples joined in C: most plans have two nodes
+        sequence += inputs[k] + outputs[k]
+        written += outputs[k]
+    # The names as the places where each first stands (sequence.index: C, and a plan's nodes hold a dozen
+    # names): two plans have one pattern exactly when one bijection renames one's names into the other's. An
+    # empty name (an omitted input or output) must stay empty: it is -1 wherever it stands.
+    if "" in sequence:
+        pattern = tuple(-1 if not name else sequence.index(name) for name in sequence)
+    else:
+        pattern = tuple(map(sequence.index, sequence))
+    domains, op_types, has_subgraph = table.domains, table.op_types, table.has_subgraph
+    # Per node what the checker reads but names, with the number of its inputs and outputs (which split the
+    # pattern into the nodes' own).
+    key: list = [pattern]
+    append = key.append
     outer: list[str] = []
-    produced: set[str] = set()
-    domains, op_types, inputs, outputs, has_attributes = table.domains, table.op_types, table.inputs, table.outputs, table.has_attributes
-    has_subgraph = table.has_subgraph
     for k in positions:
-        node = graph_nodes[k]
-        append(domains[k])
-        append(op_types[k])
-        append(node.overload)
-        for name in inputs[k]:
-            append(number(name, len(ids)) if name else -1)
-        append(None)  # input/output separator
-        names = outputs[k]
-        for name in names:
-            append(number(name, len(ids)) if name else -1)
-        produced.update(names)
-        append(None)
-        if has_attributes[k]:
+        # A subgraph keeps its names in the attributes' bytes: plans with one only share a class by name.
+        append((domains[k], op_types[k], details[k], len(inputs[k]), len(outputs[k])))
+        if has_subgraph[k]:
             # The table says whether any attribute is typed GRAPH or GRAPHS: without one, no type is read.
-            subgraph = has_subgraph[k]
-            for attribute in node.attribute:
-                # A subgraph keeps its names in these bytes: plans with one only share a class by name.
-                append(attribute.SerializeToString())
-                if subgraph and attribute.type in _GRAPH_TYPES:
+            for attribute in graph_nodes[k].attribute:
+                if attribute.type in _GRAPH_TYPES:
                     for sub in _subgraphs(attribute):
                         outer.extend(sorted(_outer_reads(sub)))
-        append(None)
-    producer = index.producer
-    for name in [*ids, *outer] if outer else ids:
+    producer, specs, initializers = index.producer, index.specs, index.initializers
+    produced = set(written)
+    # The values read and produced, each once with the place it first stands: how the small model provides
+    # what is read, and the types what is produced must have.
+    named = [(place, name) for place, name in enumerate(sequence) if pattern[place] == place and name]
+    if outer:
+        named += [(sequence.index(name) if name in sequence else name, name) for name in outer]
+    for place, name in named:
         if name in produced:
             if name in producer:  # an old value the plan now produces: its type must not change
-                spec = index.spec(name)
-                if not spec.dtype:
+                spec = specs.get(name)
+                if spec is None or not spec.dtype:
                     return f"{name!r}, which the rewrite produces anew, had no known type"
-                append(("replaced", ids[name], spec.dtype, spec.shape))
+                append(("replaced", place, spec.dtype, spec.shape))
+            types = declared.get(name)
+            if types is not None:
+                append(("declared", place, types))
             continue
-        typed = read_keys.get(name)
-        if typed is None:
-            typed = read_keys[name] = _read_key(name, index, new_initializers)
+        if name in new_initializers or name in initializers:
+            typed = read_keys.get(name)
+            if typed is None:
+                typed = read_keys[name] = _read_key(name, index, new_initializers)
+        else:
+            typed = _read_key(name, index, new_initializers)
         if isinstance(typed, str):
             return typed
-        append((ids.get(name, name), typed))
+        append((place, typed))
     return tuple(key)
 
 
@@ -241,11 +301,16 @@ def _small(tensor: onnx.TensorProto) -> bool:
     return count <= SMALL_CONSTANT_ELEMENTS and tensor.data_location != onnx.TensorProto.EXTERNAL
 
 
-def _small_model(output: onnx.ModelProto, index: GraphIndex, plans: list[list[onnx.NodeProto]], new_initializers: dict[str, onnx.TensorProto]) -> tuple[onnx.ModelProto, list[str]]:
+def _small_model(
+    output: onnx.ModelProto, index: GraphIndex, plans: list[list[onnx.NodeProto]], new_initializers: dict[str, onnx.TensorProto],
+    declared: dict[str, tuple[bytes, ...]] | None = None,
+) -> tuple[onnx.ModelProto, list[str]]:
     """The representatives' nodes in a model of their own: the values they read are graph inputs of their
-    types (initializers for small constants: inference may read their values), and each value they produce
-    in place of an old one is passed through an ``Identity`` to a graph output of the old type (the checker
-    wants a shape there), so that its own inferred type shows in ``value_info``. Returns the model and those replaced names."""
+    types (initializers for small constants: inference may read their values), what they produce is declared
+    as the output declares it (``declared``: its value infos, which inference in strict mode must meet), and
+    each value they produce in place of an old one is passed through an ``Identity`` to a graph output of the
+    old type (the checker wants a shape there), so that its own inferred type shows in ``value_info``. Returns
+    the model and those replaced names."""
     nodes: list[onnx.NodeProto] = []
     produced: set[str] = set()
     for plan_nodes in plans:
@@ -281,7 +346,15 @@ def _small_model(output: onnx.ModelProto, index: GraphIndex, plans: list[list[on
         nodes.append(helper.make_node("Identity", [name], [shown]))
         spec = index.spec(name)
         outputs.append(helper.make_tensor_value_info(shown, spec.dtype, None if spec.shape is None else list(spec.shape)))
-    graph = helper.make_graph(nodes, "sgdfuse_rewritten_nodes", inputs, outputs, initializer=initializers)
+    value_info = []
+    for plan_nodes in plans:
+        for node in plan_nodes:
+            for name in node.output:
+                for typed in (declared or {}).get(name, ()):
+                    info = onnx.ValueInfoProto(name=name)
+                    info.type.ParseFromString(typed)
+                    value_info.append(info)
+    graph = helper.make_graph(nodes, "sgdfuse_rewritten_nodes", inputs, outputs, initializer=initializers, value_info=value_info)
     model = helper.make_model(graph, opset_imports=list(output.opset_import), ir_version=output.ir_version)
     model.functions.extend(_called_functions(output, nodes))
     return model, replaced

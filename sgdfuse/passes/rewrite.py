@@ -24,7 +24,7 @@ from onnx import helper, numpy_helper
 
 from sgdfuse.contract import SgdAttributes
 from sgdfuse.fused_op import Specialisation, ensure_sgd_function, make_sgd_node
-from sgdfuse.passes.index import GraphIndex, _outer_reads, _subgraphs
+from sgdfuse.passes.index import OWN_PREFIX, GraphIndex, _outer_reads, _subgraphs
 from sgdfuse.passes.linear import Poly, format_poly
 from sgdfuse.passes.sgd_match import MEMO_CHECK_ENV, Match
 from sgdfuse.runtime import onnx_to_numpy_dtype
@@ -74,14 +74,15 @@ class _Template:
     base name (:func:`_base_of`).
 
     The rest is derived from those once, so that replaying (:meth:`Planner._replayed`, once per member) only
-    looks names up: ``values``, the first match's values in the order :meth:`Planner._replayed` renames them
-    (None where the match has none); ``suffixes``, per fresh name made from the base, what followed the base
-    and the name made; ``nodes``, per plan node, a copy without name, inputs and outputs, and those names."""
+    looks names up: ``slots``, the first match's values in the order :meth:`Planner._replayed` renames them,
+    each with its number in :func:`_renamed_values` (values the match does not have left out); ``suffixes``,
+    per fresh name made from the base, what followed the base and the name made; ``nodes``, per plan node, a
+    copy without name, inputs and outputs, and those names."""
 
     plan: Plan
     fresh: list[tuple[str, str]]
     base: str
-    values: tuple[str | None, ...] = ()
+    slots: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     suffixes: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     nodes: list[tuple[onnx.NodeProto, str, tuple[str, ...], tuple[str, ...]]] = dataclasses.field(default_factory=list)
 
@@ -142,9 +143,20 @@ class Planner:
     def __init__(self, index: GraphIndex, opset: int = 18) -> None:
         self.index = index
         self.opset = opset
-        self._taken: set[str] = set(index.producer) | set(index.initializers) | set(index.graph_inputs)
-        self._taken.update(n.name for n in index.graph.node)
-        self._taken |= set(index.consumers)
+        # Every name a plan makes starts with OWN_PREFIX (_fresh), so only the graph's names that do can
+        # collide with one: the value names among the index's tables, the node names as the index read them
+        # (reading every node's name through protobuf cost as much as planning every update of a 50,000-update
+        # graph). A name requested outside the prefix takes in every name first (_fresh).
+        prefix = OWN_PREFIX
+        self._taken: set[str] = set()
+        for names in (index.producer, index.consumers, index.initializers, index.graph_inputs):
+            self._taken.update(n for n in names if n.startswith(prefix))
+        if index.own_node_names is None:
+            # (A name that is not UTF-8 comes back as bytes, which no name made here equals.)
+            self._taken.update(name for name in (n.name for n in index.graph.node) if type(name) is str and name.startswith(prefix))
+        else:
+            self._taken.update(index.own_node_names)
+        self._every_name_taken = False
         self._constants: dict[tuple[str, int, bytes], str] = {}
         self._arena = onnx.GraphProto()  # holds every planned node (see _held)
         self._zeros: dict[int, onnx.TensorProto] = {}
@@ -158,6 +170,8 @@ class Planner:
         self._check_classes = os.environ.get(MEMO_CHECK_ENV) == "1"
 
     def _fresh(self, base: str) -> str:
+        if not base.startswith(OWN_PREFIX) and not self._every_name_taken:
+            self._take_every_name()
         name, counter = base, 1
         while name in self._taken:
             name = f"{base}_{counter}"
@@ -166,6 +180,15 @@ class Planner:
         if self._fresh_log is not None:
             self._fresh_log.append((base, name))
         return name
+
+    def _take_every_name(self) -> None:
+        """Count every value and node name of the graph as taken (``__init__`` takes only those that start with
+        :data:`OWN_PREFIX`, the only ones a name made from that prefix can meet)."""
+        index = self.index
+        for names in (index.producer, index.consumers, index.initializers, index.graph_inputs):
+            self._taken.update(names)
+        self._taken.update(n.name for n in index.graph.node)
+        self._every_name_taken = True
 
     def _zero_value(self, dtype: int) -> onnx.TensorProto:
         """The ``value`` attribute of a ``ConstantOfShape`` of zeros in ``dtype`` (made once per dtype; the
@@ -231,13 +254,22 @@ class Planner:
         """``template``'s plan for ``match``: the first member's values renamed to ``match``'s, and each fresh
         name made again from ``match``'s base, in the order the first plan made them."""
         names: dict[str, str] = {}
-        for old, new in zip(template.values, _renamed_values(match)):
-            if old is not None:
-                names[old] = new
+        own = (match.parameters, match.gradient, match.accum, match.parameters_out, match.accum_out)
+        for slot, old in template.slots:
+            # Slots 5 and 6, the runtime learning rate and momentum, are read only where the first plan has one.
+            names[old] = own[slot] if slot < 5 else _symbol(match.learning_rate if slot == 5 else match.momentum)
         base = _base_of(match)
+        taken = self._taken
         fresh = self._fresh
+        logged = self._fresh_log is not None
         for suffix, made in template.suffixes:
-            names[made] = fresh(base + suffix)
+            name = base + suffix
+            # _fresh inlined for the usual case: the name is free (base always starts with OWN_PREFIX).
+            if logged or name in taken:
+                name = fresh(name)
+            else:
+                taken.add(name)
+            names[made] = name
         rename = names.get
         nodes = []
         sgd = None
@@ -249,8 +281,8 @@ class Planner:
             copy = add()
             copy.CopyFrom(stripped)
             copy.name = rename(name, name)  # set even when empty, as the direct plan's copy has it
-            copy.input.extend([rename(n, n) for n in inputs])
-            copy.output.extend([rename(n, n) for n in outputs])
+            copy.input.extend(map(rename, inputs, inputs))
+            copy.output.extend(map(rename, outputs, outputs))
             if stripped is sgd_template:
                 sgd = copy
             nodes.append(copy)
@@ -273,7 +305,8 @@ class Planner:
             del node.input[:]
             del node.output[:]
             nodes.append(entry)
-        return _Template(plan, fresh, base, _renamed_values(plan.match), suffixes, nodes)
+        slots = [(slot, old) for slot, old in enumerate(_renamed_values(plan.match)) if old is not None]
+        return _Template(plan, fresh, base, slots, suffixes, nodes)
 
     def _pristine(self, plan: Plan) -> Plan:
         """``plan`` with copies of its nodes, kept apart from the plans handed out."""
@@ -598,7 +631,8 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
             reads_, outputs_ = _reads_and_outputs(node)
             new_reads.append(reads_)
             new_outputs.append(outputs_)
-    removed, is_read = _removed_nodes(old, index, plans, new_reads)
+    replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
+    removed, is_read = _removed_nodes(old, index, plans, new_reads, replaced_outputs)
 
     # Scalars only the removed nodes read go with them; every other initializer stays. Whether a removed node
     # reads one is asked of its readers in the index (input slots), and of the removed nodes holding subgraphs
@@ -620,7 +654,6 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
     for i in removed:  # set updates from the facts' tuples (the empty name dropped after): most of the graph
         gone_values.update(facts[i][3])
     gone_values.discard("")
-    replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
     gone_values -= replaced_outputs
 
     # Order: every kept node at its old position, each plan's nodes at the position of its update's last
@@ -647,7 +680,8 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
     graph.value_info.extend(vi for vi in model.graph.value_info if vi.name not in gone_values)
     declared = _DeclaredTypes()
     for plan in plans:
-        declared.add_to(graph.value_info, plan)
+        declared.add(plan)
+    declared.write_to(graph)
     ensure_sgd_function(result)
     return result
 
@@ -665,42 +699,81 @@ class _DeclaredTypes:
     inference over the whole model (growing faster than linearly: 12.9 s at 50,000 updates); other values
     (first-step flags, computed learning rates, a runtime momentum's ``If``) stay undeclared, and inference
     then runs as before.
-    Each tensor type is built once per (dtype, dims) and copied (``helper.make_tensor_value_info`` builds a
-    type anew, a message per dimension: about a sixth of ``apply_plans`` with one stat per update)."""
+    Each tensor type is built and serialised once per (dtype, dims) (``helper.make_tensor_value_info`` builds
+    a type anew, a message per dimension: about a sixth of ``apply_plans`` with one stat per update), and the
+    value infos are written as their serialised bytes and parsed into the graph in one call: the same messages
+    (a ``ValueInfoProto`` with the name and that type), without a field assignment and a copy per value."""
 
     def __init__(self) -> None:
-        self._types: dict[tuple[int, tuple[int, ...]], onnx.TypeProto] = {}
+        self._types: dict[tuple[int, tuple[int, ...]], bytes] = {}
+        # Per (dtype, shape) of a match: the serialised type of its stat, or None (not declared).
+        self._stat_types: dict[tuple[int, tuple | None], bytes | None] = {}
+        self._chunks: list[bytes] = []
 
-    def _type(self, dtype: int, dims: Sequence[int]) -> onnx.TypeProto:
+    def _type(self, dtype: int, dims: Sequence[int]) -> bytes:
+        """``ValueInfoProto.type`` (field 2) of a tensor of ``dtype`` and ``dims``, serialised."""
         key = (dtype, tuple(dims))
         found = self._types.get(key)
         if found is None:
-            found = self._types[key] = helper.make_tensor_type_proto(dtype, list(dims))
+            typed = helper.make_tensor_type_proto(dtype, list(dims)).SerializeToString()
+            found = self._types[key] = b"\x12" + _varint(len(typed)) + typed
         return found
 
-    def add_to(self, infos, plan: Plan) -> None:
-        """Append to ``infos`` (a repeated ``ValueInfoProto`` field) the value infos of what ``plan`` adds."""
+    def add(self, plan: Plan) -> None:
+        """Collect the value infos of what ``plan`` adds (:meth:`write_to` appends them)."""
         match = plan.match
-        dims = Planner._static_dims(match)
-        if dims is not None and match.first_step is None:
-            sgd = plan.sgd_node
-            if match.dtype == onnx.TensorProto.BFLOAT16:
-                for node in plan.nodes:
-                    if node.op_type == "ConstantOfShape":
-                        self._declare(infos, node.output[0], onnx.TensorProto.FLOAT, dims)  # stat_float
-            typed = self._type(match.dtype, dims)
-            for name in (sgd.input[5], sgd.output[2]):
-                info = infos.add()
-                info.name = name
-                info.type.CopyFrom(typed)
+        if match.first_step is not None:
+            return
+        shape = match.shape
+        key = (match.dtype, shape)
+        typed = self._stat_types.get(key, _UNSET) if shape is None or type(shape) is tuple else _UNSET
+        if typed is _UNSET:
+            dims = Planner._static_dims(match)
+            typed = None if dims is None else self._type(match.dtype, dims)
+            if shape is None or type(shape) is tuple:
+                self._stat_types[key] = typed
+        if typed is None:
+            return
+        sgd = plan.sgd_node
+        if match.dtype == onnx.TensorProto.BFLOAT16:
+            dims = Planner._static_dims(match)
+            for node in plan.nodes:
+                if node.op_type == "ConstantOfShape":
+                    self._declare(node.output[0], self._type(onnx.TensorProto.FLOAT, dims))  # stat_float
+        self._declare(sgd.input[5], typed)
+        self._declare(sgd.output[2], typed)
         # A maximize update's negated gradient is left undeclared: its type is the gradient's as inference reads
         # it, which need not be the index's (a gradient input that is also a graph output declared otherwise is
         # read with the output's declaration), whereas stat's shape is that of the constant ConstantOfShape reads.
 
-    def _declare(self, infos, name: str, dtype: int, dims: Sequence[int]) -> None:
-        info = infos.add()
-        info.name = name
-        info.type.CopyFrom(self._type(dtype, dims))
+    def _declare(self, name: str, typed: bytes) -> None:
+        encoded = name.encode("utf-8")
+        size = len(encoded)
+        # ValueInfoProto: name (field 1), type (field 2); in GraphProto.value_info (field 13)
+        body = b"\n" + (_ONE_BYTE[size] if size < 0x80 else _varint(size)) + encoded + typed
+        size = len(body)
+        self._chunks.append(b"j" + (_ONE_BYTE[size] if size < 0x80 else _varint(size)) + body)
+
+    def write_to(self, graph: onnx.GraphProto) -> None:
+        """Append the value infos collected to ``graph.value_info``, in the order of the plans."""
+        if self._chunks:
+            graph.MergeFromString(b"".join(self._chunks))
+
+
+_UNSET = object()
+_ONE_BYTE = [bytes((n,)) for n in range(0x80)]  # the varints of one byte
+
+
+def _varint(value: int) -> bytes:
+    """``value`` (>= 0) in protobuf's varint encoding."""
+    if value < 0x80:
+        return bytes((value,))
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 class _OldNodes:
@@ -744,8 +817,11 @@ class _OldNodes:
         return names
 
 
-def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new_reads: list[list[str]]) -> tuple[set[int], Callable[[str], bool]]:
-    """The old nodes the plans remove, and whether a value is read after the rewrite.
+def _removed_nodes(
+    old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new_reads: list[list[str]], replaced_outputs: set[str]
+) -> tuple[set[int], Callable[[str], bool]]:
+    """The old nodes the plans remove, and whether a value is read after the rewrite (``replaced_outputs``: the
+    updates' outputs, which the fused nodes now produce).
 
     The fused node now produces each update's outputs: their old producers go. Another node of an update's
     cone goes only if nothing reads its outputs after the rewrite (neither a kept node, a subgraph, a new
@@ -758,7 +834,6 @@ def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new
     readers spares a count update per input of every removed node (most of the graph in a pure optimizer
     step).
     """
-    replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
     cone = set().union(*(plan.match.nodes for plan in plans))
     # A value has one producer (ONNX graphs are in SSA form; build_index's table): the replaced outputs'
     # producers in the cone are found by name, not by reading every cone node's outputs.
@@ -872,25 +947,33 @@ def _stable_topological_sort(
                 producer[name] = k
     # When the entries in position order already respect every dependency (no reader placed before what it
     # reads), that order is the result: the smallest entry left is then always ready, so Kahn's algorithm
-    # would take them in that very order. Checked per dependency while the dependencies are collected; the
+    # would take them in that very order. Checked per read first; the dependencies are collected and the
     # heap runs only otherwise.
     keys = [(entry[0], k) for k, entry in enumerate(entries)]
     keyed = sorted(range(len(entries)), key=keys.__getitem__)
     rank = [0] * len(entries)
     for r, k in enumerate(keyed):
         rank[k] = r
-    edges: list[tuple[int, int]] = []
-    in_order = True
     producer_get = producer.get
+    # (A name read twice is asked twice, which changes no answer; no set per entry.)
+    in_order = True
+    for k, names in enumerate(reads):
+        own = rank[k]
+        for name in names:
+            source = producer_get(name)
+            if source is not None and rank[source] > own and name not in available:
+                in_order = False
+                break
+        if not in_order:
+            break
+    if in_order:
+        return [entries[k][1] for k in keyed]
+    edges: list[tuple[int, int]] = []
     for k, names in enumerate(reads):
         for name in set(names) if len(names) > 1 else names:
             source = producer_get(name)
             if source is not None and source != k and name not in available:
                 edges.append((source, k))
-                if rank[source] > rank[k]:
-                    in_order = False
-    if in_order:
-        return [entries[k][1] for k in keyed]
     waiting: list[int] = [0] * len(entries)
     dependants: dict[int, list[int]] = {}
     for source, k in edges:
