@@ -61,20 +61,9 @@ def _protobuf_names(model: onnx.ModelProto, prefix: str) -> tuple:
     return tuple(names)
 
 
-def _check_details(model: onnx.ModelProto, rows: list, *, canonical: bool) -> None:
-    """``rows`` (one per node) are protobuf's overloads and attributes: each attribute's bytes parse to the
-    attribute protobuf holds, and, for bytes protobuf wrote (``canonical``), are what it writes for it."""
-    assert len(rows) == len(model.graph.node)
-    for (overload, attributes), node in zip(rows, model.graph.node):
-        assert overload == node.overload
-        assert [onnx.AttributeProto.FromString(a) for a in attributes] == list(node.attribute)
-        if canonical:
-            assert list(attributes) == [a.SerializeToString() for a in node.attribute]
-
-
-def _check_all_readers(model: onnx.ModelProto, data: bytes, *, canonical: bool = True) -> scan.NodeTable:
-    """Every reader gives protobuf's rows, prefixed names and node details for ``model`` (parsed from
-    ``data``); returns the native table."""
+def _check_all_readers(model: onnx.ModelProto, data: bytes) -> scan.NodeTable:
+    """Every reader gives protobuf's rows and prefixed names for ``model`` (parsed from ``data``); returns the
+    native table."""
     expected = _protobuf_rows(model)
     native = scan.native_node_table(data)
     assert native.reader == "native"
@@ -90,12 +79,6 @@ def _check_all_readers(model: onnx.ModelProto, data: bytes, *, canonical: bool =
         assert scan.native_node_table(data, name_prefix=prefix).prefixed_names == names
         assert scan.python_node_table(model, name_prefix=prefix).prefixed_names == names
         assert scan.node_table(model, data, name_prefix=prefix) == scan.python_node_table(model, name_prefix=prefix)
-    everything = list(range(len(model.graph.node)))
-    _check_details(model, scan.native_node_details(data, everything), canonical=canonical)
-    _check_details(model, scan.python_node_details(model, everything), canonical=True)
-    _check_details(model, scan.node_details(model, everything, data), canonical=canonical)
-    some = everything[1::3]
-    assert scan.native_node_details(data, some) == [scan.native_node_details(data, everything)[k] for k in some]
     return native
 
 
@@ -308,10 +291,6 @@ def test_hand_encoded_models_read_as_protobuf_reads_them(data):
     assert _rows(scan.native_node_table(graph_data, graph=True)) == expected
     for prefix in PREFIXES:
         assert scan.native_node_table(data, name_prefix=prefix).prefixed_names == _protobuf_names(model, prefix)
-    everything = list(range(len(model.graph.node)))
-    # Hand-encoded attributes are not protobuf's own encoding: their bytes parse to its attributes.
-    _check_details(model, scan.native_node_details(data, everything), canonical=False)
-    _check_details(model, scan.native_node_details(graph_data, everything, graph=True), canonical=True)
 
 
 @settings(max_examples=200, deadline=None)
@@ -337,32 +316,13 @@ def test_nodes_with_odd_names_made_with_the_onnx_helper_read_the_same(rows):
     _check_all_readers(onnx.load_model_from_string(data), data)
 
 
-def test_node_names_and_overloads_keep_the_last_value_and_attributes_append():
-    attribute = lambda name: _field(5, 2, _field(1, 2, name) + _field(20, 0, _varint(2)) + _field(3, 0, _varint(1)))  # noqa: E731
-    node = (
-        _field(3, 2, b"first") + attribute(b"a") + _field(8, 2, b"one") + _field(3, 2, b"sgdfuse/last")
-        + _field(5, 0, b"\x01") + attribute(b"b") + _field(8, 2, b"two") + _field(8, 0, b"\x03")
-    )
-    data = _field(7, 2, _field(1, 2, node) + _field(1, 2, _field(3, 2, b"sgdfuse")))
+def test_a_node_name_given_twice_is_the_last_one_as_protobuf_reads_it():
+    node = _field(3, 2, b"sgdfuse/first") + _field(4, 2, b"Relu") + _field(3, 2, b"last") + _field(3, 0, b"\x01")
+    data = _field(7, 2, _field(1, 2, node) + _field(1, 2, _field(3, 2, b"sgdfuse")) + _field(1, 2, _field(3, 2, b"sgdfuse/x")))
     model = onnx.ModelProto()
     model.ParseFromString(data)
-    assert scan.native_node_table(data, name_prefix="sgdfuse/").prefixed_names == ("sgdfuse/last",) == _protobuf_names(model, "sgdfuse/")
-    ((overload, attributes), (empty, none)) = scan.native_node_details(data, [0, 1])
-    assert overload == "two" == model.graph.node[0].overload and (empty, none) == ("", ())
-    assert [onnx.AttributeProto.FromString(a).name for a in attributes] == ["a", "b"]
-    _check_details(model, scan.native_node_details(data, [0, 1]), canonical=False)  # type (20) before i (3)
-
-
-def test_node_details_want_increasing_positions_and_read_the_model_when_the_bytes_hold_fewer_nodes():
-    model = _subgraph_model()
-    with pytest.raises(ValueError):
-        scan.node_details(model, [2, 1])
-    with pytest.raises(ValueError):
-        scan.node_details(model, [len(model.graph.node)])
-    other = helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [], []))
-    assert scan.native_node_details(other.SerializeToString(), [0, 3]) == [("", ())]
-    rows = scan.node_details(model, [0, 3], other.SerializeToString())
-    assert rows == scan.python_node_details(model, [0, 3])
+    assert scan.native_node_table(data, name_prefix="sgdfuse/").prefixed_names == ("sgdfuse/x",) == _protobuf_names(model, "sgdfuse/")
+    assert scan.native_node_table(data, name_prefix="sgdfuse").prefixed_names == ("sgdfuse", "sgdfuse/x")
 
 
 def test_strings_that_are_not_utf8_come_back_as_bytes_as_protobuf_gives_them():
@@ -379,7 +339,6 @@ def test_strings_that_are_not_utf8_come_back_as_bytes_as_protobuf_gives_them():
     model.ParseFromString(named)
     assert scan.native_node_table(named, name_prefix="sgdfuse/").prefixed_names == (b"sgdfuse/\xff",) == _protobuf_names(model, "sgdfuse/")
     assert scan.python_node_table(model, name_prefix="sgdfuse/").prefixed_names == (b"sgdfuse/\xff",)
-    assert scan.native_node_details(named, [0]) == [(b"\xfe", ())] == scan.python_node_details(model, [0])
 
 
 def test_repeated_singular_fields_keep_the_last_value_and_repeated_ones_append_in_order():
@@ -440,10 +399,6 @@ def test_malformed_bytes_raise_a_scan_error_naming_the_offset(name):
         scan.native_node_table(data)
     assert 0 <= raised.value.offset <= len(data)
     assert raised.value.reason
-    try:  # the details stop at the last node asked for: the malformed part may lie past it
-        scan.native_node_details(data, [0])
-    except scan.ScanError as error:
-        assert 0 <= error.offset <= len(data) and error.reason
 
 
 def test_protobuf_refuses_the_malformed_bytes_too_except_groups_nested_deeper_than_the_scanner_goes():
@@ -481,8 +436,6 @@ def test_truncated_or_corrupted_bytes_never_crash_and_node_table_falls_back(_sma
         assert len(table) <= len(expected)
     # Fewer nodes or an error: node_table notices and reads the model instead.
     assert _rows(scan.node_table(model, truncated)) == expected
-    everything = list(range(len(model.graph.node)))
-    assert scan.node_details(model, everything, truncated) == scan.python_node_details(model, everything)
     flips = data.draw(st.lists(st.tuples(st.integers(0, len(blob) - 1), st.integers(0, 255)), min_size=1, max_size=8))
     corrupted = bytearray(blob)
     for at, value in flips:

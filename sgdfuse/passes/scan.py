@@ -11,9 +11,9 @@ Where the scanner cannot be built (no compiler, no Python headers) or is turned 
 ``SGDFUSE_NATIVE_SCAN=0``, :func:`python_node_table` reads the same table through protobuf's Python API.
 Both give the same table for every model (tests/test_node_scan.py), equal to what protobuf returns.
 
-:func:`node_details` reads what the table leaves out of chosen nodes (the overload, the attributes' bytes),
-and the table can list the node names under a prefix (``name_prefix``), both natively where the scanner
-builds, through protobuf otherwise.
+The table can list the node names under a prefix (``name_prefix``). :func:`native_structure` is the output
+guard's pass over a rewritten graph (:mod:`sgdfuse.passes.output_check`): definition before use, and what the
+checker sees of the new nodes, from the bytes, with Python objects made only for those nodes.
 
 Field numbers (onnx/onnx.proto): ``ModelProto.graph`` 7; ``GraphProto.node`` 1; ``NodeProto.input`` 1,
 ``output`` 2, ``name`` 3, ``op_type`` 4, ``attribute`` 5, ``domain`` 7, ``overload`` 8;
@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import sysconfig
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -41,16 +42,17 @@ from sgdfuse.native import build_cached, cache_root, find_compiler
 __all__ = [
     "NATIVE_ENV",
     "NodeTable",
-    "NodeDetails",
     "ScanError",
     "ScannerBuildError",
     "ScannerBuild",
     "node_table",
     "python_node_table",
     "native_node_table",
-    "node_details",
     "python_node_details",
-    "native_node_details",
+    "NodeDetails",
+    "GroupSummary",
+    "StructureScan",
+    "native_structure",
     "native_available",
     "build_scanner",
     "build_extension",
@@ -266,60 +268,69 @@ def _intern_text(value: str | bytes) -> str | bytes:
 
 
 NodeDetails = tuple[str, tuple[bytes, ...]]
-"""What :func:`node_details` reads of one node: its ``overload`` (field 8; ``""`` when absent) and the bytes of
-each of its attributes (field 5), in order."""
+"""What :func:`python_node_details` reads of one node: its ``overload`` (field 8; ``""`` when absent) and each of its
+attributes (field 5) serialised, in order."""
 
 
-def node_details(model: onnx.ModelProto, positions: list[int], data: bytes | None = None, *, graph: bool = False) -> list[NodeDetails]:
-    """:data:`NodeDetails` of the main graph's nodes at ``positions`` (strictly increasing), read natively when
-    the scanner builds: each attribute's bytes as they stand in the serialised graph. Through protobuf's Python
-    API otherwise (:func:`python_node_details`, each attribute serialised again: the same bytes for what
-    protobuf wrote, and for any bytes an attribute parsing to the same message).
+def python_node_details(model: onnx.ModelProto, positions: list[int]) -> list[NodeDetails]:
+    """:data:`NodeDetails` of the main graph's nodes at ``positions``, read through protobuf's Python API."""
+    nodes = model.graph.node
+    return [(_intern_text(nodes[k].overload), tuple(a.SerializeToString() for a in nodes[k].attribute)) for k in positions]
 
-    Either way, two nodes with equal details have equal overloads and equal attributes, field for field.
-    ``data`` and ``graph`` as for :func:`node_table`; the reader falls back likewise.
+
+GroupSummary = tuple[bytes, tuple[str, ...], tuple[int, ...], tuple[bool, ...]]
+"""What :func:`native_structure` says of one group of nodes (a plan's): the bytes of what the checker reads of them
+but names (per node its domain, op type, overload, each attribute's bytes, the numbers of inputs and outputs; then
+per input and output slot, in order, the place its name first stands in that sequence, -1 for ``""``; every length
+written, so that equal bytes are equal nodes up to a renaming that keeps ``""``), the distinct non-empty names in
+the order they first stand, those places, and whether the group's nodes output each."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StructureScan:
+    """What :func:`native_structure` found in a graph.
+
+    Attributes:
+        error: None, or the first rule broken, as ``(kind, names)``: ``"read"`` (a node reads a name not defined
+            before it), ``"subgraph"`` (a subgraph reads such names: all of one subgraph's), ``"twice"`` (a node
+            defines a name already defined, or one twice), ``"output"`` (a graph output nothing defines).
+        found: per wanted name, the position of the node whose first output it is, -1 when there is none (or the
+            name is wanted again later, or None); complete only without ``error``.
+        subgraph: per wanted name, whether its node holds a subgraph.
+        groups: per group, its :data:`GroupSummary`, or None when one of its nodes was not found (all None after an
+            error).
     """
-    if any(b <= a for a, b in zip(positions, positions[1:])) or (positions and not 0 <= positions[0] <= positions[-1] < len(model.graph.node)):
-        raise ValueError("positions must be increasing node numbers of the main graph")
-    if not _native_enabled():
-        return python_node_details(model, positions)
-    try:
-        if data is None:
-            rows = native_node_details(model.graph.SerializeToString(), positions, graph=True)
-        else:
-            rows = native_node_details(data, positions, graph=graph)
-    except ScanError as error:
-        logger.debug("native node scanner refused the model's bytes, reading node details through protobuf: %s", error)
-        return python_node_details(model, positions)
-    if len(rows) != len(positions):
-        logger.debug("the bytes given hold fewer nodes than the model; reading node details through protobuf")
-        return python_node_details(model, positions)
-    return rows
+
+    error: tuple[str, list] | None
+    found: list[int]
+    subgraph: list[bool]
+    groups: list[GroupSummary | None]
 
 
-def native_node_details(data: bytes | bytearray | memoryview, positions: list[int], *, graph: bool = False) -> list[NodeDetails]:
-    """:data:`NodeDetails` read by the native scanner from serialised bytes (``data`` as for
-    :func:`native_node_table`), one per position found (fewer when the bytes hold fewer nodes).
+def native_structure(
+    data: bytes | bytearray | memoryview, wanted: Sequence[str | None], sizes: Sequence[int], outer: Callable[[int], list[list[str]]],
+    *, graph: bool = False,
+) -> StructureScan:
+    """Single assignment and definition before use over the main graph of the serialised ``data``, read by the
+    native scanner (the rules of :func:`sgdfuse.passes.output_check` and its Python pass, which is the reference):
+    the names defined before the first node are the graph inputs', the initializers', the sparse initializers'
+    values' and ``""``; each node must read defined names only (and its subgraphs too: ``outer(position)`` gives,
+    per subgraph of the node, the names it reads from outside), and define new, distinct names; every graph output
+    must be defined. Names are compared as their bytes. Meanwhile the nodes whose first output is in ``wanted``
+    are found, and each group of ``sizes[i]`` consecutive wanted names summarised (:data:`GroupSummary`).
 
     Raises:
-        ScanError: ``data`` is not well-formed protobuf up to the last node asked for.
+        ScanError: ``data`` is not well-formed protobuf where the scanner reads it.
         ScannerBuildError: the scanner cannot be built.
     """
     module = build_scanner().module
     try:
-        return module.details(data, not graph, positions)
+        error, found, subgraph, groups = module.structure(data, not graph, wanted, sizes, outer)
     except ValueError as error:
-        raise ScanError.from_message(str(error)) from None
-
-
-def python_node_details(model: onnx.ModelProto, positions: list[int]) -> list[NodeDetails]:
-    """:data:`NodeDetails` read through protobuf's Python API, each attribute serialised again."""
-    nodes = model.graph.node
-    rows = []
-    for k in positions:
-        node = nodes[k]
-        rows.append((_intern_text(node.overload), tuple(a.SerializeToString() for a in node.attribute)))
-    return rows
+        if str(error).startswith("malformed protobuf"):
+            raise ScanError.from_message(str(error)) from None
+        raise
+    return StructureScan(error, found, subgraph, groups)
 
 
 def build_scanner(*, cache_dir: str | os.PathLike | None = None, force: bool = False) -> ScannerBuild:
