@@ -522,11 +522,12 @@ def _fused_entry(plan, index, parts: _EntryParts | None = None) -> FusedUpdate:
     if parts is None:
         parts = _EntryParts(index)
     match: Match = plan.match
-    after = traffic.fused_traffic(index, match.parameters, traffic.helper_passes([n.op_type for n in plan.nodes]))
+    # (The plan's op types and names without making a replayed plan's nodes: rewrite.Plan.op_types.)
+    after = traffic.fused_traffic(index, match.parameters, traffic.helper_passes(plan.op_types()))
     return FusedUpdate(
         traffic_before_bytes=parts.traffic_before(match),
         traffic_after_bytes=after,
-        node=plan.sgd_node.name,
+        node=plan.sgd_node_name(),
         parameters=match.parameters,
         gradient=match.gradient,
         accum=match.accum,

@@ -112,53 +112,83 @@ def _dumps(value: Any, step: str, level: int) -> str:
 _encode_string = json.encoder.encode_basestring_ascii  # what json.dumps writes a str with (ensure_ascii)
 
 
-def _indented_json(document: dict[str, Any], step: str) -> str:
+def _indented_json(document: dict[str, Any], step: str, records: dict[str, list] | None = None) -> str:
     """``json.dumps(document, indent=step, default=str, allow_nan=False)``, written faster for the report:
     json's indented writer is Python, a generator per container (a quarter of writing a report at 10,000
-    updates). The lists of flat records (``fused``, ``refused``) are written by :func:`_flat_record`, every
-    other value by ``json.dumps`` itself; tests/test_report_json.py holds the text to ``json.dumps``'s."""
+    updates). ``records``: per key whose value in ``document`` stands for a list of flat records (the fused and
+    refused entries), the records, written straight from their fields (:func:`_record_json`) as
+    ``_plain_records`` would make them; every other value by ``json.dumps`` itself.
+    tests/test_report_json.py holds the text to ``json.dumps``'s."""
+    records = records or {}
     if not document or any(type(key) is not str for key in document):
         return json.dumps(document, indent=step, sort_keys=False, default=str, allow_nan=False)
     inner = "\n" + step
     parts = []
     for key, value in document.items():
-        if type(value) is list and value and key in ("fused", "refused"):
-            items = "\n" + step * 2
-            text = "[" + items + ("," + items).join([_flat_record(record, step, 2) for record in value]) + inner + "]"
+        if key in records:
+            text = _records_json(records[key], step)
         else:
             text = _dumps(value, step, 1)
         parts.append(_encode_string(key) + ": " + text)
     return "{" + inner + ("," + inner).join(parts) + "\n}"
 
 
-def _flat_record(record: Any, step: str, level: int) -> str:
-    """``record`` as ``json.dumps`` writes it ``level`` levels deep: a dict of strings, ints, finite floats,
-    bools, None, and lists or dicts of those, written here; anything else by ``json.dumps``."""
-    if type(record) is not dict or not record:
-        return _dumps(record, step, level)
-    inner = "\n" + step * (level + 1)
-    parts = []
-    for key, value in record.items():
-        text = _leaf(value)
-        if text is None:
+def _records_json(records: list, step: str) -> str:
+    """``_dumps(_plain_records(records), step, 1)``: a record of leaves (strings, ints, floats, bools, None, and
+    lists or dicts of those) is written from its fields here, any other through ``_plain_record`` and
+    ``json.dumps``."""
+    if not records:
+        return "[]"
+    items = "\n" + step * 2
+    inner = "\n" + step * 3
+    close = "\n" + step * 2 + "}"
+    names_by_type: dict[type, tuple[str, ...]] = {}
+    keys: dict[str, str] = {}  # field name -> its JSON key and the separator
+    texts = []
+    for record in records:
+        kind = type(record)
+        names = names_by_type.get(kind)
+        if names is None:
+            names = names_by_type[kind] = tuple(f.name for f in dataclasses.fields(kind))
+        parts = []
+        for name in names:
+            value = getattr(record, name)
             kind = type(value)
-            if kind is list or kind is dict:
-                text = _flat_container(value, step, level + 1)
-            if text is None or type(key) is not str:
-                return _dumps(record, step, level)
-        elif type(key) is not str:
-            return _dumps(record, step, level)
-        parts.append(_encode_string(key) + ": " + text)
-    return "{" + inner + ("," + inner).join(parts) + "\n" + step * level + "}"
+            if kind is str:
+                text = _encode_string(value)
+            elif kind is int:
+                text = int.__repr__(value)
+            elif kind is float:
+                text = float.__repr__(value) if math.isfinite(value) else "null"  # _finite's None
+            elif value is None:
+                text = "null"
+            elif kind is bool:
+                text = "true" if value else "false"
+            elif kind is list or kind is tuple or kind is dict:
+                text = _flat_container(value, step, 3)  # type: ignore[arg-type]
+                if text is None:
+                    break
+            else:
+                break
+            key = keys.get(name)
+            if key is None:
+                key = keys[name] = _encode_string(name) + ": "
+            parts.append(key + text)
+        else:
+            texts.append("{" + inner + ("," + inner).join(parts) + close if parts else "{}")
+            continue
+        texts.append(_dumps(_plain_record(record, names), step, 2))
+    return "[" + items + ("," + items).join(texts) + "\n" + step + "]"
 
 
-def _flat_container(value: list | dict, step: str, level: int) -> str | None:
-    """A list, or a dict with string keys, of leaves (:func:`_leaf`) as ``json.dumps`` writes it ``level``
-    levels deep; None for any other content."""
+def _flat_container(value: list | tuple | dict, step: str, level: int) -> str | None:
+    """A list or tuple, or a dict with string keys, of leaves (:func:`_leaf`, a non-finite float as None) as
+    ``json.dumps`` writes it ``level`` levels deep once ``_plain_record`` has made it plain; None for any other
+    content."""
     if not value:
-        return "[]" if type(value) is list else "{}"
+        return "{}" if type(value) is dict else "[]"
     inner = "\n" + step * (level + 1)
-    if type(value) is list:
+    if type(value) is not dict:
         texts = [_leaf(item) for item in value]
         if None in texts:
             return None
@@ -173,14 +203,15 @@ def _flat_container(value: list | dict, step: str, level: int) -> str | None:
 
 
 def _leaf(value: Any) -> str | None:
-    """A string, int, finite float, bool or None (exactly those types) as ``json.dumps`` writes it, else None."""
+    """A string, int, float, bool or None (exactly those types) as ``json.dumps`` writes it once ``_finite``
+    has made a non-finite float None; else None."""
     kind = type(value)
     if kind is str:
         return _encode_string(value)
     if kind is int:
         return int.__repr__(value)
     if kind is float:
-        return float.__repr__(value) if math.isfinite(value) else None  # json.dumps raises: it writes the error
+        return float.__repr__(value) if math.isfinite(value) else "null"
     if value is None:
         return "null"
     if kind is bool:
@@ -361,9 +392,16 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """Plain data: ``tool``, ``fused``, ``refused``, ``verification``, ``added_state``, ``model``,
         ``memory_traffic``; non-finite floats become None so the JSON is strict."""
+        plain = self._summary()
+        plain["fused"] = _plain_records(self.fused)
+        plain["refused"] = _plain_records(self.refused)
+        return plain
+
+    def _summary(self) -> dict[str, Any]:
+        """:meth:`to_dict` with None for the fused and refused entries (written apart: :meth:`to_json`)."""
         from sgdfuse import __version__
 
-        plain = _finite({
+        return _finite({
             "tool": {"name": "sgdfuse", "version": __version__, "report_format": 1},
             "fused": None,  # below: one entry per update, each walked once
             "refused": None,
@@ -375,9 +413,6 @@ class Report:
             },
             "memory_traffic": self.memory_traffic(),
         })
-        plain["fused"] = _plain_records(self.fused)
-        plain["refused"] = _plain_records(self.refused)
-        return plain
 
     def memory_traffic(self) -> dict[str, Any]:
         """Estimated bytes per step moved by the fused updates before and after fusion, in total and by
@@ -399,11 +434,11 @@ class Report:
     def to_json(self, indent: int | str | None = 2) -> str:
         """The report as JSON text (keys sorted within each record for stable diffs): exactly
         ``json.dumps(self.to_dict(), indent=indent, default=str, allow_nan=False)``, the fused and refused
-        entries written by :func:`_indented_json`."""
-        document = self.to_dict()
+        entries written from their fields (:func:`_indented_json`)."""
         if indent is None:
-            return json.dumps(document, sort_keys=False, default=str, allow_nan=False)
-        return _indented_json(document, " " * indent if isinstance(indent, int) else indent)
+            return json.dumps(self.to_dict(), sort_keys=False, default=str, allow_nan=False)
+        step = " " * indent if isinstance(indent, int) else indent
+        return _indented_json(self._summary(), step, {"fused": self.fused, "refused": self.refused})
 
     def __str__(self) -> str:
         lines = [f"{self.source}: {len(self.fused)} fused, {len(self.refused)} refused"]

@@ -60,11 +60,10 @@ def unproven(output: onnx.ModelProto, source: onnx.ModelProto, index: GraphIndex
     wanted: list[str | None] = []
     sizes: list[int] = []
     for plan in plans:
-        nodes = plan.nodes
-        sizes.append(len(nodes))
-        for node in nodes:
-            names = node.output  # read once: each read of a protobuf field makes a new object
-            wanted.append(names[0] if names else None)
+        # The plans' own names (a replayed plan's from its template, its nodes not made: Plan.first_outputs).
+        first = plan.first_outputs()
+        sizes.append(len(first))
+        wanted.extend(first)
     new = _natively(output, data, wanted, sizes) if data is not None and native_available() else None
     if new is None:
         new = _through_the_table(output, data, wanted, sizes)

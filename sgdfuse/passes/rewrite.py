@@ -44,6 +44,43 @@ STAT_DESCRIPTION = (
 )
 
 
+class _Made:
+    """``Plan.nodes`` and ``Plan.sgd_node``: the plan's own nodes. A plan the planner replayed from its class's
+    template (:class:`_Replay`) makes them when one of the two is first read; until then nothing can have
+    changed them, so :func:`apply_plans` writes them into its output straight from the template (one copy of
+    each node instead of two, and their names known without reading them back). A dataclass field with this
+    descriptor as its "default" has no default (``__get__`` on the class raises ``AttributeError``)."""
+
+    __slots__ = ("_slot", "_other")
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = "_" + name
+        self._other = "_sgd_node" if name == "nodes" else "_nodes"
+
+    def __get__(self, plan: object, owner: type | None = None):
+        if plan is None:
+            raise AttributeError(self._slot)  # no default: the field stays a required argument
+        value = plan.__dict__[self._slot]
+        if type(value) is _Replay:
+            _make(plan)
+            value = plan.__dict__[self._slot]
+        return value
+
+    def __set__(self, plan: object, value: object) -> None:
+        other = plan.__dict__.get(self._other)
+        if type(other) is _Replay and other is not value:
+            _make(plan)  # the other field keeps the nodes it would have had
+        plan.__dict__[self._slot] = value
+
+
+def _make(plan: object) -> None:
+    """Make the nodes of a replayed ``plan`` (both fields at once: ``sgd_node`` is one of ``nodes``)."""
+    replay = plan.__dict__["_nodes"]
+    nodes, sgd = replay.make()
+    plan.__dict__["_nodes"] = nodes
+    plan.__dict__["_sgd_node"] = sgd
+
+
 @dataclasses.dataclass
 class Plan:
     """The rewrite of one :class:`Match`.
@@ -56,16 +93,126 @@ class Plan:
         gradient_input: the value fed as ``gradient`` (the matched gradient, or its negation for maximize).
         learning_rate_input, momentum_input: values fed as ``learning_rate`` and ``momentum``.
         stat: how ``stat`` is provided (for the report).
+
+    A replayed plan's nodes are made when first read (:class:`_Made`); :meth:`node_io`, :meth:`op_types` and
+    :meth:`sgd_position` answer from its template until then, and from the nodes after.
     """
 
     match: Match
-    nodes: list[onnx.NodeProto]
+    nodes: list[onnx.NodeProto] = _Made()  # type: ignore[assignment]
     initializers: list[onnx.TensorProto]
-    sgd_node: onnx.NodeProto
+    sgd_node: onnx.NodeProto = _Made()  # type: ignore[assignment]
     gradient_input: str
     learning_rate_input: str
     momentum_input: str
     stat: str
+
+    def _replay(self) -> "_Replay | None":
+        """The replay whose nodes are not made yet, or None."""
+        value = self.__dict__.get("_nodes")
+        return value if type(value) is _Replay else None
+
+    def first_outputs(self) -> list[str | None]:
+        """Per node, in order, its first output name (None for a node with no output)."""
+        replay = self._replay()
+        if replay is not None:
+            return [replay.renamed(outputs[0]) if outputs else None for _, _, _, outputs in replay.template.nodes]
+        first = []
+        for node in self.nodes:
+            names = node.output  # read once: each read of a protobuf field makes a new object
+            first.append(names[0] if names else None)
+        return first
+
+    def node_io(self) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+        """Per node, in order, its input and output names as ``NodeProto.input`` and ``output`` hold them."""
+        replay = self._replay()
+        if replay is not None:
+            return replay.io()
+        return [(tuple(node.input), tuple(node.output)) for node in self.nodes]
+
+    def op_types(self) -> list[str]:
+        """Per node, in order, its ``op_type``."""
+        replay = self._replay()
+        if replay is not None:
+            return list(replay.template.op_types)
+        return [node.op_type for node in self.nodes]
+
+    def sgd_position(self) -> int:
+        """The place of :attr:`sgd_node` among :attr:`nodes`."""
+        replay = self._replay()
+        if replay is not None:
+            return replay.template.sgd_position
+        sgd = self.sgd_node
+        return next(k for k, node in enumerate(self.nodes) if node is sgd)
+
+    def sgd_node_name(self) -> str:
+        """``sgd_node.name``."""
+        replay = self._replay()
+        if replay is not None:
+            return replay.name(replay.template.sgd_position)
+        return self.sgd_node.name
+
+    def __getstate__(self) -> dict:
+        # Pickling and copying take the nodes made: a replay holds the planner's container.
+        if self._replay() is not None:
+            _make(self)
+        return self.__dict__
+
+
+class _Replay:
+    """The nodes of a plan replayed from ``template``, named by ``names`` (the first member's values and fresh
+    names -> the member's), made into ``container`` (the planner's) when the plan's nodes are first read."""
+
+    __slots__ = ("template", "names", "container")
+
+    def __init__(self, template: "_Template", names: dict[str, str], container) -> None:
+        self.template = template
+        self.names = names
+        self.container = container
+
+    def make(self, container=None) -> tuple[list[onnx.NodeProto], onnx.NodeProto]:
+        """The nodes, made in ``container`` (default: the planner's), and the SGD node among them."""
+        add = (self.container if container is None else container).add
+        nodes = [self.write(j, add()) for j in range(len(self.template.nodes))]
+        return nodes, nodes[self.template.sgd_position]
+
+    def write(self, j: int, node: onnx.NodeProto) -> onnx.NodeProto:
+        """Node ``j`` written into the empty ``node``: the template's copy without names, then the names (about
+        40% cheaper than copying the whole node and assigning its inputs and outputs again; the fields serialise
+        in field order either way)."""
+        stripped, name, inputs, outputs = self.template.nodes[j]
+        rename = self.names.get
+        node.CopyFrom(stripped)
+        node.name = rename(name, name)  # set even when empty, as the direct plan's copy has it
+        node.input.extend(map(rename, inputs, inputs))
+        node.output.extend(map(rename, outputs, outputs))
+        return node
+
+    def name(self, j: int) -> str:
+        name = self.template.nodes[j][1]
+        return self.names.get(name, name)
+
+    def io(self) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+        """Per node, its input and output names."""
+        rename = self.names.get
+        return [(tuple(map(rename, inputs, inputs)), tuple(map(rename, outputs, outputs))) for _, _, inputs, outputs in self.template.nodes]
+
+    def reads_and_outputs(self) -> list[tuple[list[str], list[str]]]:
+        """Per node, :func:`_reads_and_outputs` of the node made: its non-empty inputs renamed and what its
+        subgraphs read from outside (the template's: a replay renames no name inside an attribute), and its
+        non-empty outputs renamed."""
+        rename = self.names.get
+        result = []
+        for (inputs, outputs), outer in zip(self.template.named, self.template.outer_reads):
+            reads = list(map(rename, inputs, inputs))
+            if outer:
+                reads.extend(outer)
+            result.append((reads, list(map(rename, outputs, outputs))))
+        return result
+
+    def renamed(self, name: str) -> str:
+        """``name`` of the template's nodes, as this replay's nodes hold it."""
+        return self.names.get(name, name)
 
 
 @dataclasses.dataclass
@@ -77,7 +224,7 @@ class _Template:
     looks names up: ``slots``, the first match's values in the order :meth:`Planner._replayed` renames them,
     each with its number in :func:`_renamed_values` (values the match does not have left out); ``suffixes``,
     per fresh name made from the base, what followed the base and the name made; ``nodes``, per plan node, a
-    copy without name, inputs and outputs, and those names."""
+    copy without name, inputs and outputs, and those names; each node's op type, and which one is the SGD node."""
 
     plan: Plan
     fresh: list[tuple[str, str]]
@@ -85,6 +232,13 @@ class _Template:
     slots: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     suffixes: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     nodes: list[tuple[onnx.NodeProto, str, tuple[str, ...], tuple[str, ...]]] = dataclasses.field(default_factory=list)
+    op_types: tuple[str, ...] = ()
+    sgd_position: int = 0
+    outer_reads: tuple[list[str], ...] = ()
+    """Per node, what its subgraphs read from outside (:func:`_reads`): the same in every replay (the names a
+    replay renames are the nodes' own, not those inside their attributes)."""
+    named: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
+    """Per node, its non-empty input and output names (a replay renames a name to a name, never to ``""``)."""
 
 
 # Characters a plan's names keep from the parameters' output name (compiled once: _base_of runs per plan).
@@ -229,7 +383,9 @@ class Planner:
         if self._check_classes:
             direct = self._shadow()._plan(match)
             plan = self._replayed(template, match)
-            _assert_same_plan(plan, direct)
+            # Compared with nodes made apart: the plan handed out keeps its nodes unmade, as without the check.
+            nodes, sgd = plan._replay().make(onnx.GraphProto().node)  # type: ignore[union-attr]
+            _assert_same_plan(dataclasses.replace(plan, nodes=nodes, sgd_node=sgd), direct)
             return plan
         return self._replayed(template, match)
 
@@ -271,24 +427,11 @@ class Planner:
                 taken.add(name)
             names[made] = name
         rename = names.get
-        nodes = []
-        sgd = None
-        add = self._arena.node.add
-        sgd_template = template.plan.sgd_node
-        for stripped, name, inputs, outputs in template.nodes:
-            # The copy without names, then the names: about 40% cheaper than copying the whole node and
-            # assigning its inputs and outputs again (the fields serialise in field order either way).
-            copy = add()
-            copy.CopyFrom(stripped)
-            copy.name = rename(name, name)  # set even when empty, as the direct plan's copy has it
-            copy.input.extend(map(rename, inputs, inputs))
-            copy.output.extend(map(rename, outputs, outputs))
-            if stripped is sgd_template:
-                sgd = copy
-            nodes.append(copy)
+        # The nodes are made when first read (_Made): apply_plans writes them into its output from the template.
+        replay = _Replay(template, names, self._arena.node)
         plan = template.plan
         return Plan(
-            match, nodes, [], sgd, rename(plan.gradient_input, plan.gradient_input),
+            match, replay, [], replay, rename(plan.gradient_input, plan.gradient_input),
             rename(plan.learning_rate_input, plan.learning_rate_input), rename(plan.momentum_input, plan.momentum_input), plan.stat,
         )
 
@@ -299,14 +442,20 @@ class Planner:
         # A fresh name requested outside the base is a shared constant's, made once for all plans.
         suffixes = [(requested[len(base):], made) for requested, made in fresh if requested.startswith(prefix)]
         nodes = []
-        for node in plan.nodes:
+        sgd_position = 0
+        for k, node in enumerate(plan.nodes):
             entry = (node, node.name, tuple(node.input), tuple(node.output))
             node.ClearField("name")
             del node.input[:]
             del node.output[:]
             nodes.append(entry)
+            if node is plan.sgd_node:
+                sgd_position = k
         slots = [(slot, old) for slot, old in enumerate(_renamed_values(plan.match)) if old is not None]
-        return _Template(plan, fresh, base, slots, suffixes, nodes)
+        op_types = tuple(node.op_type for node, _, _, _ in nodes)
+        outer_reads = tuple(_reads(node) for node, _, _, _ in nodes)  # stripped: no inputs, its subgraphs' reads only
+        named = tuple((tuple(n for n in inputs if n), tuple(n for n in outputs if n)) for _, _, inputs, outputs in nodes)
+        return _Template(plan, fresh, base, slots, suffixes, nodes, op_types, sgd_position, outer_reads, named)
 
     def _pristine(self, plan: Plan) -> Plan:
         """``plan`` with copies of its nodes, kept apart from the plans handed out."""
@@ -623,12 +772,20 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
         result.CopyFrom(model)
         return result
     old = _OldNodes(model.graph.node, index)
+    # Plans replayed from their class's template whose nodes nobody has read (so nobody changed): their names
+    # come from the template, and their nodes are written into the output from it (_write_nodes).
+    replays = [plan._replay() for plan in plans]
     # What each new node reads and outputs, read from it once (each read of a protobuf field makes new objects).
     new_reads: list[list[str]] = []
     new_outputs: list[list[str]] = []
-    for plan in plans:
-        for node in plan.nodes:
-            reads_, outputs_ = _reads_and_outputs(node)
+    for plan, replay in zip(plans, replays):
+        if replay is None:
+            for node in plan.nodes:
+                reads_, outputs_ = _reads_and_outputs(node)
+                new_reads.append(reads_)
+                new_outputs.append(outputs_)
+            continue
+        for reads_, outputs_ in replay.reads_and_outputs():
             new_reads.append(reads_)
             new_outputs.append(outputs_)
     replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
@@ -659,12 +816,16 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
     # Order: every kept node at its old position, each plan's nodes at the position of its update's last
     # node, then a stable topological sort (a reader of a fused output placed earlier moves after it).
     kept = [i for i in range(len(old)) if i not in removed]
-    entries: list[tuple[tuple[int, int], onnx.NodeProto]] = [((i, 0), old.node(i)) for i in kept]
+    entries: list[tuple[tuple[int, int], onnx.NodeProto | tuple[_Replay, int]]] = [((i, 0), old.node(i)) for i in kept]
     entry_reads = [old.reads(i) for i in kept] + new_reads
-    for plan in plans:
+    for plan, replay in zip(plans, replays):
         anchor = max(plan.match.nodes) if plan.match.nodes else len(old)
-        for j, node in enumerate(plan.nodes):
-            entries.append(((anchor, 1 + j), node))
+        if replay is None:
+            for j, node in enumerate(plan.nodes):
+                entries.append(((anchor, 1 + j), node))
+        else:
+            for j in range(len(replay.template.nodes)):
+                entries.append(((anchor, 1 + j), (replay, j)))  # written by _write_nodes
     available = inputs | {t.name for t in kept_initializers} | {t.name for plan in plans for t in plan.initializers}
     entry_outputs = [old.outputs(i) for i in kept] + new_outputs
     ordered = _stable_topological_sort(entries, available=available, reads=entry_reads, outputs=entry_outputs)
@@ -674,13 +835,13 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
     _copy_into(result, model, skip={"graph"})
     graph = result.graph
     _copy_into(graph, model.graph, skip={"node", "initializer", "value_info"})
-    graph.node.extend(ordered)
+    _write_nodes(graph.node, ordered)
     graph.initializer.extend(kept_initializers)
     graph.initializer.extend(t for plan in plans for t in plan.initializers)
     graph.value_info.extend(vi for vi in model.graph.value_info if vi.name not in gone_values)
     declared = _DeclaredTypes()
-    for plan in plans:
-        declared.add(plan)
+    for plan, replay in zip(plans, replays):
+        declared.add(plan, replay)
     declared.write_to(graph)
     ensure_sgd_function(result)
     return result
@@ -719,8 +880,9 @@ class _DeclaredTypes:
             found = self._types[key] = b"\x12" + _varint(len(typed)) + typed
         return found
 
-    def add(self, plan: Plan) -> None:
-        """Collect the value infos of what ``plan`` adds (:meth:`write_to` appends them)."""
+    def add(self, plan: Plan, replay: _Replay | None = None) -> None:
+        """Collect the value infos of what ``plan`` adds (:meth:`write_to` appends them); ``replay``: its
+        :class:`_Replay` while its nodes are not made (their names are then the template's, renamed)."""
         match = plan.match
         if match.first_step is not None:
             return
@@ -733,6 +895,17 @@ class _DeclaredTypes:
             if shape is None or type(shape) is tuple:
                 self._stat_types[key] = typed
         if typed is None:
+            return
+        if replay is not None:
+            template = replay.template
+            if match.dtype == onnx.TensorProto.BFLOAT16:
+                dims = Planner._static_dims(match)
+                for (_, _, _, outputs), op_type in zip(template.nodes, template.op_types):
+                    if op_type == "ConstantOfShape":
+                        self._declare(replay.renamed(outputs[0]), self._type(onnx.TensorProto.FLOAT, dims))  # stat_float
+            _, _, sgd_inputs, sgd_outputs = template.nodes[template.sgd_position]
+            self._declare(replay.renamed(sgd_inputs[5]), typed)
+            self._declare(replay.renamed(sgd_outputs[2]), typed)
             return
         sgd = plan.sgd_node
         if match.dtype == onnx.TensorProto.BFLOAT16:
@@ -877,6 +1050,24 @@ def _removed_nodes(
         if not read:
             removed.add(i)
     return removed, is_read
+
+
+def _write_nodes(target, ordered: list) -> None:
+    """Append ``ordered`` to the repeated ``NodeProto`` field ``target``: a node is copied (runs of them in one
+    call), a ``(replay, j)`` entry is node ``j`` of the replay, written once, in place."""
+    run: list[onnx.NodeProto] = []
+    add = target.add
+    for item in ordered:
+        if type(item) is tuple:
+            if run:
+                target.extend(run)
+                run = []
+            replay, j = item
+            replay.write(j, add())
+        else:
+            run.append(item)
+    if run:
+        target.extend(run)
 
 
 def _copy_into(target, source, *, skip: set[str]) -> None:
