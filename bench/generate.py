@@ -24,9 +24,9 @@ fp16 constants in dynamo/legacy, float32 constants + casts in noopt), ``lr_tenso
 shared ``Neg -> Reshape([-1]) -> Gather(0)``, legacy's shared ``Neg``, noopt's per-use chain + ``Cast`` +
 ``CastLike``). Three param groups: (lr 0.1, m 0.9), (lr 0.05, m 0.8), (lr 0.01, m 0.9).
 
-Internal gradients: a forward chain ``h = Relu(MatMul(h, W_k))`` over [4, 4] weights that are themselves updated
-(dynamo plain/wd updates) with gradient ``MatMul(Transpose(h_{k-1}), h_k)`` computed in the graph, as in the
-MLP training step.
+Internal gradients: forward chains ``h = Relu(MatMul(h, W_k))`` of ``CHAIN_DEPTH`` layers from the input, each
+ending in a ``ReduceMean`` loss output, over [4, 4] weights that are themselves updated (dynamo plain/wd updates)
+with gradient ``MatMul(Transpose(h_{k-1}), h_k)`` computed in the graph, as in the MLP training step.
 
 Nodes that must not fuse (all left untouched by a correct pass): the forward chain, the gradient MatMuls, a
 ``ReduceMean`` loss, BatchNorm-style running statistics ``rs_out = 0.9*rs + 0.1*x`` (an EMA, no parameter),
@@ -73,7 +73,9 @@ VARIANTS = (
 GROUPS = ((0.1, 0.9), (0.05, 0.8), (0.01, 0.9))  # (lr, momentum)
 SHAPES = ((8,), (4, 4), (2, 3), (16,))
 WEIGHT_DECAY = 1e-4
-BATCH = 2
+BATCH = 8
+CHAIN_DEPTH = 4
+"""Layers per forward chain (each starts from the input ``x`` and ends in a loss output)."""
 OPSET = 20
 
 
@@ -282,7 +284,10 @@ def build(n_updates: int, seed: int = 0) -> tuple[onnx.ModelProto, dict]:
     n_forward = max(2, n_updates // 50)
     n_decoys = max(2, n_updates // 100)
 
-    # Forward chain over updated [4, 4] weights; gradients of those weights computed in the graph.
+    # Forward chains over updated [4, 4] weights; gradients of those weights computed in the graph. Each chain
+    # is CHAIN_DEPTH layers from the input, with a loss of its own: one chain of hundreds of plain ReLU layers
+    # goes dead on any random data within about 14 layers, which no real network does (normalisation and
+    # skip connections keep them alive), and `check` then cannot compare the dead layers' updates.
     x = b.add_input("data", "x", FLOAT, [BATCH, 4])
     h = x
     layers = []
@@ -292,8 +297,12 @@ def build(n_updates: int, seed: int = 0) -> tuple[onnx.ModelProto, dict]:
         h_next = b.node("dynamo", "Relu", [mm], unrelated=True, vi=(FLOAT, [BATCH, 4]))
         layers.append((w, h, h_next))
         h = h_next
-    loss = b.node("dynamo", "ReduceMean", [h], out="loss", unrelated=True, keepdims=0)
-    b.add_output("loss", loss, FLOAT, [])
+        if (k + 1) % CHAIN_DEPTH == 0 or k == n_forward - 1:
+            name = "loss" if k < CHAIN_DEPTH else f"loss_{k // CHAIN_DEPTH}"
+            loss = b.node("dynamo", "ReduceMean", [h], out=name, unrelated=True, keepdims=0)
+            b.add_output("loss", loss, FLOAT, [])
+            if k < n_forward - 1:
+                h = x  # the next chain starts again from the input; the last chain's end feeds the metrics
     grads = []
     for w, h_prev, h_next in layers:
         t = b.node("dynamo", "Transpose", [h_prev], unrelated=True, perm=[1, 0], vi=(FLOAT, [4, BATCH]))

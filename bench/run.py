@@ -25,6 +25,7 @@ Usage (from the repository root, in the dev venv with onnxscript installed):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -374,12 +375,15 @@ def main(argv: list[str] | None = None) -> int:
     for n in sizes:
         path = os.path.join(args.dir, f"sgd_bench_{n}.onnx")
         stamp = os.path.join(args.dir, f"sgd_bench_{n}.seed")
-        if not (os.path.exists(path) and os.path.exists(stamp) and open(stamp).read() == str(args.seed)):
+        # The seed and the generator's own bytes: a changed generator makes its files again.
+        with open(os.path.join(HERE, "generate.py"), "rb") as handle:
+            wanted = f"{args.seed} {hashlib.sha256(handle.read()).hexdigest()[:16]}"
+        if not (os.path.exists(path) and os.path.exists(stamp) and open(stamp).read() == wanted):
             start = time.perf_counter()
             # In a child, so that this process stays small.
             subprocess.run([sys.executable, os.path.join(HERE, "generate.py"), args.dir, "--sizes", str(n), "--seed", str(args.seed)], check=True)
             with open(stamp, "w") as handle:
-                handle.write(str(args.seed))
+                handle.write(wanted)
             print(f"generated {path} ({os.path.getsize(path) / 1e6:.1f} MB) in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         paths[n] = path
 

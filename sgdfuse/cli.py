@@ -464,7 +464,7 @@ def check_command(
     seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed of the random inputs."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help=f"One console row per output, even past {TABLE_ROWS}."),
 ) -> None:
-    """Run ORIGINAL and FUSED in onnxruntime on the same seeded inputs for STEPS chained steps, natively and in DOUBLE, in lockstep and in place; exit 0 only if every output and every in-place state write agrees."""
+    """Run ORIGINAL and FUSED in onnxruntime on the same seeded inputs for STEPS chained steps, natively and in DOUBLE, in lockstep and in place; exit 0 only if every output and every in-place state write agrees and every fused update's gradient was non-zero on some compared step (one that stays zero on every input fed fails as never compared)."""
     from sgdfuse.verify import check_models
 
     _require_input(original)
@@ -491,7 +491,13 @@ def check_command(
     if result.note:
         _out.print(f"Note: {result.note}", markup=False)
     if not result.passed:
-        _err.print("error: the models disagree", markup=False)
+        failed = [e["name"] for e in result.outputs + result.in_place if not e["passed"]]
+        if set(failed) <= set(result.uncompared):
+            # Nothing disagreed: what failed was never compared (NaN everywhere, a gradient zero on every input fed).
+            _err.print(f"error: {len(failed)} outputs and state writes were never compared (see the table): the models "
+                       "are not shown to agree", markup=False)
+        else:
+            _err.print("error: the models disagree", markup=False)
         raise typer.Exit(1)
     _out.print("All outputs agree.")
 

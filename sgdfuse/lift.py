@@ -15,12 +15,13 @@ cannot run, and :func:`missing_kernels` names them from onnxruntime's error.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["FLOAT_TYPES", "lift_to_double", "missing_kernels", "specialise"]
+__all__ = ["FLOAT_TYPES", "bfloat16_through_float", "lift_to_double", "missing_kernels", "specialise"]
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16})
 """The ONNX float types that are lifted (DOUBLE stays as it is)."""
@@ -51,6 +52,123 @@ def missing_kernels(error: BaseException | str) -> list[str]:
     """Op types onnxruntime reports having no kernel for (``Could not find an implementation for
     Conv(11) node ...``), from its error text; empty when the error says something else."""
     return sorted(set(re.findall(r"Could not find an implementation for (\w+)\(", str(error))))
+
+
+def bfloat16_through_float(model: onnx.ModelProto, op_types: Collection[str] | None) -> tuple[onnx.ModelProto, bool]:
+    """A copy of ``model`` in which every default-domain node of an op in ``op_types`` (None: of any op but
+    ``Cast``, ``CastLike`` and control flow) that reads or writes BFLOAT16 computes in FLOAT: each BFLOAT16
+    operand goes through ``Cast(to=FLOAT)`` and each BFLOAT16 result comes back through ``Cast(to=BFLOAT16)``
+    under its own name; and whether any node was changed. For onnxruntime's CPU provider, which has no
+    BFLOAT16 kernel for ``Add``, ``Sub``, ``Mul``, ``Div``, ``Neg``, ``Where``, ``Expand`` and most others (seen
+    with onnxruntime 1.32; ``Cast`` to and from BFLOAT16 it runs), nor for the ops it runs through their ONNX
+    function bodies (``Softmax``, ``LessOrEqual`` at opset 18, whose error names the body's ``ReduceMax`` or
+    ``Less``: ``op_types`` None widens those too).
+
+    The result is what BFLOAT16 arithmetic gives, rounding once per op to nearest even: a BFLOAT16 value is a
+    FLOAT value exactly, so moves and sign changes (``Where``, ``Expand``, ``Neg``) are exact, and for ``+``,
+    ``-``, ``*``, ``/`` and square roots the FLOAT result rounded to BFLOAT16 is the correctly rounded BFLOAT16
+    result, since FLOAT's 24-bit significand holds at least 2 x 8 + 2 bits (Figueroa, "When is double rounding
+    innocuous?", SIGNUM 1995). Other ops round their FLOAT result once, as a device computing them in FLOAT does.
+
+    Model-local functions are inlined first (``onnx.inliner``: their bodies are nodes like any other), and
+    subgraphs (``If``, ``Loop`` bodies) are widened the same way. Operand and result types come from ONNX shape
+    inference; a node any of whose operands or results it leaves untyped is left as it is (onnxruntime then
+    reports it again). Graph inputs and outputs keep their types, so the model is fed and read as before.
+    ``model`` is not modified.
+    """
+    from onnx import inliner
+
+    source = inliner.inline_local_functions(model) if len(model.functions) else model
+    inferred = onnx.shape_inference.infer_shapes(source)
+    copy = onnx.ModelProto()
+    copy.CopyFrom(source)
+    taken = _all_names(copy.graph)
+
+    def fresh(base: str) -> str:
+        name, counter = base, 1
+        while name in taken:
+            name, counter = f"{base}_{counter}", counter + 1
+        taken.add(name)
+        return name
+
+    changed = _widen_graph(copy.graph, inferred.graph, {}, None if op_types is None else set(op_types), fresh)
+    return copy, changed
+
+
+_NOT_WIDENED = frozenset({"Cast", "CastLike", "If", "Loop", "Scan", "SequenceMap"})
+"""Ops :func:`bfloat16_through_float` leaves as they are even when asked for every op: onnxruntime runs the
+casts in BFLOAT16, and control flow computes nothing itself (its bodies are widened)."""
+
+
+def _graph_types(graph: onnx.GraphProto, outer: dict[str, int]) -> dict[str, int]:
+    types = dict(outer)
+    for info in (*graph.input, *graph.output, *graph.value_info):
+        if info.type.HasField("tensor_type"):
+            types[info.name] = info.type.tensor_type.elem_type
+    for tensor in graph.initializer:
+        types[tensor.name] = tensor.data_type
+    return types
+
+
+def _widen_graph(graph: onnx.GraphProto, inferred: onnx.GraphProto, outer: dict[str, int], wanted: set[str] | None, fresh) -> bool:
+    """Widen ``graph``'s nodes in place (:func:`bfloat16_through_float`), reading types from ``inferred``, the
+    same graph after shape inference, and from the enclosing scopes' ``outer``; True when any node changed."""
+    types = _graph_types(inferred, outer)
+    changed = False
+    nodes: list[onnx.NodeProto] = []
+    for node, typed in zip(graph.node, inferred.node):
+        for attribute, inferred_attribute in zip(node.attribute, typed.attribute):
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                changed |= _widen_graph(attribute.g, inferred_attribute.g, types, wanted, fresh)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for sub, inferred_sub in zip(attribute.graphs, inferred_attribute.graphs):
+                    changed |= _widen_graph(sub, inferred_sub, types, wanted, fresh)
+        names = [n for n in (*node.input, *node.output) if n]
+        chosen = node.op_type not in _NOT_WIDENED if wanted is None else node.op_type in wanted
+        if not chosen or node.domain not in ("", "ai.onnx") or TensorProto.BFLOAT16 not in {types.get(n) for n in names}:
+            nodes.append(node)
+            continue
+        if any(n not in types for n in names):
+            nodes.append(node)  # an operand of unknown type: nothing safe to cast
+            continue
+        widened: dict[str, str] = {}
+        for k, name in enumerate(node.input):
+            if name and types[name] == TensorProto.BFLOAT16:
+                if name not in widened:
+                    widened[name] = fresh(f"{name}/as_float")
+                    nodes.append(helper.make_node("Cast", [name], [widened[name]], to=TensorProto.FLOAT))
+                node.input[k] = widened[name]
+        rounded = []
+        for k, name in enumerate(node.output):
+            if name and types[name] == TensorProto.BFLOAT16:
+                wide = fresh(f"{name}/in_float")
+                node.output[k] = wide
+                rounded.append(helper.make_node("Cast", [wide], [name], to=TensorProto.BFLOAT16))
+        nodes.append(node)
+        nodes.extend(rounded)
+        changed = True
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return changed
+
+
+def _all_names(graph: onnx.GraphProto) -> set[str]:
+    """Every value name of ``graph`` and its subgraphs (inputs, outputs, value infos, initializers, node ends)."""
+    names: set[str] = set()
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        names.update(i.name for i in (*g.input, *g.output, *g.value_info))
+        names.update(t.name for t in g.initializer)
+        for node in g.node:
+            names.update(node.input)
+            names.update(node.output)
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    stack.append(attribute.g)
+                elif attribute.type == onnx.AttributeProto.GRAPHS:
+                    stack.extend(attribute.graphs)
+    return names
 
 
 def _lift_graph(graph: onnx.GraphProto) -> None:

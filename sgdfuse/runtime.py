@@ -127,7 +127,59 @@ def make_session(model: onnx.ModelProto | bytes) -> "ort.InferenceSession | Refe
 
         ortkernel.register(options)
     data = model if isinstance(model, bytes) else model.SerializeToString()
-    return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    try:
+        return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    except ONNXRUNTIME_ERRORS as error:
+        session = _bfloat16_in_float(model, error, options)
+        if session is None:
+            raise
+        return session
+
+
+_MAX_EMULATION_ROUNDS = 32
+"""How many times :func:`_bfloat16_in_float` asks onnxruntime again (each answer names one op it lacks)."""
+
+
+def _bfloat16_in_float(model: onnx.ModelProto | bytes, error: Exception, options: ort.SessionOptions) -> "ort.InferenceSession | None":
+    """A session (with ``options``) of ``model`` with every op onnxruntime has no BFLOAT16 kernel for computed
+    in FLOAT (:func:`sgdfuse.lift.bfloat16_through_float`: the same BFLOAT16 results), or None when ``error``
+    is not about a missing kernel or ``model`` has no BFLOAT16 node to widen. onnxruntime names one missing
+    kernel per attempt, so this asks again until it accepts; a kernel it names that is no node of the model
+    (an op of a function body onnxruntime expands: ``Softmax``'s ``ReduceMax``) widens every BFLOAT16 op.
+
+    Raises:
+        onnxruntime's error for the last attempt, when it still refuses a model this could widen.
+    """
+    from sgdfuse.lift import bfloat16_through_float, missing_kernels  # lift imports nothing of runtime
+
+    missing: set[str] | None = set(missing_kernels(error))
+    if not missing:
+        return None
+    proto = onnx.ModelProto.FromString(model) if isinstance(model, bytes) else model
+    last: Exception = error
+    for _ in range(_MAX_EMULATION_ROUNDS):
+        widened, changed = bfloat16_through_float(proto, missing)
+        if not changed:
+            if missing is None:
+                return None if last is error else _reraise(last)
+            missing = None  # the op named is not a node here: widen every BFLOAT16 op
+            continue
+        try:
+            return ort.InferenceSession(widened.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        except ONNXRUNTIME_ERRORS as again:
+            last = again
+            more = set(missing_kernels(again))
+            if missing is None or not more:
+                raise
+            if more <= missing:
+                missing = None
+            else:
+                missing |= more
+    raise last
+
+
+def _reraise(error: Exception):
+    raise error
 
 
 def run(

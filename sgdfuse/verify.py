@@ -33,7 +33,18 @@ arithmetic as the function itself.
   gradient is computed from, nor a learning-rate/momentum input is fed large (max/64), zero, and ±Inf values
   (an update whose original computes ``(x + z) - z``, ``0·z`` or ``(x·s)/s`` gives another number or NaN
   there; results that are NaN or Inf identically on both sides agree), and a first step again with the
-  buffer the chain left (a first step that ignores the old buffer must be seen to ignore it).
+  buffer the chain left, or random values for a buffer the chain left zero everywhere (a first step that
+  ignores the old buffer must be seen to ignore it).
+* **A gradient that is never live** proves nothing about its term: a slice or a model that computes the
+  gradient from what it is fed (``Relu(x - 10)``) may keep it at zero on every random input, and then
+  ``(1 - d)·g`` is never compared, nor is which value the fused op reads as its gradient. So when an update's
+  gradient was zero or not finite at every element compared on every step, one more step from the chain's
+  state (:data:`WIDE`) feeds wide-range values (both signs, 1/4 to about the square root of the dtype's
+  largest value) to every float input that is neither state nor a runtime coefficient, and random buffers;
+  an element not finite on either side is left out there, so an overflow never fails a correct model. An
+  update whose gradient is still never live fails as never compared, naming its gradient and the inputs it
+  is computed from. Weight decay (``wd·p``, ``p`` random) and, in ``check``, momentum and the learning rate
+  (:data:`RANDOM_STATE`) are exercised whatever the gradient; dampening multiplies the gradient.
 * **In place**: the device updates ``parameters`` and ``accum`` in place. So each side carries its own
   state from step to step: the fused side by the SGD nodes' own in-place targets (``parameters_out →
   parameters``, ``accum_out → accum``, traced back through the rewrite's helper nodes), the original by the
@@ -92,7 +103,8 @@ identical up to value names, plus a seeded sample of :data:`CLASS_SAMPLE` member
 most (forms x dtypes x shapes x hyper-parameters), so what is run stops growing with the number of updates;
 keying costs one single-plan slice per plan (about 2 ms).
 Per batch of :data:`BATCH_UPDATES` updates: four onnxruntime sessions (original and fused, native and
-lifted), each run ``sizes × (steps + 4)`` times (sizes is 1 for static shapes, 2 with symbolic dimensions);
+lifted), each run ``sizes × (steps + 4)`` times (sizes is 1 for static shapes, 2 with symbolic dimensions;
+one more, :data:`WIDE`, for a batch or packed model with an update whose gradient was never live);
 :func:`check_models` cuts both models into independent groups of outputs (:func:`_check_groups`), packs them
 into models of about :data:`CHECK_CHUNK_NODES` nodes and runs its lockstep and in-place schedules in four
 sessions per packed model; from :data:`CLASS_MIN_PLANS` groups on, per class of groups equal up to value names
@@ -182,7 +194,8 @@ EXTREME_KINDS = ("large", "zero", "inf")
 EXTRA_KINDS = EXTREME_KINDS + ("restart",)
 """Steps run from the state the chain reached, each alone (not chained): the extreme-value steps, and a
 first step again ("restart": counters 0, first-step condition true) with the buffer the chain left, which is
-where a first step that ignores the old buffer must be seen to ignore it."""
+where a first step that ignores the old buffer must be seen to ignore it (a buffer the chain left zero
+everywhere, as a gradient zero on the fed data leaves it, is fed random values instead: :func:`_random_buffers`)."""
 
 RANDOM_STATE = "random-state"
 """A further lockstep step of :func:`check_models`, from the chain's state with every SGD-updated buffer fed
@@ -191,6 +204,22 @@ gradient that is zero on that data (a dead ReLU chain) leaves a buffer that star
 whole chain, so ``momentum * accum`` would never be compared (a momentum or learning rate wired to another
 constant passed ``check``; found by a fresh trial). ``verify_plans`` feeds the gradients themselves, so its
 buffers leave zero after the first step."""
+
+WIDE = "wide"
+"""One more step, from the chain's state and not chained, run only when some update's gradient was zero (or not
+finite) at every compared element of every step before: every float input that is neither state nor a runtime
+learning rate or momentum is fed wide-range values (:func:`_wide`: both signs, magnitudes spread from 1/4 to
+about the square root of the dtype's largest value), and the buffers random values as in :data:`RANDOM_STATE`.
+A whole model computes its gradients from what it is fed: ``Relu(x - 10)`` is zero for every standard-normal
+``x``, so a fused model reading ``-0.5 * g`` for ``g`` passed ``check`` (a fresh trial's finding). Wide values
+overflow more often (FLOAT16 above all): on this step an element that is not finite on either side is not
+compared, so an overflow proves nothing either way and never fails a correct model. An update whose gradient is
+still zero everywhere fails as never compared (:func:`_fail_dead_gradients`): its gradient term was not seen."""
+
+WIDE_LOW_EXPONENT = -2
+"""The smallest magnitude of :func:`_wide` values is ``2**WIDE_LOW_EXPONENT``: well above the subnormals of every
+float dtype even after a learning rate (the bound's floor is four subnormal spacings), and standard-normal steps
+cover the magnitudes below 1 already."""
 
 _UNIT_ROUNDOFF = {onnx.TensorProto.FLOAT: 2.0**-24, onnx.TensorProto.FLOAT16: 2.0**-11, onnx.TensorProto.BFLOAT16: 2.0**-8}
 _SMALLEST_SUBNORMAL = {onnx.TensorProto.FLOAT: 2.0**-149, onnx.TensorProto.FLOAT16: 2.0**-24, onnx.TensorProto.BFLOAT16: 2.0**-133}
@@ -222,17 +251,23 @@ class _Terms:
     da: np.ndarray | float = 0.0
 
 
+def _times(coefficient: float, magnitude):
+    """``coefficient * magnitude``, 0 for a zero coefficient whatever the magnitude: a term the update does not
+    form (weight decay 0 times NaN parameters) bounds nothing, and a NaN there would make the bound NaN."""
+    return coefficient * magnitude if coefficient else 0.0
+
+
 def _magnitudes(momentum: float, dampening: float, weight_decay: float, nesterov: bool, p, g, a, lr: float) -> tuple[np.ndarray, np.ndarray]:
     """``(S_w, S_v)``: sums of the magnitudes of every term either side forms (module docstring)."""
-    m, d, wd = abs(momentum), abs(dampening), abs(weight_decay)
+    m, d, wd, lr = abs(momentum), abs(dampening), abs(weight_decay), abs(lr)
     with np.errstate(invalid="ignore", over="ignore"):
         p64, g64, a64 = (np.abs(np.asarray(x, dtype=np.float64)) for x in (p, g, a))
-        grad = g64 + wd * p64
-        s_buffer = m * a64 + (1 + d) * grad
+        grad = g64 + _times(wd, p64)
+        s_buffer = _times(m, a64) + (1 + d) * grad
         if nesterov:
-            s_weights = p64 + abs(lr) * (grad + m * s_buffer)
+            s_weights = p64 + _times(lr, grad + _times(m, s_buffer))
         else:
-            s_weights = p64 + abs(lr) * s_buffer
+            s_weights = p64 + _times(lr, s_buffer)
     return s_weights, s_buffer
 
 
@@ -280,13 +315,14 @@ def coefficient_bound(
     eps_f = COEFFICIENT_ROUNDINGS * _UNIT_ROUNDOFF[onnx.TensorProto.FLOAT]
     with np.errstate(invalid="ignore", over="ignore"):
         p64, g64, a64 = (np.abs(np.asarray(x, dtype=np.float64)) for x in (p, g, a))
-        ma, kg, kwp = m * a64, k * g64, k * wd * p64
+        ma, kg, kwp = _times(m, a64), _times(k, g64), _times(k * wd, p64)
         t_v = ma + kg + kwp
         b_v = eps_p * ma + eps_f * kg + 2 * eps_f * kwp
         if nesterov:
-            b_w = lr * (eps_f * wd * p64 + m * b_v + eps_p * m * t_v) + eps_p * lr * (g64 + wd * p64 + m * t_v)
+            b_w = _times(lr, _times(eps_f * wd, p64) + _times(m, b_v) + _times(eps_p * m, t_v)) + _times(
+                eps_p * lr, g64 + _times(wd, p64) + _times(m, t_v))
         else:
-            b_w = lr * b_v + eps_p * lr * t_v
+            b_w = _times(lr, b_v) + _times(eps_p * lr, t_v)
     return b_w, b_v
 
 
@@ -299,9 +335,12 @@ def _bounds(terms: _Terms, *, lifted: bool) -> tuple[np.ndarray, np.ndarray]:
     floor = 4 * _SMALLEST_SUBNORMAL[t.dtype]
     m, k, wd, lr = abs(t.m), abs(1.0 - t.d), abs(t.wd), abs(t.lr)
     with np.errstate(invalid="ignore", over="ignore"):
-        b_v = b_v + 2 * OPERATIONS * u * s_v + floor + m * t.da + k * wd * t.dp
-        b_w = b_w + 2 * OPERATIONS * u * s_w + floor + (1 + lr * k * wd * (1 + m)) * t.dp + lr * (m + m * m) * t.da
-    return np.nan_to_num(b_w, nan=np.inf), np.nan_to_num(b_v, nan=np.inf)
+        b_v = b_v + 2 * OPERATIONS * u * s_v + floor + _times(m, t.da) + _times(k * wd, t.dp)
+        b_w = b_w + 2 * OPERATIONS * u * s_w + floor + (1 + lr * k * wd * (1 + m)) * t.dp + _times(lr * (m + m * m), t.da)
+    # A NaN left in a bound comes from a NaN term the update does form: the exact value is NaN there, both
+    # sides must give NaN (difference 0), and a finite value on either side fails. (An infinite bound would
+    # pass any finite difference: a wrong momentum once passed where a NaN gradient had made the parameters NaN.)
+    return np.nan_to_num(b_w, nan=0.0, posinf=np.inf), np.nan_to_num(b_v, nan=0.0, posinf=np.inf)
 
 
 def difference(want: np.ndarray, have: np.ndarray) -> np.ndarray:
@@ -360,6 +399,9 @@ class _Tally:
         self.notes: list[str] = []
         self.compared_finite = False
         """True once a compared original value was a finite number (all-NaN runs prove nothing)."""
+        self.gradient_seen = False
+        """True once the update's gradient was finite and non-zero at an element compared (finite on both
+        sides) on some step: before that, its gradient term never took part in a comparison (:data:`WIDE`)."""
 
     def fail(self, message: str, *, structural: bool = True) -> None:
         if self.passed:
@@ -371,12 +413,17 @@ class _Tally:
         if text not in self.notes:
             self.notes.append(text)
 
-    def compare(self, label: str, want, have, bound) -> None:
-        """Compare ``have`` (fused) with ``want`` (original) elementwise against ``bound``."""
+    def compare(self, label: str, want, have, bound, *, finite_only: bool = False) -> None:
+        """Compare ``have`` (fused) with ``want`` (original) elementwise against ``bound``. With ``finite_only``
+        (a :data:`WIDE` step) an element that is not finite on either side is left out."""
         want, have = np.asarray(want), np.asarray(have)
         if want.shape != have.shape:
             self.fail(f"{label}: shape {list(have.shape)} fused vs {list(want.shape)} original")
             return
+        if finite_only and want.size:
+            want, have, kept = _finite_elements(want, have)
+            if not kept:
+                return  # nothing finite on both sides: nothing compared
         if not self.compared_finite and want.size and (want.dtype.kind not in "fc" or np.isfinite(want).any()):
             self.compared_finite = True
         if want.size == 0 or (want.dtype == have.dtype and want.tobytes() == have.tobytes()):
@@ -401,6 +448,49 @@ class _Tally:
                 f"{float(want.reshape(-1)[worst])!r} original; |difference| {error.reshape(-1)[worst]:.3g} exceeds "
                 f"the bound {bound.reshape(-1)[worst]:.3g}"
             )
+
+
+def _finite_elements(want: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    """``want`` and ``have`` (same shape) with every element that is not finite in either replaced by 0 in both
+    (left out of the comparison), and whether any element is left; arrays that are not float, or finite
+    everywhere, as they are."""
+    if want.dtype.kind != "f" and want.dtype.name != "bfloat16":
+        return want, have, True
+    with np.errstate(invalid="ignore"):
+        keep = np.isfinite(want.astype(np.float64)) & np.isfinite(have.astype(np.float64))
+    if keep.all():
+        return want, have, True
+    zero = np.zeros((), dtype=want.dtype)
+    return np.where(keep, want, zero), np.where(keep, have, zero.astype(have.dtype)), bool(keep.any())
+
+
+def _gradient_live(gradient, compared: Iterable) -> bool:
+    """Is some element of ``gradient`` finite and non-zero where every value of ``compared`` of the gradient's
+    shape (an update's outputs and state writes, on either side) is finite? Then the gradient term took part
+    in a comparison (:data:`WIDE`)."""
+    g = _float_array(gradient)
+    if g is None or g.size == 0:
+        return False
+    with np.errstate(invalid="ignore"):
+        mask = np.isfinite(g) & (g != 0)
+        if not mask.any():
+            return False
+        for value in compared:
+            value = _float_array(value)
+            if value is not None and value.shape == g.shape:
+                mask &= np.isfinite(value)
+    return bool(mask.any())
+
+
+def _float_array(value) -> np.ndarray | None:
+    """``value`` as a numpy float array (BFLOAT16 widened to DOUBLE, which numpy's ufuncs need), or None when it
+    is not a float tensor."""
+    if value is None:
+        return None
+    array = np.asarray(value)
+    if array.dtype.kind == "f":
+        return array
+    return array.astype(np.float64) if array.dtype.name == "bfloat16" else None
 
 
 # ------------------------------------------------------------------------------------------- feeds
@@ -430,6 +520,9 @@ def _feed(spec: _Input, kind: str, step: int, size: int | None, rng: np.random.G
     dtype = onnx_to_numpy_dtype(spec.dtype)
     count = int(np.prod(shape))
     if spec.dtype in FLOAT_TYPES or spec.dtype == onnx.TensorProto.DOUBLE:
+        if kind == WIDE and spec.role in ("gradient", "other", "non-negative"):
+            values = _extreme(kind, shape, dtype, rng)
+            return np.abs(values) if spec.role == "non-negative" else values
         if spec.role == "gradient" and kind == "zero-gradient":
             return np.zeros(shape, dtype=dtype)
         if spec.role == "other" and kind in EXTREME_KINDS:
@@ -451,6 +544,9 @@ def _feed(spec: _Input, kind: str, step: int, size: int | None, rng: np.random.G
 
 
 def _extreme(kind: str, shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
+    """The values of an input on an extreme-value step (:data:`EXTREME_KINDS`, :data:`WIDE`), in ``dtype``."""
+    if kind == WIDE:
+        return _wide(shape, dtype, rng)
     signs = np.where(rng.standard_normal(shape) < 0, -1.0, 1.0)
     if kind == "zero":
         return np.zeros(shape, dtype=dtype)
@@ -458,6 +554,22 @@ def _extreme(kind: str, shape: tuple[int, ...], dtype: np.dtype, rng: np.random.
         return (signs * np.inf).astype(dtype)
     big = float(np.finfo(np.float32 if dtype == np.float64 else dtype).max) / 64
     return (signs * big).astype(dtype)
+
+
+def _wide(shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
+    """Values of :data:`WIDE` steps: ``n`` elements whose magnitudes ``2**e`` are stratified over ``[low, top]``
+    (one exponent drawn uniformly in each of ``n`` equal parts, so every part of the range is hit once), with
+    alternating signs from the largest down (the two largest have opposite signs), in a random order.
+    ``low`` is :data:`WIDE_LOW_EXPONENT`; ``top = log2(max)/2 - 2`` of ``dtype`` (FLOAT and BFLOAT16 about 2**62,
+    FLOAT16 2**6): a product of two such values stays finite, so a gradient computed as a product of inputs (a
+    ``MatMul`` of activations) is not infinite at once, while ``Relu(x - c)`` is non-zero for any moderate
+    ``c`` (on a tensor of a few elements). DOUBLE is given FLOAT's range: lifted runs feed FLOAT values."""
+    count = int(np.prod(shape))
+    largest = float(np.finfo(np.float32 if dtype == np.float64 else dtype).max)
+    top = np.log2(largest) / 2 - 2
+    exponents = WIDE_LOW_EXPONENT + (top - WIDE_LOW_EXPONENT) * (np.arange(count) + rng.uniform(size=count)) / max(count, 1)
+    signs = np.where((count - 1 - np.arange(count)) % 2 == 0, 1.0, -1.0)
+    return rng.permutation(signs * np.exp2(exponents)).reshape(shape).astype(dtype)
 
 
 def _state_initial(spec: _Input, size: int | None, rng: np.random.Generator) -> np.ndarray:
@@ -974,10 +1086,7 @@ def _state_difference(original, fused) -> np.ndarray | float:
 
 def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out) -> _Terms:
     """The bound's values for one update in one step (module docstring, "Values")."""
-    if view.gradient_side == "fused":
-        gradient = fused_out[view.gradient]
-    else:
-        gradient = original_out.get(view.gradient, original_feeds.get(view.gradient))
+    gradient = _gradient_of(view, original_feeds, original_out, fused_out)
     p = original_feeds[view.parameters]
     a = original_feeds[view.accum]
     dp = _state_difference(p, fused_feeds.get(view.parameters))
@@ -986,6 +1095,29 @@ def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fu
         p=p, g=gradient, a=a, lr=_scalar(fused_out[view.learning_rate]), m=_scalar(fused_out[view.momentum]),
         d=view.dampening, wd=view.weight_decay, nesterov=view.nesterov, dtype=view.dtype, dp=dp, da=da,
     )
+
+
+def _gradient_of(view: _UpdateView, original_feeds, original_out, fused_out):
+    """The gradient ``view``'s update reads in one step: the fused SGD node's operand (``check``, its probe) or
+    the original's gradient, computed or fed (``verify_plans``); None when the run has neither."""
+    if view.gradient_side == "fused":
+        return fused_out.get(view.gradient)
+    return original_out.get(view.gradient, original_feeds.get(view.gradient))
+
+
+def _view_live(view: _UpdateView, original_feeds, original_out, fused_out) -> bool:
+    """Did ``view``'s gradient take part in this step's comparison (:func:`_gradient_live` over the update's
+    outputs and state writes on both sides)?"""
+    names = dict.fromkeys([*view.outputs, *view.original_state.values(), *view.fused_state.values()])
+    compared = [side[name] for side in (original_out, fused_out) for name in names if name in side]
+    return _gradient_live(_gradient_of(view, original_feeds, original_out, fused_out), compared)
+
+
+def _live_views(views: Sequence[_UpdateView], steps: Sequence[tuple], known: Sequence[bool]) -> list[bool]:
+    """Per view: was its gradient live (:func:`_view_live`) on one of ``steps``, each ``(original feeds,
+    original outputs, fused outputs)``, or is it ``known`` to be (from an earlier run)? Stops at the first
+    step where it was."""
+    return [seen or any(_view_live(view, *step) for step in steps) for view, seen in zip(views, known)]
 
 
 def _lazy_bounds(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out, *, lifted: bool) -> dict:
@@ -1007,14 +1139,15 @@ def _lazy_bounds(view: _UpdateView, original_feeds, fused_feeds, original_out, f
 
 def _compare_step(
     views: Sequence[_UpdateView], tallies: Sequence[_Tally], label: str, original_feeds, fused_feeds, original_out, fused_out,
-    *, lifted: bool, outputs: bool = True, in_place: bool = True,
+    *, lifted: bool, outputs: bool = True, in_place: bool = True, finite_only: bool = False,
 ) -> None:
-    """Compare one step of every update: its outputs and the values each side writes into its state."""
+    """Compare one step of every update: its outputs and the values each side writes into its state (with
+    ``finite_only``, a :data:`WIDE` step: elements not finite on either side left out)."""
     for view, tally in zip(views, tallies):
         bounds = _lazy_bounds(view, original_feeds, fused_feeds, original_out, fused_out, lifted=lifted)
         if outputs:
             for name, role in view.outputs.items():
-                tally.compare(f"{label}: {name}", original_out[name], fused_out[name], bounds[role])
+                tally.compare(f"{label}: {name}", original_out[name], fused_out[name], bounds[role], finite_only=finite_only)
         if in_place:
             for state, role in view.roles.items():
                 original_next = view.original_state.get(state)
@@ -1024,7 +1157,7 @@ def _compare_step(
                 tally.compare(
                     f"{label}: in place, {state} becomes {fused_next or state} on the fused side and "
                     f"{original_next or state + ' (unchanged)'} in the original",
-                    want, have, bounds[role],
+                    want, have, bounds[role], finite_only=finite_only,
                 )
 
 
@@ -1358,13 +1491,35 @@ def _verify_batch(model, index, plans, *, steps: int, seed: int, shared) -> list
                 else:
                     tallies[0].fail(f"{_run_label(pair.label, size)}: {error}")
     results = []
-    for plan, tally in zip(plans, tallies):
+    for plan, view, tally in zip(plans, slices.views, tallies):
         if tally.passed and not tally.runs:
             tally.fail("no size at which the original slice runs: " + "; ".join(tally.notes))
+        if tally.passed and not tally.gradient_seen:
+            fed = {spec.name for spec in slices.inputs}
+            sources = sorted((_sources([view.gradient], slices.original.graph.node) & fed) - {view.gradient})
+            tally.fail(_dead_gradient_message(
+                plan.match.gradient, sources, [plan.match.parameters_out, plan.match.accum_out],
+                "the slice run for this update computes its gradient (a guard of the update reads it) from inputs "
+                "that the random data never brings to a non-zero gradient, so the update is left unfused",
+            ))
         results.append(
             UpdateCheck(plan.match.parameters_out, steps, tally.passed, tally.max_abs, tally.max_ratio, tally.message, tally.runs, "; ".join(tally.notes))
         )
     return results
+
+
+def _dead_gradient_message(gradient: str, sources: Sequence[str], outputs: Sequence[str], advice: str) -> str:
+    """Why an update whose gradient was never live (:data:`WIDE`) fails: its gradient, what it is computed
+    from, the outputs whose gradient term was never compared, and ``advice`` (what can be done)."""
+    computed = ""
+    if sources:
+        shown = ", ".join(sources[:3]) + (f" and {len(sources) - 3} more" if len(sources) > 3 else "")
+        computed = f" (computed from {shown})"
+    return (
+        f"the gradient {gradient}{computed} was zero or not finite at every element of every step, wide-range inputs "
+        f"included, so the gradient term of {' and '.join(outputs)} was never compared and these runs do not show the "
+        f"update right; {advice}"
+    )
 
 
 def _plan_nodes(index: GraphIndex, plan) -> list[onnx.NodeProto]:
@@ -1372,7 +1527,8 @@ def _plan_nodes(index: GraphIndex, plan) -> list[onnx.NodeProto]:
 
 
 def _run_schedule(pair: _Pair, slices: _Slices, tallies: Sequence[_Tally], *, steps: int, size: int | None, seed: int) -> None:
-    """One precision at one size: ``steps`` chained in-place steps, then the extreme-value steps."""
+    """One precision at one size: ``steps`` chained in-place steps, then the extreme-value steps, then, when
+    some update's gradient was not live on any of them, the :data:`WIDE` step."""
     rng = np.random.default_rng(seed)
     convert = _lifted_array if pair.lifted else (lambda array: array)
     original_pairs = {s: o for view in slices.views for s, o in view.original_state.items()}
@@ -1384,27 +1540,64 @@ def _run_schedule(pair: _Pair, slices: _Slices, tallies: Sequence[_Tally], *, st
     label = _run_label(pair.label, size)
     completed: list[tuple] = []
     kinds = _schedule(steps)
-    for step, kind in enumerate(kinds + list(EXTRA_KINDS)):
-        if kind in EXTRA_KINDS and step == len(kinds):
-            base = (dict(original_feeds), dict(fused_feeds))
-        if kind in EXTRA_KINDS:
-            original_feeds, fused_feeds = dict(base[0]), dict(base[1])
+
+    def run_step(step: int, kind: str) -> None:
         for spec in others:
             value = convert(_feed(spec, kind, _counter(kind, step, len(kinds)), size, rng))
             original_feeds[spec.name] = fused_feeds[spec.name] = value
         original_out = _run_side(pair.original, original_feeds, slices.original_outputs, "original slice")
         fused_out = _run_side(pair.fused, fused_feeds, slices.fused_outputs, "fused slice")
-        step_label = f"{label}, step {step + 1} ({kind})"
-        completed.append((original_feeds, fused_feeds, original_out, fused_out, step_label))
+        completed.append((original_feeds, fused_feeds, original_out, fused_out, f"{label}, step {step + 1} ({kind})", kind))
+
+    for step, kind in enumerate(kinds + list(EXTRA_KINDS)):
+        if kind in EXTRA_KINDS and step == len(kinds):
+            base = (dict(original_feeds), dict(fused_feeds))
+        if kind in EXTRA_KINDS:
+            original_feeds, fused_feeds = dict(base[0]), dict(base[1])
+        if kind == "restart":
+            _random_buffers(state, original_feeds, fused_feeds, size, rng, convert, only_zero=True)
+        run_step(step, kind)
         if kind not in EXTRA_KINDS:
             original_feeds, fused_feeds = dict(original_feeds), dict(fused_feeds)
-            _carry(original_feeds, original_out, original_pairs)
-            _carry(fused_feeds, fused_out, fused_pairs)
+            _carry(original_feeds, completed[-1][2], original_pairs)
+            _carry(fused_feeds, completed[-1][3], fused_pairs)
+    live = _live_views(slices.views, [(o_in, o_out, f_out) for o_in, _, o_out, f_out, _, _ in completed],
+                       [tally.gradient_seen for tally in tallies])
+    if not all(live):
+        # A gradient computed in the slice (a guard reading it brings its cone in) that the random data kept at zero.
+        original_feeds, fused_feeds = dict(base[0]), dict(base[1])
+        _random_buffers(state, original_feeds, fused_feeds, size, rng, convert)
+        try:
+            run_step(len(kinds) + len(EXTRA_KINDS), WIDE)
+        except _RunError as error:
+            if error.side != "original slice":
+                raise  # the fused slice fails where the original runs: a failure, as on any step
+            for tally in tallies:
+                tally.note(f"{label}: the wide-range step could not run: {error} (skipped)")
+        else:
+            o_in, _, o_out, f_out, _, _ = completed[-1]
+            live = [seen or _view_live(view, o_in, o_out, f_out) for view, seen in zip(slices.views, live)]
     # Compare only once every run of this precision and size succeeded (a run error skips the size whole).
-    for original_in, fused_in, original_out, fused_out, step_label in completed:
-        _compare_step(slices.views, tallies, step_label, original_in, fused_in, original_out, fused_out, lifted=pair.lifted)
-    for tally in tallies:
+    for original_in, fused_in, original_out, fused_out, step_label, kind in completed:
+        _compare_step(slices.views, tallies, step_label, original_in, fused_in, original_out, fused_out, lifted=pair.lifted,
+                      finite_only=kind == WIDE)
+    for tally, seen in zip(tallies, live):
         tally.runs.append(label)
+        tally.gradient_seen = tally.gradient_seen or seen
+
+
+def _random_buffers(specs: Iterable[_Input], original_feeds: dict, fused_feeds: dict, size: int | None,
+                    rng: np.random.Generator, convert, *, only_zero: bool = False) -> None:
+    """Feed every momentum buffer among ``specs`` (role ``accum``) random values, the same on both sides
+    (:data:`RANDOM_STATE`, :data:`WIDE`). With ``only_zero`` (a restart step) only a buffer that is zero
+    everywhere on both sides: where the gradient was zero on the fed data the chain leaves the buffer at zero,
+    and a first step that ignores the old buffer is then not seen to ignore it."""
+    for spec in specs:
+        if spec.role != "accum" or spec.name not in original_feeds:
+            continue
+        if only_zero and (np.any(original_feeds[spec.name]) or np.any(fused_feeds.get(spec.name, 1.0))):
+            continue
+        original_feeds[spec.name] = fused_feeds[spec.name] = convert(_random_state(spec, size, rng))
 
 
 # --------------------------------------------------------------------------------------- check_models
@@ -1428,6 +1621,9 @@ class ModelCheck:
         groups: independent groups of outputs the models were cut into (:func:`check_models`).
         groups_run: how many of them were run; each other one has the results of a run member of its class,
             named by the ``verified_as`` of its entries in ``outputs`` and ``in_place`` ("" where run).
+        uncompared: the outputs and state inputs that failed because nothing about them was compared: an
+            update's output that is NaN or infinite everywhere, and the outputs and state writes of an update
+            whose gradient was zero or not finite at every element of every step (:data:`WIDE`).
     """
 
     steps: int
@@ -1439,6 +1635,7 @@ class ModelCheck:
     note: str = ""
     groups: int = 0
     groups_run: int = 0
+    uncompared: list[str] = dataclasses.field(default_factory=list)
 
 
 def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: int = 3, seed: int = 0) -> ModelCheck:
@@ -1483,6 +1680,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
             raise ValueError("the original model cannot run at any size tried: " + "; ".join(runner.notes))
 
         update_outputs = {name for view in views for name in view.outputs}
+        uncompared: list[str] = []
         for name in update_outputs:
             tally = output_tallies.get(name)
             if tally is not None and tally.passed and not tally.compared_finite and runner.runs:
@@ -1493,6 +1691,9 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
                     "random inputs), so nothing was compared; the inputs the model reads may need values the random "
                     "data does not have"
                 )
+                uncompared.append(name)
+        if runner.runs:
+            uncompared.extend(_fail_dead_gradients(sides[1], views, inputs, output_tallies, state_tallies))
         listed = [
             {"name": name, "kind": "fused update" if name in update_outputs else "exact", "max_abs_error": t.max_abs,
              "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message, "verified_as": verified_as.get(name, "")}
@@ -1509,7 +1710,44 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         classes = f"; {len(groups)} independent groups of outputs, {runner.groups_run} run" + (
             f", the others verified as a run member of their class" if runner.groups_run < len(groups) else "")
         logger.info("check: %s", classes[2:])
-        return ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups), runner.groups_run)
+        return ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups),
+                          runner.groups_run, uncompared)
+
+
+def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Mapping[str, _Input], output_tallies: dict,
+                         state_tallies: dict) -> list[str]:
+    """Fail the outputs and state writes of every update whose gradient was never live on a compared step
+    (:data:`WIDE`): its gradient term was never compared, so agreeing numbers say nothing about it. The message
+    names the fed inputs the gradient is computed from, data before state (graph-input order). Returns what
+    was failed (output names and state inputs)."""
+    failed: list[str] = []
+    memo: dict[str, frozenset] = {}
+    order = {name: position for position, name in enumerate(inputs)}
+    for k, view in enumerate(views):
+        tallies = _view_tallies(k, view, output_tallies, state_tallies)
+        if not tallies or any(t.gradient_seen for t in tallies):
+            continue
+        probe = fused.producer.get(view.gradient)
+        gradient = fused.nodes[probe].input[0] if probe is not None else view.gradient
+        found = fused.fed_sources(gradient, inputs, memo) - {gradient}
+        sources = sorted(found, key=lambda name: (inputs[name].role in ("parameters", "accum"), order[name]))
+        message = _dead_gradient_message(
+            gradient, sources, list(view.outputs),
+            "check feeds every input random values and wide ones, and none reaches this gradient. Check a form of the "
+            "step that takes the gradient as a graph input (it is then fed random values), or run sgdfuse optimize "
+            "with its verification, which runs each update with its gradient fed",
+        )
+        for name in view.outputs:
+            if name in output_tallies and output_tallies[name].passed:
+                output_tallies[name] = copy.copy(output_tallies[name])  # results may be shared within a class
+                output_tallies[name].fail(message)
+                failed.append(name)
+        for state in view.roles:
+            if state_tallies[(k, state)].passed:
+                state_tallies[(k, state)] = copy.copy(state_tallies[(k, state)])
+                state_tallies[(k, state)].fail(message)
+                failed.append(state)
+    return failed
 
 
 
@@ -1621,6 +1859,31 @@ class _Side:
             if k is not None:
                 stack.extend(reads[k])
         return found
+
+    def fed_sources(self, value: str, fed: Mapping[str, object], memo: dict[str, frozenset]) -> frozenset:
+        """The names in ``fed`` that ``value`` is, or is computed from by this side's nodes. ``memo`` keeps the
+        answer for every value visited, so that the cones of many values (the gradients of a chain of layers)
+        are walked once between them."""
+        stack = [value]
+        visiting: set[str] = set()  # on the stack below: a cycle (a malformed model) is not followed round
+        producer, reads = self.producer.get, self.reads
+        empty: frozenset = frozenset()
+        while stack:
+            current = stack[-1]
+            if current in memo:
+                stack.pop()
+                continue
+            k = producer(current)
+            if current not in visiting:
+                visiting.add(current)
+                pending = [name for name in reads[k] if name not in memo and name not in visiting] if k is not None else []
+                if pending:
+                    stack.extend(pending)
+                    continue
+            stack.pop()
+            found = frozenset([current]) if current in fed else empty
+            memo[current] = found.union(*(memo.get(name, empty) for name in reads[k])) if k is not None else found
+        return memo[value]
 
     def extend(self, nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> None:
         """Add ``nodes`` (after every other) and ``outputs`` (values to compute) to this side."""
@@ -1863,8 +2126,10 @@ class _GroupRunner:
             for size in _sizes(inputs):
                 label = _run_label(pair.label, size)
                 try:
-                    _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, self.output_tallies,
-                                    self.state_tallies, steps=self.steps, size=size, seed=seed)
+                    skipped = _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, self.output_tallies,
+                                              self.state_tallies, steps=self.steps, size=size, seed=seed)
+                    if skipped and skipped not in self.notes:
+                        self.notes.append(skipped)
                 except _RunError as error:
                     if error.side == "original model":
                         text = f"{label}: {error} (skipped)"
@@ -2221,23 +2486,32 @@ def non_negative_inputs(nodes: Sequence[onnx.NodeProto]) -> set[str]:
 def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, output_tallies, state_tallies,
                     *, steps: int, size: int | None, seed: int) -> None:
     """One precision at one size of a model of :func:`check_models` groups: the lockstep run (every output),
-    the in-place run (state writes), then the extreme-value steps from the lockstep state. ``views`` are
-    ``(index, view)`` pairs; ``state_tallies`` is keyed by ``(index, state)``."""
+    the in-place run (state writes), then the extreme-value steps from the lockstep state, and, when some
+    update's gradient was not live on any of them, the :data:`WIDE` step (in lockstep, outputs and state
+    writes compared). ``views`` are ``(index, view)`` pairs; ``state_tallies`` is keyed by ``(index, state)``.
+    Returns a note when the original could not run the wide step (it is skipped, the rest compared), else ""."""
     convert = _lifted_array if pair.lifted else (lambda array: array)
     label = _run_label(pair.label, size)
-    update_outputs = {name for _, view in views for name in view.outputs}
     fused_pairs = dict(original_pairs)
     for _, view in views:
         fused_pairs.update(view.fused_state)
     state_names = set(original_pairs) | set(fused_pairs)
+    state = [spec for spec in inputs if spec.name in state_names]
     kinds = _schedule(steps)
     results = []
+
+    def run_step(mode: str, step: int, kind: str, original_feeds: dict, fused_feeds: dict, rng) -> None:
+        for spec in inputs:
+            if spec.name not in state_names:
+                value = convert(_feed(spec, kind, _counter(kind, step, len(kinds)), size, rng))
+                original_feeds[spec.name] = fused_feeds[spec.name] = value
+        original_out = _run_side(pair.original, original_feeds, outputs, "original model")
+        fused_out = _run_side(pair.fused, fused_feeds, fused_names, "fused model")
+        results.append((mode, step, kind, original_feeds, fused_feeds, original_out, fused_out))
+
     for mode in ("lockstep", "in place"):
         rng = np.random.default_rng(seed)
-        original_feeds: dict[str, np.ndarray] = {}
-        for spec in inputs:
-            if spec.name in state_names:
-                original_feeds[spec.name] = convert(_state_initial(spec, size, rng))
+        original_feeds: dict[str, np.ndarray] = {spec.name: convert(_state_initial(spec, size, rng)) for spec in state}
         fused_feeds = dict(original_feeds)
         sequence = kinds + ([*EXTRA_KINDS, RANDOM_STATE] if mode == "lockstep" else [])
         base = None
@@ -2245,45 +2519,76 @@ def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, o
             if kind in EXTRA_KINDS or kind == RANDOM_STATE:
                 base = base or (dict(original_feeds), dict(fused_feeds))
                 original_feeds, fused_feeds = dict(base[0]), dict(base[1])
-            if kind == RANDOM_STATE:
-                for spec in inputs:
-                    if spec.role == "accum" and spec.name in state_names:
-                        value = convert(_random_state(spec, size, rng))
-                        original_feeds[spec.name] = fused_feeds[spec.name] = value
-            for spec in inputs:
-                if spec.name not in state_names:
-                    value = convert(_feed(spec, kind, _counter(kind, step, len(kinds)), size, rng))
-                    original_feeds[spec.name] = fused_feeds[spec.name] = value
-            original_out = _run_side(pair.original, original_feeds, outputs, "original model")
-            fused_out = _run_side(pair.fused, fused_feeds, fused_names, "fused model")
-            results.append((mode, step, kind, original_feeds, fused_feeds, original_out, fused_out))
+            if kind == RANDOM_STATE or kind == "restart":
+                _random_buffers(state, original_feeds, fused_feeds, size, rng, convert, only_zero=kind == "restart")
+            run_step(mode, step, kind, original_feeds, fused_feeds, rng)
             if kind not in EXTRA_KINDS and kind != RANDOM_STATE:
+                original_out, fused_out = results[-1][5:]
                 original_feeds, fused_feeds = dict(original_feeds), dict(fused_feeds)
                 _carry(original_feeds, original_out, original_pairs)
                 if mode == "lockstep":
                     fused_feeds = dict(original_feeds)
                 else:
                     _carry(fused_feeds, fused_out, fused_pairs)
+        if mode == "lockstep":
+            lockstep_base, lockstep_rng, wide_step = base, rng, len(sequence)
+    plain_views = [view for _, view in views]
+    known = [any(t.gradient_seen for t in _view_tallies(k, view, output_tallies, state_tallies)) for k, view in views]
+    live = _live_views(plain_views, [(o_in, o_out, f_out) for *_, o_in, _, o_out, f_out in results], known)
+    skipped = ""
+    if not all(live):
+        original_feeds, fused_feeds = dict(lockstep_base[0]), dict(lockstep_base[1])
+        _random_buffers(state, original_feeds, fused_feeds, size, lockstep_rng, convert)
+        try:
+            run_step("lockstep", wide_step, WIDE, original_feeds, fused_feeds, lockstep_rng)
+        except _RunError as error:
+            if error.side != "original model":
+                raise  # the fused model fails where the original runs: a failure, as on any step
+            skipped = f"{label}: the wide-range step could not run: {error} (skipped)"
+        else:
+            o_in, o_out, f_out = results[-1][3], results[-1][5], results[-1][6]
+            live = [seen or _view_live(view, o_in, o_out, f_out) for view, seen in zip(plain_views, live)]
     for mode, step, kind, original_in, fused_in, original_out, fused_out in results:
         step_label = f"{label}, {mode} step {step + 1} ({kind})"
-        if mode == "lockstep":
-            for name in outputs:
-                if name not in update_outputs:
-                    output_tallies[name].compare(f"{step_label}", original_out[name], fused_out[name], 0.0)
-            for _, view in views:
-                bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=pair.lifted)
-                for name, role in view.outputs.items():
-                    if name in output_tallies:
-                        output_tallies[name].compare(step_label, original_out[name], fused_out[name], bounds[role])
-        else:
-            for k, view in views:
-                bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=pair.lifted)
-                for state, role in view.roles.items():
-                    original_next = view.original_state.get(state)
-                    fused_next = view.fused_state.get(state)
-                    want = original_out[original_next] if original_next in original_out else original_in[state]
-                    have = fused_out[fused_next] if fused_next in fused_out else fused_in[state]
-                    state_tallies[(k, state)].compare(
-                        f"{step_label}: {state} becomes {fused_next} on the fused side and {original_next or state + ' (unchanged)'} in the original",
-                        want, have, bounds[role],
-                    )
+        _compare_check_step(views, outputs, output_tallies, state_tallies, step_label, original_in, fused_in, original_out,
+                            fused_out, lifted=pair.lifted, outputs_compared=mode == "lockstep",
+                            in_place=mode != "lockstep" or kind == WIDE, finite_only=kind == WIDE)
+    for (k, view), seen in zip(views, live):
+        if seen:
+            for tally in _view_tallies(k, view, output_tallies, state_tallies):
+                tally.gradient_seen = True
+    return skipped
+
+
+def _view_tallies(k: int, view: _UpdateView, output_tallies: Mapping, state_tallies: Mapping) -> list[_Tally]:
+    """The tallies of update ``k`` of :func:`check_models`: its outputs (those that are graph outputs) and
+    its state writes."""
+    return [output_tallies[name] for name in view.outputs if name in output_tallies] + [state_tallies[(k, s)] for s in view.roles]
+
+
+def _compare_check_step(views, outputs, output_tallies, state_tallies, step_label: str, original_in, fused_in, original_out,
+                        fused_out, *, lifted: bool, outputs_compared: bool, in_place: bool, finite_only: bool) -> None:
+    """Compare one step of :func:`_check_schedule`: with ``outputs_compared`` (lockstep) every output (exactly,
+    or within the bound for an update's), with ``in_place`` what each side writes into each state;
+    ``finite_only`` (a :data:`WIDE` step) leaves out elements not finite on either side."""
+    update_outputs = {name for _, view in views for name in view.outputs}
+    if outputs_compared:
+        for name in outputs:
+            if name not in update_outputs:
+                output_tallies[name].compare(f"{step_label}", original_out[name], fused_out[name], 0.0, finite_only=finite_only)
+    for k, view in views:
+        bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=lifted)
+        if outputs_compared:
+            for name, role in view.outputs.items():
+                if name in output_tallies:
+                    output_tallies[name].compare(step_label, original_out[name], fused_out[name], bounds[role], finite_only=finite_only)
+        if in_place:
+            for state, role in view.roles.items():
+                original_next = view.original_state.get(state)
+                fused_next = view.fused_state.get(state)
+                want = original_out[original_next] if original_next in original_out else original_in[state]
+                have = fused_out[fused_next] if fused_next in fused_out else fused_in[state]
+                state_tallies[(k, state)].compare(
+                    f"{step_label}: {state} becomes {fused_next} on the fused side and {original_next or state + ' (unchanged)'} in the original",
+                    want, have, bounds[role], finite_only=finite_only,
+                )

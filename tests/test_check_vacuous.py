@@ -9,6 +9,7 @@ made here by multiplying its learning rate by 10.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
@@ -85,11 +86,16 @@ def test_a_wrong_momentum_is_caught_when_the_graph_gradient_is_zero_on_the_fed_d
     # From zero state a zero gradient keeps the buffer zero at every chained step, so momentum * accum is never
     # compared unless a step feeds the buffer a value (verify.RANDOM_STATE): a fused model reading another
     # momentum passed check on the bench's dead forward-chain updates (a fresh trial's finding).
+    # Relu(-|x|) is zero for every x, so the gradient term itself is never compared: the right fused model is not
+    # called agreeing either, but nothing of it differs (tests/test_check_dead_gradient.py).
     original = _dead_gradient_step()
     fused = sgdfuse.optimize(original).model
     assert sum(node.op_type == "SGD" for node in fused.graph.node) == 1
     right = check_models(original, fused, steps=3)
-    assert right.passed, [e for e in right.outputs if not e["passed"]]
+    failed = [e for e in right.outputs + right.in_place if not e["passed"]]
+    assert {e["name"] for e in failed} == {"p_out", "buf_out", "p", "buf"} == set(right.uncompared)
+    assert all(e["max_abs_error"] == 0 for e in failed)
+    assert all("never compared" in e["message"] for e in failed)
     wrong = onnx.ModelProto()
     wrong.CopyFrom(fused)
     tensor = next(t for t in wrong.graph.initializer if t.name.startswith("sgdfuse/momentum"))
@@ -97,3 +103,34 @@ def test_a_wrong_momentum_is_caught_when_the_graph_gradient_is_zero_on_the_fed_d
     result = check_models(original, wrong, steps=3)
     assert not result.passed
     assert any(e["max_abs_error"] > 0 for e in result.outputs + result.in_place if not e["passed"])
+
+
+def _normalised_gradient_step(dtype: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    # g = x / sqrt(sum(x*x)): NaN when x is all zero (check's zero-gradient step), so the parameters are NaN on
+    # both sides from then on; the buffers stay finite (weight decay 0), and momentum is compared on them.
+    nodes = [
+        helper.make_node("Mul", ["x", "x"], ["xx"]),
+        helper.make_node("ReduceSum", ["xx"], ["s"], keepdims=1),
+        helper.make_node("Sqrt", ["s"], ["n"]),
+        helper.make_node("Div", ["x", "n"], ["g"]),
+        helper.make_node("Mul", ["buf", "m"], ["scaled"]),
+        helper.make_node("Add", ["scaled", "g"], ["buf_out"]),
+        helper.make_node("Mul", ["buf_out", "lr"], ["step"]),
+        helper.make_node("Sub", ["p", "step"], ["p_out"]),
+    ]
+    return make_model(nodes, [value("x"), value("p"), value("buf")], [value("p_out"), value("buf_out")],
+                      [scalar("m", 0.9), scalar("lr", 0.1)])
+
+
+@pytest.mark.parametrize("role, wrong", [("momentum", 0.5), ("learning_rate", 0.3)])
+def test_nan_parameters_do_not_make_the_bound_infinite(role, wrong):
+    original = _normalised_gradient_step()
+    fused = sgdfuse.optimize(original).model
+    assert check_models(original, fused, steps=3).passed
+    edited = onnx.ModelProto()
+    edited.CopyFrom(fused)
+    sgd = next(n for n in edited.graph.node if n.op_type == "SGD")
+    name = sgd.input[{"learning_rate": 2, "momentum": 4}[role]]
+    tensor = next(t for t in edited.graph.initializer if t.name == name)
+    tensor.CopyFrom(numpy_helper.from_array(np.full(numpy_helper.to_array(tensor).shape, wrong, np.float32), name))
+    assert not check_models(original, edited, steps=3).passed

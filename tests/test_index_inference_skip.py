@@ -33,7 +33,7 @@ def _inference_runs(model: onnx.ModelProto, monkeypatch) -> bool:
     calls = []
     real = index_module._inferred_value_infos
     with monkeypatch.context() as patch:
-        patch.setattr(index_module, "_inferred_value_infos", lambda *args: calls.append(1) or real(*args))
+        patch.setattr(index_module, "_inferred_value_infos", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
         build_index(model)
     return bool(calls)
 

@@ -1,4 +1,5 @@
-// Value-info scanner: reads the ValueInfoProtos of the main graph straight from a serialised ONNX ModelProto.
+// Value-info scanner: reads the ValueInfoProtos of the main graph straight from a serialised ONNX ModelProto,
+// and strips a model's labels before shape inference (strip, below).
 //
 // A CPython extension module (``sgdfuse.passes._vscan``), built on first use by sgdfuse/passes/value_scan.py;
 // that module documents the API and the results. The wire-format helpers are those of _scan.cc (the node
@@ -183,8 +184,95 @@ PyObject* scan(PyObject*, PyObject* args) {
   return result;
 }
 
+// --- strip(data): the model without what shape inference never reads -------------------------------------
+//
+// ONNX shape inference types values from op types, domains, inputs, outputs, attributes, the graph's inputs,
+// outputs, value infos and initializers, and the opset imports and functions; a node's name (NodeProto field
+// 3), doc_string (6) and metadata_props (9), the graph's doc_string (10) and metadata_props (16), and the
+// model's doc_string (6) and metadata_props (14) only label them (an exporter's stack traces, say), yet
+// inference parses and copies them, and hands them back. Every other field is copied byte for byte, in order,
+// and a graph given twice stays two (protobuf merges them as before). Subgraphs (inside attributes) are copied
+// as they are.
+
+struct Stripper : Scan {};
+
+void put_varint(std::string& out, uint64_t value) {
+  while (value >= 0x80) {
+    out.push_back(char(uint8_t(value) | 0x80));
+    value >>= 7;
+  }
+  out.push_back(char(uint8_t(value)));
+}
+
+// Copy the fields of the message in r to out, dropping the length-delimited fields for which drop(field) is
+// true and passing those for which nested(field) is true through rewrite(payload, out_payload).
+template <class Drop, class Nested, class Rewrite>
+bool copy_fields(Stripper& t, Reader r, std::string& out, Drop&& drop, Nested&& nested, Rewrite&& rewrite) {
+  while (r.p < r.end) {
+    const uint8_t* start = r.p;
+    uint32_t field;
+    int wire_type;
+    if (!read_tag(t, r, field, wire_type)) return false;
+    if (wire_type == 2 && (drop(field) || nested(field))) {
+      Reader payload;
+      if (!read_bytes(t, r, payload)) return false;
+      if (drop(field)) continue;
+      std::string inner;
+      if (!rewrite(payload, inner)) return false;
+      put_varint(out, (uint64_t(field) << 3) | 2);
+      put_varint(out, inner.size());
+      out.append(inner);
+      continue;
+    }
+    if (!skip_field(t, r, field, wire_type, 0)) return false;
+    out.append(reinterpret_cast<const char*>(start), size_t(r.p - start));
+  }
+  return true;
+}
+
+bool strip_node(Stripper& t, Reader r, std::string& out) {
+  out.reserve(size_t(r.end - r.p));
+  return copy_fields(
+      t, r, out, [](uint32_t f) { return f == 3 || f == 6 || f == 9; }, [](uint32_t) { return false; },
+      [](Reader, std::string&) { return true; });
+}
+
+bool strip_graph(Stripper& t, Reader r, std::string& out) {
+  out.reserve(size_t(r.end - r.p));
+  return copy_fields(
+      t, r, out, [](uint32_t f) { return f == 10 || f == 16; }, [](uint32_t f) { return f == 1; },
+      [&t](Reader node, std::string& inner) { return strip_node(t, node, inner); });
+}
+
+// strip(data) -> bytes: the serialised ModelProto ``data`` without the fields above.
+PyObject* strip(PyObject*, PyObject* args) {
+  Py_buffer view;
+  if (!PyArg_ParseTuple(args, "y*", &view)) return nullptr;
+  Stripper t;
+  const uint8_t* base = static_cast<const uint8_t*>(view.buf);
+  PyObject* result = nullptr;
+  try {
+    std::string out;
+    out.reserve(size_t(view.len));
+    const bool done = copy_fields(
+        t, Reader{base, base + view.len}, out, [](uint32_t f) { return f == 6 || f == 14; }, [](uint32_t f) { return f == 7; },
+        [&t](Reader graph, std::string& inner) { return strip_graph(t, graph, inner); });
+    if (done) {
+      result = PyBytes_FromStringAndSize(out.data(), Py_ssize_t(out.size()));
+    } else {
+      const Py_ssize_t offset = t.failure.at ? Py_ssize_t(t.failure.at - base) : 0;
+      PyErr_Format(PyExc_ValueError, "malformed protobuf at byte %zd: %s", offset, t.failure.reason);
+    }
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  }
+  PyBuffer_Release(&view);
+  return result;
+}
+
 PyMethodDef kMethods[] = {
     {"scan", scan, METH_VARARGS, "scan(data, wanted) -> (names, type_ids, types, node_count)."},
+    {"strip", strip, METH_VARARGS, "strip(data) -> the model's bytes without the fields shape inference never reads."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -20,7 +20,7 @@ from sgdfuse.errors import ModelNameError
 from sgdfuse.contract import TensorSpec
 from sgdfuse.external_data import tensor_to_array
 from sgdfuse.passes.scan import ScanError, node_table
-from sgdfuse.passes.value_scan import INPUT, OUTPUT, VALUE_INFO, ScannedInfos, native_available, scan_value_infos
+from sgdfuse.passes.value_scan import INPUT, OUTPUT, VALUE_INFO, ScannedInfos, inference_bytes, native_available, scan_value_infos
 
 __all__ = ["GraphIndex", "NodeFacts", "build_index", "require_text_names", "SMALL_CONSTANT_ELEMENTS", "OWN_PREFIX", "tensor_type_of"]
 
@@ -470,6 +470,11 @@ def _inferred_value_infos(
         stripped = _stripped(model)
         if data is None or stripped is not model:
             data = stripped.SerializeToString()
+        if native_available():
+            try:
+                data = inference_bytes(data)  # without node names and metadata: the same types, less to parse and copy
+            except ScanError as error:
+                logger.debug("inference runs on the whole model: the stripper refused its bytes (%s)", error)
         # What onnx.shape_inference.infer_shapes runs on the bytes it serialises, before parsing the result.
         result = onnx.shape_inference.C.infer_shapes(data, False, False, data_propagation)  # check_type, strict_mode, data_prop
         if not subgraph_nodes and native_available():
@@ -501,44 +506,71 @@ def _needs_data_propagation(model: onnx.ModelProto, nodes: list[NodeFacts], prod
     :data:`SHAPE_OPERANDS` op for its shape operand. So it changes nothing when no such operand is computed
     by an op that has a data propagation function (``OpSchema.has_data_propagation_function``: Shape, Size,
     Gather, Concat, Slice, Squeeze, Unsqueeze, Cast, Add, Sub, Mul), and no inference runs through a body
-    this reading cannot see. It is kept, conservatively, for a model with subgraphs or local functions, for
-    a node whose op has no inference function of its own (ONNX then infers through the op's function body:
-    ``GroupNormalization``, ``GreaterOrEqual`` at opset 12), and for an op or domain whose schema onnx does
-    not know at the model's opset (the rule above names default-domain ops only)."""
-    if subgraph_nodes or len(model.functions):
+    this reading cannot see. A model-local function's body is read by the same rule (inference runs it at
+    each call, with the caller's propagated values bound to its inputs, so a shape operand that is a formal
+    input counts as computed). It is kept, conservatively, for a model with subgraphs, for a node whose op
+    has no inference function of its own (ONNX then infers through the op's function body:
+    ``GroupNormalization``, ``GreaterOrEqual`` at opset 12), and for a default-domain op onnx does not know
+    at the model's opset."""
+    if subgraph_nodes:
         return True
-    versions = {("ai.onnx" if o.domain == "" else o.domain): o.version for o in model.opset_import}
-    schemas: dict[tuple[str, str], onnx.defs.OpSchema | None] = {}
+    functions: dict[tuple[str, str], list[onnx.FunctionProto]] = {}
+    for function in model.functions:  # every overload of a name (IR 10) is one body to read
+        functions.setdefault((function.domain, function.name), []).append(function)
+    schemas: dict[tuple[str, str, int], onnx.defs.OpSchema | None] = {}
 
-    def schema(op: str, domain: str) -> onnx.defs.OpSchema | None:
-        key = (op, domain)
+    def schema(op: str, domain: str, versions: dict[str, int]) -> onnx.defs.OpSchema | None:
+        version = versions.get("ai.onnx" if domain == "" else domain)
+        key = (op, domain, version)
         if key not in schemas:
-            version = versions.get("ai.onnx" if domain == "" else domain)
             try:
                 schemas[key] = None if version is None else onnx.defs.get_schema(op, version, "" if domain == "ai.onnx" else domain)
-            except onnx.defs.SchemaError:
+            except (onnx.defs.SchemaError, TypeError, OverflowError):  # an opset version outside int32: unknown
                 schemas[key] = None
         return schemas[key]
 
-    for op, domain in {(facts[0], facts[1]) for facts in nodes}:
-        found = schema(op, domain)
-        if found is None:
-            if domain in ("", "ai.onnx"):
-                return True  # an op onnx does not know here: no rule to read it by
-            continue  # a custom op: inference types none of its outputs, with or without propagation
-        if not found.has_type_and_shape_inference_function:
+    def needs(rows, produced: dict[str, int], formal: frozenset[str], versions: dict[str, int], calling: frozenset) -> bool:
+        for op, domain in {(row[0], row[1]) for row in rows}:
+            called = functions.get((domain, op))
+            if called is not None:
+                if (domain, op) in calling or any(_body_needs(f, calling | {(domain, op)}) for f in called):
+                    return True  # a recursive call included: nothing to reason about
+                continue
+            found = schema(op, domain, versions)
+            if found is None:
+                if domain in ("", "ai.onnx"):
+                    return True  # an op onnx does not know here: no rule to read it by
+                continue  # a custom op: inference types none of its outputs, with or without propagation
+            if not found.has_type_and_shape_inference_function:
+                return True
+        for op, domain, inputs, *_ in rows:
+            position = SHAPE_OPERANDS.get(op)
+            if position is None or domain not in ("", "ai.onnx") or len(inputs) <= position or not inputs[position]:
+                continue
+            operand = inputs[position]
+            if operand in formal:
+                return True  # a function's input: the caller's propagated value is bound to it
+            k = produced.get(operand)
+            if k is None:
+                continue  # a graph input or an initializer: its data, or nothing, either way
+            maker = rows[k]
+            if (maker[1], maker[0]) in functions:
+                return True  # returned from a call: the body's propagated value comes back with it
+            found = schema(maker[0], maker[1], versions)
+            if found is None or found.has_data_propagation_function:
+                return True
+        return False
+
+    def _body_needs(function: onnx.FunctionProto, calling: frozenset) -> bool:
+        rows = [(n.op_type, n.domain, tuple(n.input), tuple(n.output)) for n in function.node]
+        if any(a.type in _GRAPH_TYPES for n in function.node for a in n.attribute):
             return True
-    for op, domain, inputs, *_ in nodes:
-        position = SHAPE_OPERANDS.get(op)
-        if position is None or domain not in ("", "ai.onnx") or len(inputs) <= position or not inputs[position]:
-            continue
-        k = producer.get(inputs[position])
-        if k is None:
-            continue  # a graph input or an initializer: its data, or nothing, either way
-        found = schema(nodes[k][0], nodes[k][1])
-        if found is None or found.has_data_propagation_function:
-            return True
-    return False
+        produced = {name: k for k, row in enumerate(rows) for name in row[3] if name}
+        own = {("ai.onnx" if o.domain == "" else o.domain): o.version for o in function.opset_import}
+        return needs(rows, produced, frozenset(function.input), {**versions, **own}, calling)
+
+    versions = {("ai.onnx" if o.domain == "" else o.domain): o.version for o in model.opset_import}
+    return needs(nodes, producer, frozenset(), versions, frozenset())
 
 
 def _stripped(model: onnx.ModelProto) -> onnx.ModelProto:

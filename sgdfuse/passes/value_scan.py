@@ -21,7 +21,7 @@ from types import ModuleType
 from sgdfuse.native import cache_root
 from sgdfuse.passes.scan import NATIVE_ENV, ScanError, ScannerBuildError, build_extension
 
-__all__ = ["INPUT", "OUTPUT", "VALUE_INFO", "ScannedInfos", "scan_value_infos", "native_available"]
+__all__ = ["INPUT", "OUTPUT", "VALUE_INFO", "ScannedInfos", "scan_value_infos", "native_available", "inference_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,23 @@ def scan_value_infos(data: bytes | bytearray | memoryview, fields: int) -> Scann
     except ValueError as error:
         raise ScanError.from_message(str(error)) from None
     return ScannedInfos(names, type_ids, types, node_count)
+
+
+def inference_bytes(data: bytes | bytearray | memoryview) -> bytes:
+    """The serialised ``ModelProto`` ``data`` without what ONNX shape inference never reads: the nodes'
+    ``name``, ``doc_string`` and ``metadata_props`` (``NodeProto`` fields 3, 6, 9) in the main graph, the
+    graph's ``doc_string`` and ``metadata_props`` (``GraphProto`` 10, 16) and the model's (``ModelProto`` 6, 14).
+    Every other field is copied byte for byte, in order; subgraphs are copied whole. Inference then parses,
+    holds and returns less (an exporter's per-node stack traces, the bench's node names: 40 % of its bytes).
+
+    Raises:
+        ScanError: ``data`` is not well-formed protobuf where the stripper reads it.
+        ScannerBuildError: the scanner cannot be built.
+    """
+    try:
+        return _module().strip(data)
+    except ValueError as error:
+        raise ScanError.from_message(str(error)) from None
 
 
 def _module() -> ModuleType:
