@@ -179,7 +179,7 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     # initializer needs stripping, shape inference (which would serialise it again); without the native
     # scanners every one of them is read through protobuf's Python API as before.
     data = _serialised(model) if native_available() else None
-    nodes, own_node_names = _node_facts(model, data)
+    nodes, own_node_names = _nodes_read(model, data)
     producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph, nodes)
     _require_text_names(graph, nodes, producer, consumers)
     _require_model_text(model)
@@ -242,10 +242,14 @@ def _inference_adds_nothing(
     return True
 
 
-def _node_facts(model: onnx.ModelProto, data: bytes | None = None) -> tuple[list[NodeFacts], frozenset[str]]:
-    """:data:`NodeFacts` of every node of the main graph, in order, and the node names that start with
-    :data:`OWN_PREFIX`, read once (natively where the scanner builds: :func:`sgdfuse.passes.scan.node_table`,
-    from ``data``, ``model`` serialised, when given)."""
+def _node_facts(model: onnx.ModelProto, data: bytes | None = None) -> list[NodeFacts]:
+    """:data:`NodeFacts` of every node of the main graph, in order, read once (natively where the scanner
+    builds: :func:`sgdfuse.passes.scan.node_table`, from ``data``, ``model`` serialised, when given)."""
+    return _nodes_read(model, data)[0]
+
+
+def _nodes_read(model: onnx.ModelProto, data: bytes | None = None) -> tuple[list[NodeFacts], frozenset[str]]:
+    """:func:`_node_facts`, and the node names that start with :data:`OWN_PREFIX` (read in the same pass)."""
     table = node_table(model, data, name_prefix=OWN_PREFIX)
     facts = list(zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_subgraph, table.has_attributes))
     return facts, frozenset(table.prefixed_names or ())
