@@ -20,6 +20,9 @@ outputs, so two members' values correspond by position):
   the sort order of the cluster's names (the matcher breaks ties by name order);
 - which graph outputs the cluster has, in graph order.
 
+The keys of a batch of clusters are made together, in passes of builtins over all their values
+(:func:`_key_batch`), with the facts numbered and the names' order held as a permutation.
+
 Values shared with other clusters (a learning-rate input read by every update, a shared scalar initializer)
 are keyed by their literal name and not entered. A cluster whose region holds a ``Where``, an ``If`` or any
 node with a subgraph, whose outputs come out of an op the walk does not enter, or whose region is large is
@@ -122,6 +125,9 @@ _LISTED, _WALKED = "listed", "walked"
 
 _COPY_OPS = frozenset({"Identity", "Cast", "CastLike"})
 
+_OUTSIDE = ("outside",)
+"""A value a name fact points to that is neither the cluster's nor shared (:func:`_named`)."""
+
 _OPERAND = "operand of a leaf's producer"
 """The definition in the key of a value the region only lists (an operand of a leaf's producer), not walks."""
 
@@ -192,9 +198,9 @@ def _steps(nodes: Sequence[tuple]) -> tuple[dict[str, tuple], set[str]]:
 class _Walker:
     """Regions of graph outputs, with per-node facts read from the protobuf once.
 
-    Every table here is filled lazily and looked up inline by the hot loops (:func:`_walk_regions`, :func:`_key`):
-    at ten thousand updates the walk asks for a value's step some four hundred thousand times, and a method
-    call per ask cost more than the look-up it wraps."""
+    Its tables are looked up inline by the hot loops (:func:`_walk_regions`, :func:`_key_batch`): at ten
+    thousand updates the walk asks for a value's step some two hundred thousand times, and a method call per
+    ask cost more than the look-up it wraps."""
 
     def __init__(self, index: GraphIndex) -> None:
         self.index = index
@@ -229,10 +235,11 @@ class _Walker:
             return attributes[0].SerializeToString(deterministic=True)  # most nodes: one attribute, no join
         return b"".join([a.SerializeToString(deterministic=True) for a in attributes])
 
-    def step(self, value: str) -> tuple[int | None, tuple[str, ...], bool, tuple[str, ...]]:
+    def step(self, value: str) -> tuple[int | None, tuple[str, ...], bool, tuple[str, ...], tuple | None]:
         """``(producer entered or None, its inputs, whether the producer makes the region direct, the inputs of
-        a producer not entered)``: the matcher reads the operands of a leaf's producer (to name a buffer
-        hidden behind it), so those are listed in the region, but not entered."""
+        a producer not entered, the value's kind or None)`` (:func:`_steps`): the matcher reads the operands of
+        a leaf's producer (to name a buffer hidden behind it), so those are listed in the region, but not
+        entered."""
         return self._steps.get(value, _LEAF_STEP)
 
     def copy_chain(self, value: str) -> list[str]:
@@ -298,7 +305,7 @@ class _Walker:
                 kinds[position] = self._leaf_kind(values[position]) if kind is None else kind
             if len(leaves) < len(holes):
                 for position in set(holes).difference(leaves):
-                    kinds[position] = self._kind_with_attributes(values[position])
+                    kinds[position] = self._kind_with_attributes(values[position], steps[position][0])
         specs = list(map(self.index.specs.get, values, itertools.repeat(_NO_SPEC, count)))
         facts = list(zip(map(_dtype_of, specs), map(_shape_of, specs), kinds, map(self.outputs.__contains__, values)))
         numbers = list(map(self._numbers.get, facts))
@@ -319,9 +326,8 @@ class _Walker:
             self._reads_names.append(_reads_names(facts))
         return number
 
-    def _kind_with_attributes(self, value: str) -> tuple:
-        """The kind of a value an entered op with attributes outputs (:meth:`facts`)."""
-        k = self.index.producer[value]
+    def _kind_with_attributes(self, value: str, k: int) -> tuple:
+        """The kind of a value that node ``k``, an entered op with attributes, outputs (:meth:`facts`)."""
         op, domain, _, outputs, _, _ = self._node_facts[k]
         return ("node", op, domain, outputs.index(value) if len(outputs) > 1 else 0, len(outputs), self.attributes(k))
 
@@ -348,9 +354,7 @@ class _Walker:
         named = list(itertools.compress(range(count), map(operator.is_, reads, itertools.repeat(True, count))))
         is_output = list(map(_is_output_of, map(self._facts.__getitem__, map(facts.__getitem__, named))))
         found = name_facts(list(map(values.__getitem__, named)), is_output)
-        tails: list[tuple] = [()] * count
-        for position, tail in zip(named, found):
-            tails[position] = tail
+        tails = list(map(dict(zip(named, found)).get, range(count), itertools.repeat((), count)))
         pointing = list(itertools.compress(named, map(operator.or_, map(_is_not_none, map(_previous_of, found)), map(_is_not_none, map(_next_of, found)))))
         return tails, pointing
 
@@ -421,19 +425,17 @@ def clusters_of(
     walker = _Walker(index)
     walk = _walk_regions(walker, outputs)
     regions, direct, appearances = walk.regions, walk.direct, walk.appearances
-    cluster_of, members = _union(walker, outputs, appearances)
+    cluster_of, members, unlinked = _union(walker, outputs, appearances)
+    # A value is shared when its regions are in several clusters: only a value whose readers were not all
+    # linked can be.
     shared = set()
-    for value, readers in appearances.items():
-        if len(readers) > 1:
-            root = cluster_of[readers[0]]
-            if len(readers) == 2:
-                if cluster_of[readers[1]] != root:
-                    shared.add(value)
-                continue
-            for o in readers:
-                if cluster_of[o] != root:
-                    shared.add(value)
-                    break
+    for value in unlinked:
+        readers = appearances[value]
+        root = cluster_of[readers[0]]
+        for o in readers:
+            if cluster_of[o] != root:
+                shared.add(value)
+                break
     del appearances
 
     # Outputs computed from shared values alone (a learning-rate schedule lr*0.99): the matcher may pair them
@@ -538,8 +540,9 @@ def _walk_regions(walker: _Walker, outputs: Sequence[str]) -> _Walk:
             appearances[o].append(o)
             continue
         # One table for what the walk has seen of a value, in the order first seen (the region's order):
-        # _LISTED (only as an operand of a leaf's producer) or _WALKED (its producer's inputs are taken). A
-        # value's appearance is recorded when it is walked, or at the end when it stayed listed only.
+        # _LISTED (only as an operand of a leaf's producer), _WALKED (its producer's inputs are to be taken)
+        # and, once they are, its step. A value's appearance is recorded when it is walked, or at the end
+        # when it stayed listed only.
         seen = {o: _WALKED}
         seen_get = seen.get
         listed: list[str] = []
@@ -549,8 +552,7 @@ def _walk_regions(walker: _Walker, outputs: Sequence[str]) -> _Walk:
         appearances[o].append(o)
         while stack:
             value = stack.pop()
-            # A value walked ends with its step in the table (the key reads it there, not from the index again).
-            step = seen[value] = steps_get(value, _LEAF_STEP)
+            step = seen[value] = steps_get(value, _LEAF_STEP)  # kept for the key (_Walk.steps)
             k, inputs, makes_direct, operands, _ = step
             if k is None:
                 found_leaves.append(value)
@@ -588,9 +590,10 @@ def _walk_regions(walker: _Walker, outputs: Sequence[str]) -> _Walk:
     return _Walk(regions, steps, fringes, direct, appearances, leaves)
 
 
-def _union(walker: _Walker, outputs: Sequence[str], appearances: dict[str, list[str]]) -> tuple[dict[str, str], dict[str, list[str]]]:
-    """Link the outputs whose regions share a value (:func:`_links`): each output's cluster root, and each
-    root's outputs in graph order."""
+def _union(walker: _Walker, outputs: Sequence[str], appearances: dict[str, list[str]]) -> tuple[dict[str, str], dict[str, list[str]], list[str]]:
+    """Link the outputs whose regions share a value (:func:`_links`): each output's cluster root, each root's
+    outputs in graph order, and the values whose readers this did not link all (the only ones that can be
+    shared by clusters: linking only merges)."""
     parent = {o: o for o in outputs}
 
     def find(o: str) -> str:
@@ -600,6 +603,7 @@ def _union(walker: _Walker, outputs: Sequence[str], appearances: dict[str, list[
         return o
 
     one_element: dict[str, bool] = {}
+    unlinked: list[str] = []
     for value, readers in appearances.items():
         if len(readers) < 2:
             continue
@@ -618,10 +622,12 @@ def _union(walker: _Walker, outputs: Sequence[str], appearances: dict[str, list[
             if len(one_element) < len(parent):
                 for o in parent.keys() - one_element.keys():
                     one_element[o] = walker.index.spec(o).num_elements() in (1, None)
+            unlinked.append(value)
             readers = list(filter(one_element.__getitem__, readers))
             if len(readers) < 2:
                 continue
         elif not links:
+            unlinked.append(value)
             continue
         root = find(readers[0])
         for other in readers[1:]:
@@ -637,7 +643,7 @@ def _union(walker: _Walker, outputs: Sequence[str], appearances: dict[str, list[
             members[root] = [o]
         else:
             found.append(o)
-    return cluster_of, members
+    return cluster_of, members, unlinked
 
 
 def _links(walker: _Walker, value: str, readers: int) -> bool | None:
@@ -654,9 +660,12 @@ def _links(walker: _Walker, value: str, readers: int) -> bool | None:
 
 def _loose(walker: _Walker, leaves: list[str], shared: set[str]) -> bool:
     """True when every leaf the region walks that is not a constant is shared with other clusters."""
-    local = list(itertools.filterfalse(shared.__contains__, leaves))
-    # A graph input that is no initializer is never a constant (most regions read one of their own).
-    return walker.plain_inputs.isdisjoint(local) and all(map(walker.is_constant, local))
+    plain_inputs = walker.plain_inputs
+    for leaf in leaves:
+        # A graph input that is no initializer is never a constant (most regions read one of their own).
+        if leaf in plain_inputs and leaf not in shared:
+            return False
+    return all(map(walker.is_constant, itertools.filterfalse(shared.__contains__, leaves)))
 
 
 def _key_batch(walker: _Walker, batch: list[Cluster], walk: _Walk, shared: set[str], name_facts: Callable[[Sequence[str], Sequence[bool]], list[tuple]]) -> None:
@@ -669,11 +678,17 @@ def _key_batch(walker: _Walker, batch: list[Cluster], walk: _Walk, shared: set[s
     - ``structure``, per value, how it is defined: ``(facts, "operand of a leaf's producer")`` for a value only
       listed, ``(facts, None, operands)`` for a leaf and ``(facts, node position, inputs)`` for a value the
       walk enters, each input as a position (local) or a name (shared; "" for an input left out), with
-      ``facts`` from :meth:`_Walker.facts`;
-    - ``names`` (:func:`_names`), per value, its rank among the cluster's names and among the shared names
-      below the ones it reads, and its name facts (:meth:`_Walker.name_tails`);
+      ``facts`` the number :meth:`_Walker.facts` gives the value's dtype, shape, kind and output-ness;
+    - ``names`` (:func:`_names`): the values' positions in name order, each value's place among the shared
+      names below the ones the cluster reads, and its name facts (:meth:`_Walker.name_tails`);
     - ``read outside``: the positions of the computed values something outside the region reads (the rewrite
       keeps their nodes, and the verification probes them, so members of a class must agree on it too).
+
+    The key before issue 12 held the facts themselves and, per value, ``(rank, place) + name facts``. This one
+    is a one-to-one image of it, so two clusters have equal keys exactly when they had: facts and numbers are
+    one-to-one (one walker numbers them, and only keys of one walker are compared), and the positions in name
+    order are the permutation the ranks invert, from which the ranks are computed back. Every key of the
+    committed models and of benchmark steps decodes into the old one (tests/test_classes_reference.py).
 
     The batch is keyed as a whole (:func:`_key_together`, passes of builtins over all its values: a cluster
     has about ten values, and a pass over ten values costs mostly its own set-up) unless a value is in two
@@ -701,8 +716,9 @@ class _Tables:
     starts: list[int]
     """Where each cluster's entries begin, and, last, where the entries end."""
     flat: list[str]
-    facts: list[tuple]
-    """:meth:`_Walker.facts`."""
+    """The values of the clusters in turn."""
+    facts: list[int]
+    """:meth:`_Walker.facts` (numbers)."""
     producers: list[int | None]
     """The value's entered producer (None for a leaf and for a value only listed)."""
     referred: list[tuple[str, ...]]
@@ -929,9 +945,6 @@ def _named(name: str | None, ids: dict[str, int], shared: set[str]) -> tuple | N
     if name in shared:
         return ("shared", name)
     return _OUTSIDE
-
-
-_OUTSIDE = ("outside",)
 
 
 @dataclasses.dataclass

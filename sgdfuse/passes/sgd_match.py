@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import itertools
 import logging
 import math
@@ -48,6 +49,9 @@ _NO_SPEC = TensorSpec("", None, 0)
 """``GraphIndex.spec`` of a value without one (dtype 0)."""
 
 _dtype_of = operator.attrgetter("dtype")
+
+_COPY_OPS = frozenset({"Identity", "Cast", "CastLike"})
+"""The ops :func:`_skip_copies` may follow (any other producer makes a value its own copy-free value)."""
 
 
 class LazyText:
@@ -133,10 +137,10 @@ class Match:
     def with_equations(self) -> "Match":
         """This match with :attr:`parameter_equation` and :attr:`accum_equation` written (lazily) from
         :attr:`equation_forms`, in terms of its own values."""
-        w, v, p, a, g = self.parameters_out, self.accum_out, self.parameters, self.accum, self.gradient
         parameter_form, buffer_form = self.equation_forms
-        self.parameter_equation = LazyText(lambda: f"{w} = {format_form(parameter_form, [p, v, a])}")
-        self.accum_equation = LazyText(lambda: f"{v} = {format_form(buffer_form, [a, g, p])}")
+        self.parameter_equation, self.accum_equation = _equations(
+            self.parameters, self.gradient, self.accum, self.parameters_out, self.accum_out, parameter_form, buffer_form
+        )
         return self
 
     def renamed(self, names: Mapping[str, str], nodes: Mapping[int, int]) -> "Match":
@@ -172,6 +176,18 @@ class Match:
         return renamed.with_equations()
 
 
+def _equations(p: str, g: str, a: str, w: str, v: str, parameter_form: Form, buffer_form: Form) -> tuple[LazyText, LazyText]:
+    """:attr:`Match.parameter_equation` and :attr:`Match.accum_equation`, written when first read."""
+    return (
+        LazyText(functools.partial(_equation, w, parameter_form, [p, v, a])),
+        LazyText(functools.partial(_equation, v, buffer_form, [a, g, p])),
+    )
+
+
+def _equation(left: str, form: Form, order: list[str]) -> str:
+    return f"{left} = {format_form(form, order)}"
+
+
 def _renamer(match: Match, values: list[str], nodes: list[int]) -> Callable[[list[str], list[int]], Match]:
     """:meth:`Match.renamed` of ``match`` for the other members of its structural class, as a function of a
     member's values and nodes, which correspond by position to ``values`` and ``nodes`` (the solved member's).
@@ -194,23 +210,26 @@ def _renamer(match: Match, values: list[str], nodes: list[int]) -> Callable[[lis
 
     def rename(member_values: list[str], member_nodes: list[int]) -> Match:
         renamed_names = names(member_values + names_staying)
+        p, g, a, w, v = renamed_names[:5]
+        parameter_form = dict(zip(renamed_names[len(fields):split], parameter_coefficients))
+        buffer_form = dict(zip(renamed_names[split:], buffer_coefficients))
+        parameter_equation, accum_equation = _equations(p, g, a, w, v, parameter_form, buffer_form)
         renamed = object.__new__(Match)
-        # As Match.renamed: a copy of every field, then the renamed ones.
+        # As Match.renamed: a copy of every field, then the renamed ones (its equations written from its forms).
         renamed.__dict__.update(
             match.__dict__,
-            parameters=renamed_names[0],
-            gradient=renamed_names[1],
-            accum=renamed_names[2],
-            parameters_out=renamed_names[3],
-            accum_out=renamed_names[4],
+            parameters=p,
+            gradient=g,
+            accum=a,
+            parameters_out=w,
+            accum_out=v,
             nodes=set(node_positions(member_nodes + nodes_staying)),
             rounded=dict(match.rounded),
-            equation_forms=(
-                dict(zip(renamed_names[len(fields):split], parameter_coefficients)),
-                dict(zip(renamed_names[split:], buffer_coefficients)),
-            ),
+            equation_forms=(parameter_form, buffer_form),
+            parameter_equation=parameter_equation,
+            accum_equation=accum_equation,
         )
-        return renamed.with_equations()
+        return renamed
 
     return rename
 
@@ -361,6 +380,26 @@ def _convention_flags(name: str) -> tuple[bool, bool]:
     return _BUFFER_NAME.search(name) is not None, _GRADIENT_NAME.search(name) is not None
 
 
+_DIGITS_AS_ZERO = str.maketrans("123456789", "000000000")
+"""Every ASCII digit as ``0``: the convention patterns read a digit only as a character that is no letter
+(``[^a-z]``, ``\\d``), any digit alike, so a name and its digits made ``0`` match them alike."""
+
+
+def _conventions_of(names: Sequence[str], known: dict[str, tuple[bool, bool]]) -> list[tuple[bool, bool]]:
+    """:func:`_convention_flags` of each name, asked once per name with its digits made ``0``
+    (:data:`_DIGITS_AS_ZERO`) and remembered in ``known``: the updates of a step differ in their numbers, so
+    their values' names fall on a few such forms."""
+    forms = list(map(str.translate, names, itertools.repeat(_DIGITS_AS_ZERO)))
+    found = list(map(known.get, forms))
+    for position in list(itertools.compress(range(len(found)), map(operator.is_, found, itertools.repeat(None)))):
+        form = forms[position]
+        flags = known.get(form)
+        if flags is None:
+            flags = known[form] = _convention_flags(form)
+        found[position] = flags
+    return found
+
+
 @dataclasses.dataclass(frozen=True)
 class Guard:
     """A guarded state output ``output = Where(condition, old, new)`` (or with the branches swapped).
@@ -412,8 +451,12 @@ def find_updates(
     _check_pins(index, pins)
     normaliser = normaliser or Normaliser(index)
     outputs = list(dict.fromkeys(index.graph_outputs))
-    # Every output's copy-free value, asked here for each output and again for the fused ones.
-    canonical = dict(zip(outputs, map(_skip_copies, itertools.repeat(index), outputs)))
+    # Every output's copy-free value, asked here for each output and again for the fused ones (most outputs
+    # come out of no copy: they are their own).
+    canonical = dict(zip(outputs, outputs))
+    producer, facts = index.producer, index.nodes
+    for output in [o for o in outputs if (k := producer.get(o)) is not None and facts[k][0] in _COPY_OPS]:
+        canonical[output] = _skip_copies(index, output)
     matches, misses = _find_by_class(index, normaliser, outputs, pins, allow_rounding, canonical)
     # A guarded output Where(c, old, new) that no update explains as it is (a first-step Where is one) is
     # matched through its new value; the guard pairs new with old.
@@ -564,10 +607,11 @@ def name_facts_of(
     next_of = named_next.get
     known = previous_of or {}
     is_buffer = pins.is_buffer if pins.buffers else None
+    conventions: dict[str, tuple[bool, bool]] = {}
 
     def name_facts(values: Sequence[str], is_output: Sequence[bool]) -> list[tuple]:
         globs = map(is_buffer, values) if is_buffer is not None else itertools.repeat(None)
-        flags = map(operator.add, map(_convention_flags, values), zip(globs, map(state.__contains__, values)))
+        flags = map(operator.add, _conventions_of(values, conventions), zip(globs, map(state.__contains__, values)))
         previous: list[str | None] = [None] * len(values)
         for position in itertools.compress(range(len(values)), is_output):
             value = values[position]
