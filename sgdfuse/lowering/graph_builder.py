@@ -199,7 +199,7 @@ def add_const(builder: "GraphBuilder", name: str, array: np.ndarray, *, onnx_dty
     value = ge_ir.AttrDef()
     value.t.CopyFrom(tensor_def(array, onnx_dtype=dtype))
     shape = tuple(int(d) for d in array.shape)
-    kind = builder.kind((dtype, shape), "Const", own=("value",))  # the value is each Const's own
+    kind = builder.kind("const", (dtype, shape), "Const", own=("value",))  # the value is each Const's own
     return builder.add("Const", name, outputs=[("y", TensorSpec(spec_name or name, shape, dtype))], attrs={"value": value}, kind=kind).output(0)
 
 
@@ -249,7 +249,7 @@ class _Graph:
         self._next_suffix: dict[str, int] = {}
         self._next_position = 0  # never reused, also after ops are pruned
         self._attr_cache: dict[tuple[type, str], object] = {}
-        self._kinds: dict[tuple[str, Hashable], OpKind] = {}
+        self._kinds: dict[tuple[str, str, tuple[str, ...], Hashable], OpKind] = {}
 
     def unique(self, base: str) -> str:
         """An op name not used yet in this graph, ``base`` itself when free. ``:`` is replaced because GE
@@ -280,14 +280,19 @@ class _Graph:
             found = self._attr_cache[key] = attr_value(value)
         return found
 
-    def kind(self, key: Hashable, op_type: str, attrs: Mapping[str, object] | None = None, own: Sequence[str] = ()) -> OpKind:
-        """The :class:`OpKind` a caller keys by ``key`` (with ``op_type``), made on first use with the shared
-        attribute values ``attrs`` (plain values converted as :meth:`add` converts them) and the per-op
-        attributes ``own``. ``key`` must cover everything the ops' tails depend on but ``own``: the dtype
-        and shape of every port, and every value in ``attrs``."""
-        found = self._kinds.get((op_type, key))
+    def kind(self, site: str, key: Hashable, op_type: str, attrs: Mapping[str, object] | None = None, own: Sequence[str] = ()) -> OpKind:
+        """The :class:`OpKind` that the caller named ``site`` keys by ``key``, made on first use with the op
+        type ``op_type``, the shared attribute values ``attrs`` (plain values converted as :meth:`add`
+        converts them) and the per-op attributes ``own``, and returned as it was made on every later call.
+
+        ``key`` must cover everything the ops' tails depend on but ``own``: the dtype and shape of every port
+        and every value in ``attrs`` (the ``attrs`` of a later call are not read). ``site`` keeps the kinds
+        of different callers apart: a ``Const`` of zeros shared by its class and a ``Const`` whose value is its
+        own are keyed alike (dtype and shape) but are not one kind."""
+        cache_key = (site, op_type, tuple(own), key)
+        found = self._kinds.get(cache_key)
         if found is None:
-            found = self._kinds[(op_type, key)] = OpKind(op_type, {k: self._attr(v) for k, v in (attrs or {}).items()}, tuple(own))
+            found = self._kinds[cache_key] = OpKind(op_type, {k: self._attr(v) for k, v in (attrs or {}).items()}, tuple(own))
         return found
 
     def _record(
@@ -464,14 +469,15 @@ class GraphBuilder(_Graph):
 
 @dataclasses.dataclass(slots=True)
 class WrittenOp:
-    """An op :class:`GraphWriter` has written: its name and its outputs' specs (not frozen: a frozen
-    dataclass costs about three times as much to make, and the writer makes one per op)."""
+    """An op :class:`GraphWriter` has written: its name and its output ports with their specs, as given to
+    :meth:`GraphWriter.add` (not frozen: a frozen dataclass costs about three times as much to make, and the
+    writer makes one per op)."""
 
     name: str
-    specs: tuple[TensorSpec, ...]
+    outputs: Sequence[tuple[str, TensorSpec]]
 
     def output(self, index: int = 0) -> Tensor:
-        return Tensor(self.name, index, self.specs[index])
+        return Tensor(self.name, index, self.outputs[index][1])
 
 
 class GraphWriter(_Graph):
@@ -509,7 +515,7 @@ class GraphWriter(_Graph):
             record = self._record(op_type, name, inputs, outputs, attrs, kind, unconnected)
             unique = record.name
             self._size += self._encoder.op(record, self._ops)
-        return WrittenOp(unique, tuple(spec for _, spec in outputs))
+        return WrittenOp(unique, outputs)
 
     def to_model_def_bytes(
         self,
@@ -624,6 +630,7 @@ class _Encoder:
         self._types: dict[str, bytes] = {}
         self._templates: dict[tuple, list[bytes | str]] = {}
         self._tails: dict[tuple, bytes] = {}
+        self._int_keys: dict[str, bytes] = {}  # an own int attribute's key field, then its value's tag
 
     def descriptor(self, tag: bytes, port: str, spec: TensorSpec | None) -> bytes:
         """The whole ``input_desc``/``output_desc`` field (tag, length, descriptor)."""
@@ -800,8 +807,12 @@ class _Encoder:
         ``AttrDef`` holding it as ``i`` (one varint field) without making the message."""
         if type(value) is not int:
             return _len(_OP_ATTR, self.map_entry(key, value))
-        entry = _len(_MAP_KEY, key.encode()) + _len(_MAP_VALUE, _ATTR_INT + encode_varint(value & _UINT64))
-        return _len(_OP_ATTR, entry)
+        head = self._int_keys.get(key)
+        if head is None:
+            head = self._int_keys[key] = _len(_MAP_KEY, key.encode()) + _MAP_VALUE
+        value_bytes = encode_varint(value & _UINT64)
+        entry = head + _SMALL[len(value_bytes) + 1] + _ATTR_INT + value_bytes  # an AttrDef of at most 11 bytes
+        return _OP_ATTR + _varint(len(entry)) + entry
 
     def _kind_template(self, record: OpRecord, count: int) -> list[bytes | str]:
         """The tail of every op of ``record``'s kind, from ``record``: wire bytes, joined between the

@@ -189,7 +189,7 @@ def _lower(model: str | os.PathLike | onnx.ModelProto, soc: str, optimise: bool)
             proto, index = renamed, build_index(renamed)
     graph = proto.graph
     sgd_positions = _sgd_positions(index)
-    check_product_line(index, [graph.node[k] for k in sgd_positions], line)
+    check_product_line(index, sgd_positions, line)
     _require_rules(index)
 
     plan = plan_state(index)
@@ -204,7 +204,7 @@ def _lower(model: str | os.PathLike | onnx.ModelProto, soc: str, optimise: bool)
         if name in plan.readable:
             continue
         spec = index.spec(name)
-        kind = builder.kind((spec.dtype, spec.shape), "Data", own=("index",))  # the index is each Data op's own
+        kind = builder.kind("graph input", (spec.dtype, spec.shape), "Data", own=("index",))  # the index is each Data op's own
         record = builder.add("Data", name, outputs=[("y", spec)], attrs={"index": len(data_ops)}, kind=kind, unconnected=[("x", spec)])
         data_ops.append(record.name)
         data_names.append(name)

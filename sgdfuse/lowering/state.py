@@ -653,7 +653,7 @@ def add_variables(graph: GraphLowering, plan: StatePlan) -> dict[str, str]:
     builder = graph.builder
     for variable in plan.variables:
         spec = variable.spec
-        kind = builder.kind((spec.dtype, spec.shape), "Variable")  # a few classes of variables: one tail each
+        kind = builder.kind("state variable", (spec.dtype, spec.shape), "Variable")  # a few classes of variables: one tail each
         record = builder.add("Variable", variable.name, outputs=[("y", spec)], kind=kind, unconnected=[("x", spec)])
         ops[variable.name] = record.name
         if plan.readable.get(variable.onnx_value) is variable:
@@ -711,7 +711,7 @@ def lower_sgd(ctx: NodeLowering) -> None:
         tuple(None if t is None else (t.spec.dtype, t.spec.shape) for _, t in inputs),
         output.dtype, output.shape, repr(attrs["dampening"]), repr(attrs["weight_decay"]), attrs["nesterov"],
     )
-    op = builder.add("SGD", ctx.name, inputs, [("parameters", output)], kind=builder.kind(key, "SGD", attrs))
+    op = builder.add("SGD", ctx.name, inputs, [("parameters", output)], kind=builder.kind("update", key, "SGD", attrs))
     for assign in assigns:
         builder.add_control(op.name, assign)
     writers = graph.writers
@@ -731,11 +731,12 @@ def lower_sgd(ctx: NodeLowering) -> None:
         values[outputs[0]] = copy.output(0)
     for out_index, port in ((1, 3), (2, 5)):
         value = outputs[out_index] if out_index < len(outputs) else ""
-        if not value or not index.is_used(value):
+        # index.is_used(value), with the graph outputs the plan holds as a set already
+        if not value or not (value in plan.graph_outputs or index.consumers.get(value) or value in index.subgraph_reads):
             continue
         role = INPUTS[port].name
         source, copied = sources[port], index.spec(value)
-        kind = builder.kind((source.spec.dtype, source.spec.shape, copied.dtype, copied.shape), "TensorMove")
+        kind = builder.kind("after write", (source.spec.dtype, source.spec.shape, copied.dtype, copied.shape), "TensorMove")
         snapshot = builder.add("TensorMove", f"{ctx.name}/{role}_after_write", [("x", source)], [("y", copied)], kind=kind)
         builder.add_control(snapshot.name, op.name)
         graph.after_write.add(snapshot.name)
@@ -911,13 +912,13 @@ def build_init_graph(
     refs: dict[str, Tensor] = {}
     for variable in plan.variables:  # first, so that no other op takes a variable's name
         spec = variable.spec
-        kind = builder.kind((spec.dtype, spec.shape), "Variable")
+        kind = builder.kind("state variable", (spec.dtype, spec.shape), "Variable")
         refs[variable.name] = builder.add("Variable", variable.name, outputs=[("y", spec)], kind=kind, unconnected=[("x", spec)]).output(0)
     for variable in plan.variables:
         spec = variable.spec
         key = (spec.dtype, spec.shape)
         if variable.source == _SOURCE_INPUT:
-            kind = builder.kind(key, "Data", own=("index",))
+            kind = builder.kind("initial value input", key, "Data", own=("index",))
             data = builder.add("Data", f"{variable.name}/initial_value", outputs=[("y", spec)], attrs={"index": len(data_ops)}, kind=kind, unconnected=[("x", spec)])
             data_ops.append(data.name)
             feeds[data.name] = variable.onnx_value
@@ -929,7 +930,7 @@ def build_init_graph(
                 zeros = np.zeros(tuple(spec.shape), dtype=onnx_to_numpy_dtype(spec.dtype))  # type: ignore[arg-type]
                 zero_values[key] = ge_ir.AttrDef()
                 zero_values[key].t.CopyFrom(tensor_def(zeros, onnx_dtype=spec.dtype))
-            kind = builder.kind(key, "Const", {"value": zero_values[key]})
+            kind = builder.kind("zeros", key, "Const", {"value": zero_values[key]})
             zeros_spec = TensorSpec(f"{variable.name}/zeros", spec.shape, spec.dtype)
             value = builder.add("Const", f"{variable.name}/zeros", outputs=[("y", zeros_spec)], kind=kind).output(0)
         else:
@@ -942,7 +943,7 @@ def build_init_graph(
         assign_key = (key, value.spec.dtype, value.spec.shape)
         kind = assign_kinds.get(assign_key)
         if kind is None:
-            kind = assign_kinds[assign_key] = builder.kind(assign_key, "Assign", {"validate_shape": spec.is_static, "use_locking": False})
+            kind = assign_kinds[assign_key] = builder.kind("initial assign", assign_key, "Assign", {"validate_shape": spec.is_static, "use_locking": False})
         assign = builder.add("Assign", f"{variable.name}/assign", [("ref", refs[variable.name]), ("value", value)], [("ref", spec)], kind=kind)
         assigned[variable.name] = value
         outputs.append(assign.output(0))
