@@ -492,6 +492,7 @@ class GraphWriter(_Graph):
         self._encoder = _Encoder()
         self._ops: list[bytes] = []
         self._size = 0
+        self._records: list[OpRecord] = []
 
     def add(
         self,
@@ -515,6 +516,9 @@ class GraphWriter(_Graph):
             record = self._record(op_type, name, inputs, outputs, attrs, kind, unconnected)
             unique = record.name
             self._size += self._encoder.op(record, self._ops)
+            # Kept: the encoder caches attribute bytes by the values' identity, which must not be reused by
+            # another value while this graph is written (a few records: one per kind, and the odd op).
+            self._records.append(record)
         return WrittenOp(unique, outputs)
 
     def to_model_def_bytes(

@@ -674,8 +674,8 @@ def lower_sgd(ctx: NodeLowering) -> None:
     index = graph.index
     position = ctx.position
     states = {port: plan.by_port[(position, port)] for port in WRITABLE_PORTS}
-    # The node's outputs from the index's facts (ctx.node is the main graph's node at this position).
-    outputs = index.nodes[position][3]
+    # The node's inputs and outputs from the index's facts (ctx.node is the main graph's node at this position).
+    node_inputs, outputs = index.nodes[position][2:4]
 
     # The variables' tensors, once per port (each output() call makes a new Tensor).
     sources = {port: builder.ops[graph.variable_ops[state.name]].output(0) for port, state in states.items()}
@@ -696,7 +696,12 @@ def lower_sgd(ctx: NodeLowering) -> None:
         assigns.append(assign.name)
 
     attributes = read_sgd_attributes(ctx.node)
-    inputs = [(port.name, sources[port.index] if port.writable else ctx.input(port.index)) for port in INPUTS]
+    # ctx.input(i) of each port read as a value, in port order (an initializer's Const is made on its first
+    # read), with the input's name from the facts
+    inputs = [
+        (port.name, sources[port.index] if port.writable else _read_input(graph, node_inputs, port.index, ctx.name))
+        for port in INPUTS
+    ]
     output = index.spec(outputs[0])
     attrs = {
         "dampening": float(attributes.dampening),
@@ -742,6 +747,11 @@ def lower_sgd(ctx: NodeLowering) -> None:
         graph.after_write.add(snapshot.name)
         graph.after_write_of.setdefault(states[port].name, []).append(snapshot.name)
         values[value] = snapshot.output(0)
+
+
+def _read_input(graph: GraphLowering, inputs: tuple[str, ...], i: int, reader: str) -> Tensor | None:
+    """The GE tensor of input ``i`` of a node reading ``inputs``, None when absent (NodeLowering.input)."""
+    return graph.tensor(inputs[i], reader=reader) if i < len(inputs) and inputs[i] else None
 
 
 def _read_besides(index: GraphIndex, plan: StatePlan, value: str, guarded: str) -> bool:
