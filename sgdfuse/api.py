@@ -335,9 +335,9 @@ def _analyse(
                 misses.append(Miss(plan.match.parameters_out, "verification-failed", check.message))
         plans = _keep_shared_initializers(kept, plans)
 
-    traffic_by_class: dict = {}
+    parts = _EntryParts(index)
     for plan in plans:
-        report.fused.append(_fused_entry(plan, index, traffic_by_class))
+        report.fused.append(_fused_entry(plan, index, parts))
         if plan.match.maximize:
             report.added_state.append(
                 {"name": plan.gradient_input, "what": f"Neg({plan.match.gradient}): maximize feeds the negated gradient", "initial": "-"}
@@ -468,37 +468,77 @@ def _momentum_entry(c) -> FusedUpdate:
     )
 
 
-def _fused_entry(plan, index, traffic_by_class: dict | None = None) -> FusedUpdate:
-    """The report entry of one applied ``plan``. ``traffic_by_class`` caches the traffic of the original
-    update per structural class of the matcher: the members' cones are one another's renaming, node for node,
-    with the same dtypes and shapes (both are in the class key), so they move the same bytes."""
-    match: Match = plan.match
-    after = traffic.fused_traffic(index, match.parameters, traffic.helper_passes([n.op_type for n in plan.nodes]))
-    structural = match.structural_class
-    if traffic_by_class is None or structural is None:
-        before = traffic.cone_traffic(index, match.nodes)
-    else:
-        before = traffic_by_class.get(structural, _UNKNOWN)
+class _EntryParts:
+    """What the report entries of one run share, each computed once: the traffic of the original update per
+    structural class of the matcher (the members' cones are one another's renaming, node for node, with the
+    same dtypes and shapes, both in the class key, so they move the same bytes), and each constant's report
+    value (:func:`~sgdfuse.passes.rewrite.shortest_float32`, a function of the float alone)."""
+
+    def __init__(self, index) -> None:
+        self.index = index
+        self._traffic_by_class: dict = {}
+        self._floats: dict[float, float] = {}
+        # By identity (the object is kept, so its id is not reused): matches of a structural class share their
+        # constant coefficients, and a Poly is not changed after matching.
+        self._polys: dict[int, tuple[object, float | str]] = {}
+        self._check_classes = os.environ.get(MEMO_CHECK_ENV) == "1"
+
+    def shortest(self, value: float) -> float:
+        """``shortest_float32(value)``. Two floats that compare equal are the same number, except 0.0 and -0.0
+        (and NaN, which equals nothing): zeros and NaN are not remembered."""
+        if value != 0 and value == value:
+            found = self._floats.get(value)
+            if found is None:
+                found = self._floats[value] = shortest_float32(value)
+            return found
+        return shortest_float32(value)
+
+    def scalar(self, poly) -> float | str:
+        """``describe_scalar(poly)``: a constant's report value, else its expression over graph values."""
+        known = self._polys.get(id(poly))
+        if known is not None and known[0] is poly:
+            return known[1]
+        value = self.shortest(poly.constant_value) if poly.is_constant else describe_scalar(poly)
+        self._polys[id(poly)] = (poly, value)
+        return value
+
+    def traffic_before(self, match: Match) -> int | None:
+        """:func:`sgdfuse.passes.traffic.cone_traffic` of ``match``'s nodes, once per structural class
+        (``SGDFUSE_CHECK_CLASSES=1`` checks each member against its own figure)."""
+        structural = match.structural_class
+        if structural is None:
+            return traffic.cone_traffic(self.index, match.nodes)
+        before = self._traffic_by_class.get(structural, _UNKNOWN)
         if before is _UNKNOWN:
-            before = traffic_by_class[structural] = traffic.cone_traffic(index, match.nodes)
-        elif os.environ.get(MEMO_CHECK_ENV) == "1":
-            direct = traffic.cone_traffic(index, match.nodes)
+            before = self._traffic_by_class[structural] = traffic.cone_traffic(self.index, match.nodes)
+        elif self._check_classes:
+            direct = traffic.cone_traffic(self.index, match.nodes)
             assert before == direct, f"{match.parameters_out}: traffic {before} by class, {direct} directly"
+        return before
+
+
+def _fused_entry(plan, index, parts: _EntryParts | None = None) -> FusedUpdate:
+    """The report entry of one applied ``plan``; ``parts`` holds what the entries of one run share."""
+    if parts is None:
+        parts = _EntryParts(index)
+    match: Match = plan.match
+    # (The plan's op types and names without making a replayed plan's nodes: rewrite.Plan.op_types.)
+    after = traffic.fused_traffic(index, match.parameters, traffic.helper_passes(plan.op_types()))
     return FusedUpdate(
-        traffic_before_bytes=before,
+        traffic_before_bytes=parts.traffic_before(match),
         traffic_after_bytes=after,
-        node=plan.sgd_node.name,
+        node=plan.sgd_node_name(),
         parameters=match.parameters,
         gradient=match.gradient,
         accum=match.accum,
         parameters_out=match.parameters_out,
         accum_out=match.accum_out,
-        learning_rate=match.rounded.get("learning_rate", describe_scalar(match.learning_rate)),
-        momentum=match.rounded.get("momentum", describe_scalar(match.momentum)),
+        learning_rate=match.rounded.get("learning_rate", parts.scalar(match.learning_rate)),
+        momentum=match.rounded.get("momentum", parts.scalar(match.momentum)),
         learning_rate_input=plan.learning_rate_input,
         momentum_input=plan.momentum_input,
-        dampening=shortest_float32(match.dampening),
-        weight_decay=shortest_float32(match.weight_decay),
+        dampening=parts.shortest(match.dampening),
+        weight_decay=parts.shortest(match.weight_decay),
         nesterov=bool(match.nesterov),
         maximize=bool(match.maximize),
         stat=plan.stat,
@@ -509,7 +549,7 @@ def _fused_entry(plan, index, traffic_by_class: dict | None = None) -> FusedUpda
         accum_equation=match.accum_equation,
         matched_nodes=len(match.nodes),
         source="pattern" if match.first_step is None else "pattern with first-step Where",
-        rounded={name: describe_scalar(match.learning_rate if name == "learning_rate" else match.momentum) for name in match.rounded},
+        rounded={name: parts.scalar(match.learning_rate if name == "learning_rate" else match.momentum) for name in match.rounded},
         roles_from=match.roles_from,
         guard=match.guard.describe() if match.guard is not None else "",
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import json.encoder
 import math
 from typing import Any
 
@@ -56,6 +57,166 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+# Values dataclasses.asdict returns as they are (deepcopy keeps an immutable) and _finite too.
+_IMMUTABLE_LEAVES = frozenset({str, int, bool, type(None)})
+
+
+def _plain_records(records: list) -> list[dict[str, Any]]:
+    """``[_finite(dataclasses.asdict(r)) for r in records]`` for flat records (the report's fused and
+    refused entries), built without ``asdict``'s recursive deep copy and a second walk over the result
+    (:func:`_plain_record`)."""
+    names_by_type: dict[type, tuple[str, ...]] = {}
+    result = []
+    for record in records:
+        kind = type(record)
+        names = names_by_type.get(kind)
+        if names is None:
+            names = names_by_type[kind] = tuple(f.name for f in dataclasses.fields(kind))
+        result.append(_plain_record(record, names))
+    return result
+
+
+def _plain_record(record: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """``_finite(dataclasses.asdict(record))`` (``names``: its fields, in ``dataclasses.fields`` order, which
+    ``asdict`` follows) for a flat record: a field holding a string, an int, a bool or None is taken as it
+    is (``asdict`` deep-copies an immutable to itself), a float made finite, a list, tuple or dict of those
+    copied one level deep (as a list, as ``_finite`` turns a tuple). Any other value (a nested dataclass, a
+    numpy scalar, a subclass of a leaf type) sends the record down the general path."""
+    result: dict[str, Any] = {}
+    leaves = _IMMUTABLE_LEAVES
+    for name in names:
+        value = getattr(record, name)
+        kind = type(value)
+        if kind in leaves:
+            result[name] = value
+        elif kind is float:
+            result[name] = value if math.isfinite(value) else None
+        elif (kind is list or kind is tuple) and all(type(v) in leaves or type(v) is float for v in value):
+            result[name] = [v if type(v) is not float or math.isfinite(v) else None for v in value]
+        elif kind is dict and all(type(k) in leaves and (type(v) in leaves or type(v) is float) for k, v in value.items()):
+            result[name] = {k: v if type(v) is not float or math.isfinite(v) else None for k, v in value.items()}
+        else:
+            return _finite(dataclasses.asdict(record))
+    return result
+
+
+def _dumps(value: Any, step: str, level: int) -> str:
+    """``json.dumps(value, indent=step, default=str, allow_nan=False)`` as it stands ``level`` levels deep in
+    an indented document: JSON text holds a line break only between items (a string's is escaped), so each
+    one gains the indent of the level."""
+    return json.dumps(value, indent=step, sort_keys=False, default=str, allow_nan=False).replace("\n", "\n" + step * level)
+
+
+_encode_string = json.encoder.encode_basestring_ascii  # what json.dumps writes a str with (ensure_ascii)
+
+
+def _indented_json(document: dict[str, Any], step: str, records: dict[str, list] | None = None) -> str:
+    """``json.dumps(document, indent=step, default=str, allow_nan=False)``, written faster for the report:
+    json's indented writer is Python, a generator per container (a quarter of writing a report at 10,000
+    updates). ``records``: per key whose value in ``document`` stands for a list of flat records (the fused and
+    refused entries), the records, written straight from their fields (:func:`_record_json`) as
+    ``_plain_records`` would make them; every other value by ``json.dumps`` itself.
+    tests/test_report_json.py holds the text to ``json.dumps``'s."""
+    records = records or {}
+    if not document or any(type(key) is not str for key in document):
+        return json.dumps(document, indent=step, sort_keys=False, default=str, allow_nan=False)
+    inner = "\n" + step
+    parts = []
+    for key, value in document.items():
+        if key in records:
+            text = _records_json(records[key], step)
+        else:
+            text = _dumps(value, step, 1)
+        parts.append(_encode_string(key) + ": " + text)
+    return "{" + inner + ("," + inner).join(parts) + "\n}"
+
+
+def _records_json(records: list, step: str) -> str:
+    """``_dumps(_plain_records(records), step, 1)``: a record of leaves (strings, ints, floats, bools, None, and
+    lists or dicts of those) is written from its fields here, any other through ``_plain_record`` and
+    ``json.dumps``."""
+    if not records:
+        return "[]"
+    items = "\n" + step * 2
+    inner = "\n" + step * 3
+    close = "\n" + step * 2 + "}"
+    names_by_type: dict[type, tuple[str, ...]] = {}
+    keys: dict[str, str] = {}  # field name -> its JSON key and the separator
+    texts = []
+    for record in records:
+        kind = type(record)
+        names = names_by_type.get(kind)
+        if names is None:
+            names = names_by_type[kind] = tuple(f.name for f in dataclasses.fields(kind))
+        parts = []
+        for name in names:
+            value = getattr(record, name)
+            kind = type(value)
+            if kind is str:
+                text = _encode_string(value)
+            elif kind is int:
+                text = int.__repr__(value)
+            elif kind is float:
+                text = float.__repr__(value) if math.isfinite(value) else "null"  # _finite's None
+            elif value is None:
+                text = "null"
+            elif kind is bool:
+                text = "true" if value else "false"
+            elif kind is list or kind is tuple or kind is dict:
+                text = _flat_container(value, step, 3)  # type: ignore[arg-type]
+                if text is None:
+                    break
+            else:
+                break
+            key = keys.get(name)
+            if key is None:
+                key = keys[name] = _encode_string(name) + ": "
+            parts.append(key + text)
+        else:
+            texts.append("{" + inner + ("," + inner).join(parts) + close if parts else "{}")
+            continue
+        texts.append(_dumps(_plain_record(record, names), step, 2))
+    return "[" + items + ("," + items).join(texts) + "\n" + step + "]"
+
+
+def _flat_container(value: list | tuple | dict, step: str, level: int) -> str | None:
+    """A list or tuple, or a dict with string keys, of leaves (:func:`_leaf`, a non-finite float as None) as
+    ``json.dumps`` writes it ``level`` levels deep once ``_plain_record`` has made it plain; None for any other
+    content."""
+    if not value:
+        return "{}" if type(value) is dict else "[]"
+    inner = "\n" + step * (level + 1)
+    if type(value) is not dict:
+        texts = [_leaf(item) for item in value]
+        if None in texts:
+            return None
+        return "[" + inner + ("," + inner).join(texts) + "\n" + step * level + "]"  # type: ignore[arg-type]
+    parts = []
+    for key, item in value.items():
+        text = _leaf(item)
+        if text is None or type(key) is not str:
+            return None
+        parts.append(_encode_string(key) + ": " + text)
+    return "{" + inner + ("," + inner).join(parts) + "\n" + step * level + "}"
+
+
+def _leaf(value: Any) -> str | None:
+    """A string, int, float, bool or None (exactly those types) as ``json.dumps`` writes it once ``_finite``
+    has made a non-finite float None; else None."""
+    kind = type(value)
+    if kind is str:
+        return _encode_string(value)
+    if kind is int:
+        return int.__repr__(value)
+    if kind is float:
+        return float.__repr__(value) if math.isfinite(value) else "null"
+    if value is None:
+        return "null"
+    if kind is bool:
+        return "true" if value else "false"
+    return None
 
 
 class _Text:
@@ -231,12 +392,19 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         """Plain data: ``tool``, ``fused``, ``refused``, ``verification``, ``added_state``, ``model``,
         ``memory_traffic``; non-finite floats become None so the JSON is strict."""
+        plain = self._summary()
+        plain["fused"] = _plain_records(self.fused)
+        plain["refused"] = _plain_records(self.refused)
+        return plain
+
+    def _summary(self) -> dict[str, Any]:
+        """:meth:`to_dict` with None for the fused and refused entries (written apart: :meth:`to_json`)."""
         from sgdfuse import __version__
 
         return _finite({
             "tool": {"name": "sgdfuse", "version": __version__, "report_format": 1},
-            "fused": [dataclasses.asdict(f) for f in self.fused],
-            "refused": [dataclasses.asdict(r) for r in self.refused],
+            "fused": None,  # below: one entry per update, each walked once
+            "refused": None,
             "verification": {**dataclasses.asdict(self.verification), "passed": self.verification.passed},
             "added_state": list(self.added_state),
             "model": {
@@ -263,9 +431,14 @@ class Report:
         after = sum(e["after_bytes"] for e in by_dtype.values())
         return {"before_bytes": before, "after_bytes": after, "by_dtype": by_dtype, "unknown": unknown}
 
-    def to_json(self, indent: int | None = 2) -> str:
-        """The report as JSON text (keys sorted within each record for stable diffs)."""
-        return json.dumps(self.to_dict(), indent=indent, sort_keys=False, default=str, allow_nan=False)
+    def to_json(self, indent: int | str | None = 2) -> str:
+        """The report as JSON text (keys sorted within each record for stable diffs): exactly
+        ``json.dumps(self.to_dict(), indent=indent, default=str, allow_nan=False)``, the fused and refused
+        entries written from their fields (:func:`_indented_json`)."""
+        if indent is None:
+            return json.dumps(self.to_dict(), sort_keys=False, default=str, allow_nan=False)
+        step = " " * indent if isinstance(indent, int) else indent
+        return _indented_json(self._summary(), step, {"fused": self.fused, "refused": self.refused})
 
     def __str__(self) -> str:
         lines = [f"{self.source}: {len(self.fused)} fused, {len(self.refused)} refused"]

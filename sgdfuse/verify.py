@@ -1838,7 +1838,9 @@ class _Side:
             for node, names, flagged in zip(nodes, table.inputs, table.has_subgraph)
         ]
         writes = [[o for o in names if o] for names in table.outputs]
-        subgraph = [attributed and _holds_subgraph(node) for node, attributed in zip(nodes, table.has_attributes)]
+        # The table's flag holds for every node with an attribute typed GRAPH or GRAPHS (and for one holding a
+        # graph under another type): only those are read through protobuf.
+        subgraph = [flagged and _holds_subgraph(node) for node, flagged in zip(nodes, table.has_subgraph)]
         return cls(
             model, nodes, reads, writes, {o: k for k, names in enumerate(writes) for o in names},
             initializers, {i.name: i for i in graph.input if i.name not in initializers}, [o.name for o in graph.output],

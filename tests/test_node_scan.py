@@ -47,17 +47,38 @@ def _rows(table: scan.NodeTable) -> list[tuple]:
     return list(zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_attributes, table.has_subgraph))
 
 
+PREFIXES = ("", "sgdfuse/", "n", "名")
+
+
+def _protobuf_names(model: onnx.ModelProto, prefix: str) -> tuple:
+    """The node names protobuf returns that start with ``prefix`` (a name that is not UTF-8 comes back as bytes
+    and is compared as UTF-8 bytes)."""
+    names = []
+    for node in model.graph.node:
+        name = node.name
+        if (name.startswith(prefix) if isinstance(name, str) else name.startswith(prefix.encode())):
+            names.append(name)
+    return tuple(names)
+
+
 def _check_all_readers(model: onnx.ModelProto, data: bytes) -> scan.NodeTable:
-    """Every reader gives protobuf's rows for ``model`` (parsed from ``data``); returns the native table."""
+    """Every reader gives protobuf's rows and prefixed names for ``model`` (parsed from ``data``); returns the
+    native table."""
     expected = _protobuf_rows(model)
     native = scan.native_node_table(data)
     assert native.reader == "native"
     assert _rows(native) == expected
+    assert native.prefixed_names is None
     assert _rows(scan.python_node_table(model)) == expected
     from_bytes = scan.node_table(model, data)
     assert from_bytes.reader == "native" and _rows(from_bytes) == expected
     reserialised = scan.node_table(model)
     assert reserialised.reader == "native" and _rows(reserialised) == expected
+    for prefix in PREFIXES:
+        names = _protobuf_names(model, prefix)
+        assert scan.native_node_table(data, name_prefix=prefix).prefixed_names == names
+        assert scan.python_node_table(model, name_prefix=prefix).prefixed_names == names
+        assert scan.node_table(model, data, name_prefix=prefix) == scan.python_node_table(model, name_prefix=prefix)
     return native
 
 
@@ -268,6 +289,8 @@ def test_hand_encoded_models_read_as_protobuf_reads_them(data):
     assert _rows(scan.python_node_table(model)) == expected
     graph_data = model.graph.SerializeToString()
     assert _rows(scan.native_node_table(graph_data, graph=True)) == expected
+    for prefix in PREFIXES:
+        assert scan.native_node_table(data, name_prefix=prefix).prefixed_names == _protobuf_names(model, prefix)
 
 
 @settings(max_examples=200, deadline=None)
@@ -293,6 +316,15 @@ def test_nodes_with_odd_names_made_with_the_onnx_helper_read_the_same(rows):
     _check_all_readers(onnx.load_model_from_string(data), data)
 
 
+def test_a_node_name_given_twice_is_the_last_one_as_protobuf_reads_it():
+    node = _field(3, 2, b"sgdfuse/first") + _field(4, 2, b"Relu") + _field(3, 2, b"last") + _field(3, 0, b"\x01")
+    data = _field(7, 2, _field(1, 2, node) + _field(1, 2, _field(3, 2, b"sgdfuse")) + _field(1, 2, _field(3, 2, b"sgdfuse/x")))
+    model = onnx.ModelProto()
+    model.ParseFromString(data)
+    assert scan.native_node_table(data, name_prefix="sgdfuse/").prefixed_names == ("sgdfuse/x",) == _protobuf_names(model, "sgdfuse/")
+    assert scan.native_node_table(data, name_prefix="sgdfuse").prefixed_names == ("sgdfuse", "sgdfuse/x")
+
+
 def test_strings_that_are_not_utf8_come_back_as_bytes_as_protobuf_gives_them():
     node = _field(1, 2, b"\xff") + _field(1, 2, b"ok") + _field(4, 2, b"\xed\xa0\x80") + _field(2, 2, b"ok")
     data = _field(7, 2, _field(1, 2, node))
@@ -302,6 +334,11 @@ def test_strings_that_are_not_utf8_come_back_as_bytes_as_protobuf_gives_them():
     assert table.inputs == ((b"\xff", "ok"),) and table.op_types == (b"\xed\xa0\x80",)
     assert table.outputs[0][0] is table.inputs[0][1]
     assert _rows(table) == _rows(scan.python_node_table(model)) == _protobuf_rows(model)
+    named = _field(7, 2, _field(1, 2, _field(3, 2, b"sgdfuse/\xff") + _field(8, 2, b"\xfe")) + _field(1, 2, _field(3, 2, b"x\xff")))
+    model = onnx.ModelProto()
+    model.ParseFromString(named)
+    assert scan.native_node_table(named, name_prefix="sgdfuse/").prefixed_names == (b"sgdfuse/\xff",) == _protobuf_names(model, "sgdfuse/")
+    assert scan.python_node_table(model, name_prefix="sgdfuse/").prefixed_names == (b"sgdfuse/\xff",)
 
 
 def test_repeated_singular_fields_keep_the_last_value_and_repeated_ones_append_in_order():

@@ -9,10 +9,11 @@ input which already fails the checker is still optimised. ``onnx.checker`` itsel
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import pytest
 from google.protobuf import unknown_fields
-from onnx import helper
+from onnx import helper, numpy_helper
 
 import sgdfuse
 import sgdfuse.api as api
@@ -109,6 +110,44 @@ def test_a_new_node_no_schema_knows_is_caught_in_a_plan_shaped_like_valid_ones(m
     break_last_plan(monkeypatch, unknown_op)
     with pytest.raises(InvalidOutputError, match="onnx.checker"):
         sgdfuse.optimize(updates(3), verify=False)
+
+
+def test_a_new_node_whose_attribute_alone_differs_is_caught(monkeypatch):
+    # The third plan's SGD node is its class's own only through the bytes of one attribute (nesterov typed
+    # FLOAT, which the checker rejects): the first two plans must not vouch for it.
+    def float_nesterov(nodes):
+        sgd = next(n for n in nodes if is_sgd_node(n))
+        attribute = next(a for a in sgd.attribute if a.name == "nesterov")
+        attribute.type = onnx.AttributeProto.FLOAT
+        attribute.f = 1.0
+
+    break_last_plan(monkeypatch, float_nesterov)
+    with pytest.raises(InvalidOutputError, match="onnx.checker"):
+        sgdfuse.optimize(updates(3), verify=False)
+
+
+def test_a_new_value_typed_otherwise_than_the_output_declares_it_is_caught(monkeypatch):
+    # The rewrite declares stat's type (FLOAT of the parameters' shape); a plan whose stat comes out DOUBLE
+    # breaks strict shape inference in the output, though every value it replaces keeps its type.
+    def double_stat(nodes):
+        fill = next(n for n in nodes if n.op_type == "ConstantOfShape")
+        fill.attribute[0].t.CopyFrom(numpy_helper.from_array(np.zeros((1,), np.float64), name="value"))
+
+    break_last_plan(monkeypatch, double_stat)
+    with pytest.raises(InvalidOutputError, match="onnx.checker"):
+        sgdfuse.optimize(updates(3), verify=False)
+
+
+def test_a_declaration_of_a_new_value_that_inference_contradicts_is_caught():
+    model = updates(3)
+    output, index, plans = rewrite(model)
+    stat = next(n for n in output.graph.node if is_sgd_node(n) and n.name.startswith("sgdfuse/p2_out")).input[5]
+    declared = [info for info in output.graph.value_info if info.name == stat]
+    assert len(declared) == 1
+    declared[0].type.tensor_type.elem_type = D64
+    reason = unproven(output, model, index, plans)
+    assert reason is not None and "differs" in reason
+    assert full_check_error(output) is not None
 
 
 def test_the_guard_names_the_broken_new_node():

@@ -22,13 +22,17 @@ from sgdfuse.external_data import tensor_to_array
 from sgdfuse.passes.scan import ScanError, node_table
 from sgdfuse.passes.value_scan import INPUT, OUTPUT, VALUE_INFO, ScannedInfos, inference_bytes, native_available, scan_value_infos
 
-__all__ = ["GraphIndex", "NodeFacts", "build_index", "require_text_names", "SMALL_CONSTANT_ELEMENTS", "tensor_type_of"]
+__all__ = ["GraphIndex", "NodeFacts", "build_index", "require_text_names", "SMALL_CONSTANT_ELEMENTS", "OWN_PREFIX", "tensor_type_of"]
 
 logger = logging.getLogger(__name__)
 
 SMALL_CONSTANT_ELEMENTS = 64
 """Initializers and ``Constant`` values up to this many elements are read (to find scalar coefficients);
 larger ones are never loaded, so external tensor data stays on disk."""
+
+
+OWN_PREFIX = "sgdfuse/"
+"""The prefix of every value and node name sgdfuse makes in a graph (:class:`sgdfuse.passes.rewrite.Planner`)."""
 
 
 NodeFacts = tuple[str, str, tuple[str, ...], tuple[str, ...], bool, bool]
@@ -56,6 +60,9 @@ class GraphIndex:
         nodes: per node of the graph, in order, the :data:`NodeFacts` read from it once (op type, domain,
             inputs, outputs, whether it holds a subgraph, whether it has attributes): every later sweep reads
             these, not the protobuf (a read of every node through protobuf costs about a load of the model).
+        own_node_names: the names of the graph's nodes that start with :data:`OWN_PREFIX` (every name sgdfuse
+            makes does, so no other node name can equal one), read with the node table; None when not read
+            (an index made by hand): then ask the graph.
     """
 
     graph: onnx.GraphProto
@@ -68,6 +75,7 @@ class GraphIndex:
     subgraph_reads: set[str]
     subgraph_nodes: list[int] = dataclasses.field(default_factory=list)
     nodes: list[NodeFacts] = dataclasses.field(default_factory=list)
+    own_node_names: frozenset[str] | None = None
     _constants: dict[str, np.ndarray | None] = dataclasses.field(default_factory=dict)
 
     def node(self, value: str) -> onnx.NodeProto | None:
@@ -171,7 +179,7 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     # initializer needs stripping, shape inference (which would serialise it again); without the native
     # scanners every one of them is read through protobuf's Python API as before.
     data = _serialised(model) if native_available() else None
-    nodes = _node_facts(model, data)
+    nodes, own_node_names = _nodes_read(model, data)
     producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph, nodes)
     _require_text_names(graph, nodes, producer, consumers)
     _require_model_text(model)
@@ -207,6 +215,7 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
         subgraph_reads=subgraph_reads,
         subgraph_nodes=subgraph_nodes,
         nodes=nodes,
+        own_node_names=own_node_names,
     )
 
 
@@ -236,8 +245,14 @@ def _inference_adds_nothing(
 def _node_facts(model: onnx.ModelProto, data: bytes | None = None) -> list[NodeFacts]:
     """:data:`NodeFacts` of every node of the main graph, in order, read once (natively where the scanner
     builds: :func:`sgdfuse.passes.scan.node_table`, from ``data``, ``model`` serialised, when given)."""
-    table = node_table(model, data)
-    return list(zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_subgraph, table.has_attributes))
+    return _nodes_read(model, data)[0]
+
+
+def _nodes_read(model: onnx.ModelProto, data: bytes | None = None) -> tuple[list[NodeFacts], frozenset[str]]:
+    """:func:`_node_facts`, and the node names that start with :data:`OWN_PREFIX` (read in the same pass)."""
+    table = node_table(model, data, name_prefix=OWN_PREFIX)
+    facts = list(zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_subgraph, table.has_attributes))
+    return facts, frozenset(table.prefixed_names or ())
 
 
 _GRAPH_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)

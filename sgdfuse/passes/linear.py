@@ -665,8 +665,13 @@ def _round_to(value: float, dtype: int) -> float | None:
 
 def format_poly(poly: Poly, precision: int = 6) -> str:
     """Human form of a polynomial: ``0.01``, ``lr``, ``-0.9*lr``, ``lr/m``."""
-    if poly.is_zero:
+    terms = poly.terms
+    if not terms:
         return "0"
+    if len(terms) == 1 and () in terms:
+        # A constant, the usual coefficient: its number alone (what the general case below writes for it, as
+        # a number has no "+ -" to replace).
+        return f"{terms[()]:.{precision}g}"
     parts = []
     for monomial, value in sorted(poly.terms.items()):
         symbols = "*".join(s if p == 1 else f"{s}^{p}" for s, p in monomial if p > 0)
@@ -692,9 +697,11 @@ def format_form(form: Form, order: Iterable[str] = ()) -> str:
     for leaf in leaves:
         coefficient = form[leaf]
         name = leaf if leaf != ONE else "1"
-        if coefficient.is_constant and coefficient.constant_value == 1:
+        terms = coefficient.terms  # a constant has no term (zero) or the one term ()
+        value = (terms[()] if () in terms else None) if len(terms) == 1 else (None if terms else 0.0)
+        if value == 1:
             parts.append(f"+ {name}")
-        elif coefficient.is_constant and coefficient.constant_value == -1:
+        elif value == -1:
             parts.append(f"- {name}")
         else:
             text = format_poly(coefficient)

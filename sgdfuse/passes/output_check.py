@@ -22,6 +22,7 @@ the input's: whatever it rejects was already in the input, and sgdfuse made noth
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -29,8 +30,9 @@ import onnx
 from onnx import helper
 
 from sgdfuse.fused_op import DOMAIN, OP_TYPE
-from sgdfuse.passes.index import _GRAPH_TYPES, SMALL_CONSTANT_ELEMENTS, GraphIndex, _outer_reads, _subgraphs, tensor_type_of
-from sgdfuse.passes.scan import NodeTable, node_table
+from sgdfuse.passes.index import SMALL_CONSTANT_ELEMENTS, GraphIndex, _outer_reads, _subgraphs, tensor_type_of
+from sgdfuse.passes import value_scan
+from sgdfuse.passes.scan import NodeDetails, NodeTable, ScanError, native_available, native_structure, node_table, python_node_details
 
 __all__ = ["unproven"]
 
@@ -52,27 +54,125 @@ def unproven(output: onnx.ModelProto, source: onnx.ModelProto, index: GraphIndex
     reason = _versions(output, source)
     if reason:
         return reason
-    # The output's nodes as it holds them, read once (natively where the scanner builds).
-    table = node_table(output)
-    # The new nodes as the output holds them (by their first output, a name defined once there).
-    wanted: dict[str, tuple[int, int]] = {}
-    for i, plan in enumerate(plans):
-        for j, node in enumerate(plan.nodes):
-            names = node.output  # read once: each read of a protobuf field makes a new object
-            if names:
-                wanted[names[0]] = (i, j)
-    found: dict[tuple[int, int], int] = {}
-    reason = _structure(output.graph, table, wanted, found)
-    if reason:
-        return reason
-    if len(found) != sum(len(plan.nodes) for plan in plans):
-        return "a planned node is not in the output"
-    positions = [[found[(i, j)] for j in range(len(plan.nodes))] for i, plan in enumerate(plans)]
+    # The output serialised once for the native scanners: its nodes and its declared value infos are read there.
+    data = _serialised(output)
+    # The new nodes are found in the output by their first output (a name defined once there).
+    wanted: list[str | None] = []
+    sizes: list[int] = []
+    for plan in plans:
+        # The plans' own names (a replayed plan's from its template, its nodes not made: Plan.first_outputs).
+        first = plan.first_outputs()
+        sizes.append(len(first))
+        wanted.extend(first)
+    new = _natively(output, data, wanted, sizes) if data is not None and native_available() else None
+    if new is None:
+        new = _through_the_table(output, data, wanted, sizes)
+    if isinstance(new, str):
+        return new
     names = {t.name for plan in plans for t in plan.initializers}
     new_initializers = {t.name: t for t in output.graph.initializer if t.name in names}
     if len(new_initializers) != len(names):
         return "a planned initializer is not in the output"
-    return _new_nodes(output, index, table, positions, new_initializers)
+    return _new_nodes(output, index, new, new_initializers, data)
+
+
+@dataclasses.dataclass
+class _NewNodes:
+    """The plans' nodes as the output holds them: per plan, their positions and what the checker sees of them
+    (:data:`~sgdfuse.passes.scan.GroupSummary`: from the native pass, or made here, either way equal exactly for
+    nodes equal up to names); per position of a new node holding a subgraph, what each subgraph reads from outside
+    (sorted)."""
+
+    positions: list[list[int]]
+    summaries: list[tuple]
+    outer: dict[int, list[list[str]]]
+
+
+def _outer_lists(graph: onnx.GraphProto, position: int) -> list[list[str]]:
+    """Per subgraph of the node at ``position``, the names it reads from outside, sorted."""
+    return [sorted(_outer_reads(sub)) for attribute in graph.node[position].attribute for sub in _subgraphs(attribute)]
+
+
+def _natively(output: onnx.ModelProto, data: bytes, wanted: list[str | None], sizes: list[int]) -> _NewNodes | str | None:
+    """Steps 2 and the finding of the new nodes in one native pass over ``data``
+    (:func:`~sgdfuse.passes.scan.native_structure`, whose Python reference is :func:`_structure`): a reason, the
+    new nodes, or None when the scanner refuses the bytes (then the table is read)."""
+    graph = output.graph
+    outer: dict[int, list[list[str]]] = {}
+
+    def outer_of(position: int) -> list[list[str]]:
+        outer[position] = lists = _outer_lists(graph, position)
+        return lists
+
+    try:
+        scanned = native_structure(data, wanted, sizes, outer_of)
+    except ScanError as error:
+        logger.debug("native structure pass refused the output, reading its node table: %s", error)
+        return None
+    if scanned.error is not None:
+        kind, names = scanned.error
+        return _STRUCTURE_REASONS[kind](sorted(names)[0] if kind == "subgraph" else names[0])
+    found = scanned.found
+    if -1 in found:
+        return "a planned node is not in the output"
+    positions, first = [], 0
+    for size in sizes:
+        positions.append(found[first:first + size])
+        first += size
+    held = {found[k] for k, subgraph in enumerate(scanned.subgraph) if subgraph}
+    return _NewNodes(positions, scanned.groups, {k: lists for k, lists in outer.items() if k in held})
+
+
+_STRUCTURE_REASONS = {
+    "read": lambda name: f"{name!r} is read before it is defined",
+    "subgraph": lambda name: f"{name!r} is read by a subgraph before it is defined",
+    "twice": lambda name: f"{name!r} is defined twice",
+    "output": lambda name: f"graph output {name!r} is not defined",
+}
+
+
+def _through_the_table(output: onnx.ModelProto, data: bytes | None, wanted: list[str | None], sizes: list[int]) -> _NewNodes | str:
+    """:func:`_natively` through the output's node table (:func:`_structure`, the reference) and protobuf."""
+    table = node_table(output, data)
+    by_name: dict[str, tuple[int, int]] = {}
+    flat = 0
+    for i, size in enumerate(sizes):
+        for j in range(size):
+            if wanted[flat] is not None:
+                by_name[wanted[flat]] = (i, j)  # type: ignore[index]
+            flat += 1
+    found: dict[tuple[int, int], int] = {}
+    reason = _structure(output.graph, table, by_name, found)
+    if reason:
+        return reason
+    if len(found) != flat:
+        return "a planned node is not in the output"
+    positions = [[found[(i, j)] for j in range(size)] for i, size in enumerate(sizes)]
+    ordered = sorted({k for plan in positions for k in plan})
+    details = dict(zip(ordered, python_node_details(output, ordered)))
+    summaries = [_summary(plan, table, details) for plan in positions]
+    outer = {k: _outer_lists(output.graph, k) for k in ordered if table.has_subgraph[k]}
+    return _NewNodes(positions, summaries, outer)
+
+
+def _summary(positions: list[int], table: NodeTable, details: dict[int, NodeDetails]) -> tuple:
+    """What :func:`~sgdfuse.passes.scan.native_structure` summarises of one plan's nodes (a
+    :data:`~sgdfuse.passes.scan.GroupSummary`), from the node table and protobuf: per node its domain, op type,
+    overload, attributes' bytes and numbers of inputs and outputs, then the pattern of names (the place each
+    first stands in the sequence of every node's inputs then outputs, -1 for ``""``); the distinct names, their
+    places, and whether the nodes output them."""
+    inputs, outputs = table.inputs, table.outputs
+    sequence: tuple[str, ...] = ()
+    written: set[str] = set()
+    parts: list = []
+    for k in positions:
+        sequence += inputs[k] + outputs[k]
+        written.update(outputs[k])
+        parts.append((table.domains[k], table.op_types[k], details[k], len(inputs[k]), len(outputs[k])))
+    parts.append(tuple(-1 if not name else sequence.index(name) for name in sequence))
+    places = [place for place, name in enumerate(sequence) if name and sequence.index(name) == place]
+    names = tuple(sequence[place] for place in places)
+    return tuple(parts), names, tuple(places), tuple(name in written for name in names)
 
 
 def _versions(output: onnx.ModelProto, source: onnx.ModelProto) -> str | None:
@@ -129,21 +229,62 @@ def _structure(graph: onnx.GraphProto, table: NodeTable, wanted: dict[str, tuple
     return None
 
 
+def _serialised(model: onnx.ModelProto) -> bytes | None:
+    """``model`` serialised for the native scanners, or None without them (nothing is serialised then) or when
+    protobuf refuses (past its 2 GB limit): the readers fall back to protobuf's Python API."""
+    if not (native_available() or value_scan.native_available()):
+        return None
+    try:
+        return model.SerializeToString()
+    except Exception as error:  # protobuf raises ValueError (upb) or EncodeError past 2 GB
+        logger.debug("the output does not serialise (%s); reading it through protobuf", error)
+        return None
+
+
+def _declarations(output: onnx.ModelProto, data: bytes | None, produced: set[str]) -> dict[str, tuple[bytes, ...]]:
+    """Per name in ``produced`` that ``output.graph.value_info`` declares, the serialised types of its entries in
+    order (natively: their bytes in ``data``; through protobuf: each type serialised again). Equal bytes are
+    equal types."""
+    scanned = None
+    if data is not None and value_scan.native_available():
+        try:
+            scanned = value_scan.scan_value_infos(data, value_scan.VALUE_INFO)
+        except ScanError as error:
+            logger.debug("native value-info scanner refused the output, reading its value infos through protobuf: %s", error)
+    declared: dict[str, tuple[bytes, ...]] = {}
+    if scanned is not None and scanned.node_count == len(output.graph.node):
+        types = scanned.types
+        for name, number in zip(scanned.names[2], scanned.type_ids[2]):
+            if name in produced:
+                declared[name] = declared.get(name, ()) + (types[number],)
+        return declared
+    for info in output.graph.value_info:
+        name = info.name
+        if name in produced:
+            declared[name] = declared.get(name, ()) + (info.type.SerializeToString(),)
+    return declared
+
+
 def _new_nodes(
-    output: onnx.ModelProto, index: GraphIndex, table: NodeTable, plans: list[list[int]], new_initializers: dict[str, onnx.TensorProto]
+    output: onnx.ModelProto, index: GraphIndex, new: _NewNodes, new_initializers: dict[str, onnx.TensorProto], data: bytes | None = None,
 ) -> str | None:
     """Steps 3 and 4: one plan (its new nodes, by position in ``output``, in order) per class checked in a small
-    model."""
+    model. ``data``: the output serialised (:func:`_serialised`), or None."""
     classes: dict[tuple, list[int]] = {}
     read_keys: dict[str, tuple | str] = {}
     graph_nodes = output.graph.node
-    for positions in plans:
-        key = _class_key(positions, graph_nodes, table, index, new_initializers, read_keys)
+    # The output's value infos for what the new nodes produce: inference must give those types (strict mode).
+    produced = {name for _, names, _, outputs in new.summaries for name, out in zip(names, outputs) if out}
+    declared = _declarations(output, data, produced)
+    outer = new.outer
+    for positions, summary in zip(new.positions, new.summaries):
+        outer_names = [name for k in positions if k in outer for names in outer[k] for name in names] if outer else ()
+        key = _class_key(summary, outer_names, declared, index, new_initializers, read_keys)
         if isinstance(key, str):
             return key
         classes.setdefault(key, positions)
     representatives = [[graph_nodes[k] for k in positions] for positions in classes.values()]
-    small, replaced = _small_model(output, index, representatives, new_initializers)
+    small, replaced = _small_model(output, index, representatives, new_initializers, declared)
     try:
         onnx.checker.check_model(small, full_check=True)
         inferred = onnx.shape_inference.infer_shapes(small, check_type=True, strict_mode=True)
@@ -155,61 +296,52 @@ def _new_nodes(
         spec = index.spec(name)
         if types.get(name) != (spec.dtype, spec.shape):
             return f"{name!r} is typed {types.get(name)} after the rewrite, {(spec.dtype, spec.shape)} before"
-    logger.debug("output check: %d plans in %d classes", len(plans), len(representatives))
+    logger.debug("output check: %d plans in %d classes", len(new.positions), len(representatives))
     return None
 
 
 def _class_key(
-    positions: list[int], graph_nodes, table: NodeTable, index: GraphIndex, new_initializers: dict[str, onnx.TensorProto], read_keys: dict[str, tuple | str]
+    summary: tuple, outer_names: Sequence[str], declared: dict[str, tuple[bytes, ...]], index: GraphIndex,
+    new_initializers: dict[str, onnx.TensorProto], read_keys: dict[str, tuple | str],
 ) -> tuple | str:
-    """What the checker sees of one plan's nodes (at ``positions`` of the output graph), with names replaced by
-    their order of appearance: two plans with one key get one verdict. A reason string when a value read cannot
-    be typed here. ``read_keys`` caches :func:`_read_key` per name (a shared learning rate is read by many plans)."""
-    ids: dict[str, int] = {}
-    key: list = []  # flat: this runs once per fused update
-    append, number = key.append, ids.setdefault
-    outer: list[str] = []
-    produced: set[str] = set()
-    domains, op_types, inputs, outputs, has_attributes = table.domains, table.op_types, table.inputs, table.outputs, table.has_attributes
-    has_subgraph = table.has_subgraph
-    for k in positions:
-        node = graph_nodes[k]
-        append(domains[k])
-        append(op_types[k])
-        append(node.overload)
-        for name in inputs[k]:
-            append(number(name, len(ids)) if name else -1)
-        append(None)  # input/output separator
-        names = outputs[k]
-        for name in names:
-            append(number(name, len(ids)) if name else -1)
-        produced.update(names)
-        append(None)
-        if has_attributes[k]:
-            # The table says whether any attribute is typed GRAPH or GRAPHS: without one, no type is read.
-            subgraph = has_subgraph[k]
-            for attribute in node.attribute:
-                # A subgraph keeps its names in these bytes: plans with one only share a class by name.
-                append(attribute.SerializeToString())
-                if subgraph and attribute.type in _GRAPH_TYPES:
-                    for sub in _subgraphs(attribute):
-                        outer.extend(sorted(_outer_reads(sub)))
-        append(None)
-    producer = index.producer
-    for name in [*ids, *outer] if outer else ids:
-        if name in produced:
+    """What the checker sees of one plan's nodes, with names replaced by the places they first stand: two plans
+    with one key get one verdict. A reason string when a value read cannot be typed here.
+
+    ``summary`` (:class:`_NewNodes`) holds the nodes' bytes but names (equal exactly for nodes equal up to a
+    renaming that keeps ``""``) and their names; ``outer_names`` what their subgraphs read from outside (a
+    subgraph keeps its names in its attribute's bytes: plans with one share a class only by name);
+    ``declared`` the output's declarations of what the nodes produce (:func:`_declarations`). ``read_keys``
+    caches :func:`_read_key` per name read by more than one plan's nodes: the initializers (a shared learning rate
+    is read by many plans)."""
+    nodes, names, places, outputs = summary
+    key: list = [nodes]
+    append = key.append
+    producer, specs, initializers = index.producer, index.specs, index.initializers
+    # The values read and produced, each once with the place it first stands: how the small model provides
+    # what is read, and the types what is produced must have.
+    named = zip(places, names, outputs)
+    if outer_names:
+        named = [*named, *((places[names.index(n)], n, outputs[names.index(n)]) if n in names else (n, n, False) for n in outer_names)]
+    for place, name, produced in named:
+        if produced:
             if name in producer:  # an old value the plan now produces: its type must not change
-                spec = index.spec(name)
-                if not spec.dtype:
+                spec = specs.get(name)
+                if spec is None or not spec.dtype:
                     return f"{name!r}, which the rewrite produces anew, had no known type"
-                append(("replaced", ids[name], spec.dtype, spec.shape))
+                append(("replaced", place, spec.dtype, spec.shape))
+            types = declared.get(name)
+            if types is not None:
+                append(("declared", place, types))
             continue
-        typed = read_keys.get(name)
-        if typed is None:
-            typed = read_keys[name] = _read_key(name, index, new_initializers)
+        if name in new_initializers or name in initializers:
+            typed = read_keys.get(name)
+            if typed is None:
+                typed = read_keys[name] = _read_key(name, index, new_initializers)
+        else:
+            typed = _read_key(name, index, new_initializers)
         if isinstance(typed, str):
             return typed
-        append((ids.get(name, name), typed))
+        append((place, typed))
     return tuple(key)
 
 
@@ -241,11 +373,16 @@ def _small(tensor: onnx.TensorProto) -> bool:
     return count <= SMALL_CONSTANT_ELEMENTS and tensor.data_location != onnx.TensorProto.EXTERNAL
 
 
-def _small_model(output: onnx.ModelProto, index: GraphIndex, plans: list[list[onnx.NodeProto]], new_initializers: dict[str, onnx.TensorProto]) -> tuple[onnx.ModelProto, list[str]]:
+def _small_model(
+    output: onnx.ModelProto, index: GraphIndex, plans: list[list[onnx.NodeProto]], new_initializers: dict[str, onnx.TensorProto],
+    declared: dict[str, tuple[bytes, ...]] | None = None,
+) -> tuple[onnx.ModelProto, list[str]]:
     """The representatives' nodes in a model of their own: the values they read are graph inputs of their
-    types (initializers for small constants: inference may read their values), and each value they produce
-    in place of an old one is passed through an ``Identity`` to a graph output of the old type (the checker
-    wants a shape there), so that its own inferred type shows in ``value_info``. Returns the model and those replaced names."""
+    types (initializers for small constants: inference may read their values), what they produce is declared
+    as the output declares it (``declared``: its value infos, which inference in strict mode must meet), and
+    each value they produce in place of an old one is passed through an ``Identity`` to a graph output of the
+    old type (the checker wants a shape there), so that its own inferred type shows in ``value_info``. Returns
+    the model and those replaced names."""
     nodes: list[onnx.NodeProto] = []
     produced: set[str] = set()
     for plan_nodes in plans:
@@ -281,7 +418,15 @@ def _small_model(output: onnx.ModelProto, index: GraphIndex, plans: list[list[on
         nodes.append(helper.make_node("Identity", [name], [shown]))
         spec = index.spec(name)
         outputs.append(helper.make_tensor_value_info(shown, spec.dtype, None if spec.shape is None else list(spec.shape)))
-    graph = helper.make_graph(nodes, "sgdfuse_rewritten_nodes", inputs, outputs, initializer=initializers)
+    value_info = []
+    for plan_nodes in plans:
+        for node in plan_nodes:
+            for name in node.output:
+                for typed in (declared or {}).get(name, ()):
+                    info = onnx.ValueInfoProto(name=name)
+                    info.type.ParseFromString(typed)
+                    value_info.append(info)
+    graph = helper.make_graph(nodes, "sgdfuse_rewritten_nodes", inputs, outputs, initializer=initializers, value_info=value_info)
     model = helper.make_model(graph, opset_imports=list(output.opset_import), ir_version=output.ir_version)
     model.functions.extend(_called_functions(output, nodes))
     return model, replaced

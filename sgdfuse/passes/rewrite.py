@@ -24,7 +24,7 @@ from onnx import helper, numpy_helper
 
 from sgdfuse.contract import SgdAttributes
 from sgdfuse.fused_op import Specialisation, ensure_sgd_function, make_sgd_node
-from sgdfuse.passes.index import GraphIndex, _outer_reads, _subgraphs
+from sgdfuse.passes.index import OWN_PREFIX, GraphIndex, _outer_reads, _subgraphs
 from sgdfuse.passes.linear import Poly, format_poly
 from sgdfuse.passes.sgd_match import MEMO_CHECK_ENV, Match
 from sgdfuse.runtime import onnx_to_numpy_dtype
@@ -44,6 +44,43 @@ STAT_DESCRIPTION = (
 )
 
 
+class _Made:
+    """``Plan.nodes`` and ``Plan.sgd_node``: the plan's own nodes. A plan the planner replayed from its class's
+    template (:class:`_Replay`) makes them when one of the two is first read; until then nothing can have
+    changed them, so :func:`apply_plans` writes them into its output straight from the template (one copy of
+    each node instead of two, and their names known without reading them back). A dataclass field with this
+    descriptor as its "default" has no default (``__get__`` on the class raises ``AttributeError``)."""
+
+    __slots__ = ("_slot", "_other")
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = "_" + name
+        self._other = "_sgd_node" if name == "nodes" else "_nodes"
+
+    def __get__(self, plan: object, owner: type | None = None):
+        if plan is None:
+            raise AttributeError(self._slot)  # no default: the field stays a required argument
+        value = plan.__dict__[self._slot]
+        if type(value) is _Replay:
+            _make(plan)
+            value = plan.__dict__[self._slot]
+        return value
+
+    def __set__(self, plan: object, value: object) -> None:
+        other = plan.__dict__.get(self._other)
+        if type(other) is _Replay and other is not value:
+            _make(plan)  # the other field keeps the nodes it would have had
+        plan.__dict__[self._slot] = value
+
+
+def _make(plan: object) -> None:
+    """Make the nodes of a replayed ``plan`` (both fields at once: ``sgd_node`` is one of ``nodes``)."""
+    replay = plan.__dict__["_nodes"]
+    nodes, sgd = replay.make()
+    plan.__dict__["_nodes"] = nodes
+    plan.__dict__["_sgd_node"] = sgd
+
+
 @dataclasses.dataclass
 class Plan:
     """The rewrite of one :class:`Match`.
@@ -56,16 +93,126 @@ class Plan:
         gradient_input: the value fed as ``gradient`` (the matched gradient, or its negation for maximize).
         learning_rate_input, momentum_input: values fed as ``learning_rate`` and ``momentum``.
         stat: how ``stat`` is provided (for the report).
+
+    A replayed plan's nodes are made when first read (:class:`_Made`); :meth:`node_io`, :meth:`op_types` and
+    :meth:`sgd_position` answer from its template until then, and from the nodes after.
     """
 
     match: Match
-    nodes: list[onnx.NodeProto]
+    nodes: list[onnx.NodeProto] = _Made()  # type: ignore[assignment]
     initializers: list[onnx.TensorProto]
-    sgd_node: onnx.NodeProto
+    sgd_node: onnx.NodeProto = _Made()  # type: ignore[assignment]
     gradient_input: str
     learning_rate_input: str
     momentum_input: str
     stat: str
+
+    def _replay(self) -> "_Replay | None":
+        """The replay whose nodes are not made yet, or None."""
+        value = self.__dict__.get("_nodes")
+        return value if type(value) is _Replay else None
+
+    def first_outputs(self) -> list[str | None]:
+        """Per node, in order, its first output name (None for a node with no output)."""
+        replay = self._replay()
+        if replay is not None:
+            return [replay.renamed(outputs[0]) if outputs else None for _, _, _, outputs in replay.template.nodes]
+        first = []
+        for node in self.nodes:
+            names = node.output  # read once: each read of a protobuf field makes a new object
+            first.append(names[0] if names else None)
+        return first
+
+    def node_io(self) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+        """Per node, in order, its input and output names as ``NodeProto.input`` and ``output`` hold them."""
+        replay = self._replay()
+        if replay is not None:
+            return replay.io()
+        return [(tuple(node.input), tuple(node.output)) for node in self.nodes]
+
+    def op_types(self) -> list[str]:
+        """Per node, in order, its ``op_type``."""
+        replay = self._replay()
+        if replay is not None:
+            return list(replay.template.op_types)
+        return [node.op_type for node in self.nodes]
+
+    def sgd_position(self) -> int:
+        """The place of :attr:`sgd_node` among :attr:`nodes`."""
+        replay = self._replay()
+        if replay is not None:
+            return replay.template.sgd_position
+        sgd = self.sgd_node
+        return next(k for k, node in enumerate(self.nodes) if node is sgd)
+
+    def sgd_node_name(self) -> str:
+        """``sgd_node.name``."""
+        replay = self._replay()
+        if replay is not None:
+            return replay.name(replay.template.sgd_position)
+        return self.sgd_node.name
+
+    def __getstate__(self) -> dict:
+        # Pickling and copying take the nodes made: a replay holds the planner's container.
+        if self._replay() is not None:
+            _make(self)
+        return self.__dict__
+
+
+class _Replay:
+    """The nodes of a plan replayed from ``template``, named by ``names`` (the first member's values and fresh
+    names -> the member's), made into ``container`` (the planner's) when the plan's nodes are first read."""
+
+    __slots__ = ("template", "names", "container")
+
+    def __init__(self, template: "_Template", names: dict[str, str], container) -> None:
+        self.template = template
+        self.names = names
+        self.container = container
+
+    def make(self, container=None) -> tuple[list[onnx.NodeProto], onnx.NodeProto]:
+        """The nodes, made in ``container`` (default: the planner's), and the SGD node among them."""
+        add = (self.container if container is None else container).add
+        nodes = [self.write(j, add()) for j in range(len(self.template.nodes))]
+        return nodes, nodes[self.template.sgd_position]
+
+    def write(self, j: int, node: onnx.NodeProto) -> onnx.NodeProto:
+        """Node ``j`` written into the empty ``node``: the template's copy without names, then the names (about
+        40% cheaper than copying the whole node and assigning its inputs and outputs again; the fields serialise
+        in field order either way)."""
+        stripped, name, inputs, outputs = self.template.nodes[j]
+        rename = self.names.get
+        node.CopyFrom(stripped)
+        node.name = rename(name, name)  # set even when empty, as the direct plan's copy has it
+        node.input.extend(map(rename, inputs, inputs))
+        node.output.extend(map(rename, outputs, outputs))
+        return node
+
+    def name(self, j: int) -> str:
+        name = self.template.nodes[j][1]
+        return self.names.get(name, name)
+
+    def io(self) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+        """Per node, its input and output names."""
+        rename = self.names.get
+        return [(tuple(map(rename, inputs, inputs)), tuple(map(rename, outputs, outputs))) for _, _, inputs, outputs in self.template.nodes]
+
+    def reads_and_outputs(self) -> list[tuple[list[str], list[str]]]:
+        """Per node, :func:`_reads_and_outputs` of the node made: its non-empty inputs renamed and what its
+        subgraphs read from outside (the template's: a replay renames no name inside an attribute), and its
+        non-empty outputs renamed."""
+        rename = self.names.get
+        result = []
+        for (inputs, outputs), outer in zip(self.template.named, self.template.outer_reads):
+            reads = list(map(rename, inputs, inputs))
+            if outer:
+                reads.extend(outer)
+            result.append((reads, list(map(rename, outputs, outputs))))
+        return result
+
+    def renamed(self, name: str) -> str:
+        """``name`` of the template's nodes, as this replay's nodes hold it."""
+        return self.names.get(name, name)
 
 
 @dataclasses.dataclass
@@ -74,16 +221,24 @@ class _Template:
     base name (:func:`_base_of`).
 
     The rest is derived from those once, so that replaying (:meth:`Planner._replayed`, once per member) only
-    looks names up: ``values``, the first match's values in the order :meth:`Planner._replayed` renames them
-    (None where the match has none); ``suffixes``, per fresh name made from the base, what followed the base
-    and the name made; ``nodes``, per plan node, a copy without name, inputs and outputs, and those names."""
+    looks names up: ``slots``, the first match's values in the order :meth:`Planner._replayed` renames them,
+    each with its number in :func:`_renamed_values` (values the match does not have left out); ``suffixes``,
+    per fresh name made from the base, what followed the base and the name made; ``nodes``, per plan node, a
+    copy without name, inputs and outputs, and those names; each node's op type, and which one is the SGD node."""
 
     plan: Plan
     fresh: list[tuple[str, str]]
     base: str
-    values: tuple[str | None, ...] = ()
+    slots: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     suffixes: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     nodes: list[tuple[onnx.NodeProto, str, tuple[str, ...], tuple[str, ...]]] = dataclasses.field(default_factory=list)
+    op_types: tuple[str, ...] = ()
+    sgd_position: int = 0
+    outer_reads: tuple[list[str], ...] = ()
+    """Per node, what its subgraphs read from outside (:func:`_reads`): the same in every replay (the names a
+    replay renames are the nodes' own, not those inside their attributes)."""
+    named: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
+    """Per node, its non-empty input and output names (a replay renames a name to a name, never to ``""``)."""
 
 
 # Characters a plan's names keep from the parameters' output name (compiled once: _base_of runs per plan).
@@ -142,9 +297,20 @@ class Planner:
     def __init__(self, index: GraphIndex, opset: int = 18) -> None:
         self.index = index
         self.opset = opset
-        self._taken: set[str] = set(index.producer) | set(index.initializers) | set(index.graph_inputs)
-        self._taken.update(n.name for n in index.graph.node)
-        self._taken |= set(index.consumers)
+        # Every name a plan makes starts with OWN_PREFIX (_fresh), so only the graph's names that do can
+        # collide with one: the value names among the index's tables, the node names as the index read them
+        # (reading every node's name through protobuf cost as much as planning every update of a 50,000-update
+        # graph). A name requested outside the prefix takes in every name first (_fresh).
+        prefix = OWN_PREFIX
+        self._taken: set[str] = set()
+        for names in (index.producer, index.consumers, index.initializers, index.graph_inputs):
+            self._taken.update(n for n in names if n.startswith(prefix))
+        if index.own_node_names is None:
+            # (A name that is not UTF-8 comes back as bytes, which no name made here equals.)
+            self._taken.update(name for name in (n.name for n in index.graph.node) if type(name) is str and name.startswith(prefix))
+        else:
+            self._taken.update(index.own_node_names)
+        self._every_name_taken = False
         self._constants: dict[tuple[str, int, bytes], str] = {}
         self._arena = onnx.GraphProto()  # holds every planned node (see _held)
         self._zeros: dict[int, onnx.TensorProto] = {}
@@ -158,6 +324,8 @@ class Planner:
         self._check_classes = os.environ.get(MEMO_CHECK_ENV) == "1"
 
     def _fresh(self, base: str) -> str:
+        if not base.startswith(OWN_PREFIX) and not self._every_name_taken:
+            self._take_every_name()
         name, counter = base, 1
         while name in self._taken:
             name = f"{base}_{counter}"
@@ -166,6 +334,15 @@ class Planner:
         if self._fresh_log is not None:
             self._fresh_log.append((base, name))
         return name
+
+    def _take_every_name(self) -> None:
+        """Count every value and node name of the graph as taken (``__init__`` takes only those that start with
+        :data:`OWN_PREFIX`, the only ones a name made from that prefix can meet)."""
+        index = self.index
+        for names in (index.producer, index.consumers, index.initializers, index.graph_inputs):
+            self._taken.update(names)
+        self._taken.update(n.name for n in index.graph.node)
+        self._every_name_taken = True
 
     def _zero_value(self, dtype: int) -> onnx.TensorProto:
         """The ``value`` attribute of a ``ConstantOfShape`` of zeros in ``dtype`` (made once per dtype; the
@@ -206,7 +383,9 @@ class Planner:
         if self._check_classes:
             direct = self._shadow()._plan(match)
             plan = self._replayed(template, match)
-            _assert_same_plan(plan, direct)
+            # Compared with nodes made apart: the plan handed out keeps its nodes unmade, as without the check.
+            nodes, sgd = plan._replay().make(onnx.GraphProto().node)  # type: ignore[union-attr]
+            _assert_same_plan(dataclasses.replace(plan, nodes=nodes, sgd_node=sgd), direct)
             return plan
         return self._replayed(template, match)
 
@@ -231,32 +410,28 @@ class Planner:
         """``template``'s plan for ``match``: the first member's values renamed to ``match``'s, and each fresh
         name made again from ``match``'s base, in the order the first plan made them."""
         names: dict[str, str] = {}
-        for old, new in zip(template.values, _renamed_values(match)):
-            if old is not None:
-                names[old] = new
+        own = (match.parameters, match.gradient, match.accum, match.parameters_out, match.accum_out)
+        for slot, old in template.slots:
+            # Slots 5 and 6, the runtime learning rate and momentum, are read only where the first plan has one.
+            names[old] = own[slot] if slot < 5 else _symbol(match.learning_rate if slot == 5 else match.momentum)
         base = _base_of(match)
+        taken = self._taken
         fresh = self._fresh
+        logged = self._fresh_log is not None
         for suffix, made in template.suffixes:
-            names[made] = fresh(base + suffix)
+            name = base + suffix
+            # _fresh inlined for the usual case: the name is free (base always starts with OWN_PREFIX).
+            if logged or name in taken:
+                name = fresh(name)
+            else:
+                taken.add(name)
+            names[made] = name
         rename = names.get
-        nodes = []
-        sgd = None
-        add = self._arena.node.add
-        sgd_template = template.plan.sgd_node
-        for stripped, name, inputs, outputs in template.nodes:
-            # The copy without names, then the names: about 40% cheaper than copying the whole node and
-            # assigning its inputs and outputs again (the fields serialise in field order either way).
-            copy = add()
-            copy.CopyFrom(stripped)
-            copy.name = rename(name, name)  # set even when empty, as the direct plan's copy has it
-            copy.input.extend([rename(n, n) for n in inputs])
-            copy.output.extend([rename(n, n) for n in outputs])
-            if stripped is sgd_template:
-                sgd = copy
-            nodes.append(copy)
+        # The nodes are made when first read (_Made): apply_plans writes them into its output from the template.
+        replay = _Replay(template, names, self._arena.node)
         plan = template.plan
         return Plan(
-            match, nodes, [], sgd, rename(plan.gradient_input, plan.gradient_input),
+            match, replay, [], replay, rename(plan.gradient_input, plan.gradient_input),
             rename(plan.learning_rate_input, plan.learning_rate_input), rename(plan.momentum_input, plan.momentum_input), plan.stat,
         )
 
@@ -267,13 +442,20 @@ class Planner:
         # A fresh name requested outside the base is a shared constant's, made once for all plans.
         suffixes = [(requested[len(base):], made) for requested, made in fresh if requested.startswith(prefix)]
         nodes = []
-        for node in plan.nodes:
+        sgd_position = 0
+        for k, node in enumerate(plan.nodes):
             entry = (node, node.name, tuple(node.input), tuple(node.output))
             node.ClearField("name")
             del node.input[:]
             del node.output[:]
             nodes.append(entry)
-        return _Template(plan, fresh, base, _renamed_values(plan.match), suffixes, nodes)
+            if node is plan.sgd_node:
+                sgd_position = k
+        slots = [(slot, old) for slot, old in enumerate(_renamed_values(plan.match)) if old is not None]
+        op_types = tuple(node.op_type for node, _, _, _ in nodes)
+        outer_reads = tuple(_reads(node) for node, _, _, _ in nodes)  # stripped: no inputs, its subgraphs' reads only
+        named = tuple((tuple(n for n in inputs if n), tuple(n for n in outputs if n)) for _, _, inputs, outputs in nodes)
+        return _Template(plan, fresh, base, slots, suffixes, nodes, op_types, sgd_position, outer_reads, named)
 
     def _pristine(self, plan: Plan) -> Plan:
         """``plan`` with copies of its nodes, kept apart from the plans handed out."""
@@ -590,15 +772,24 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
         result.CopyFrom(model)
         return result
     old = _OldNodes(model.graph.node, index)
+    # Plans replayed from their class's template whose nodes nobody has read (so nobody changed): their names
+    # come from the template, and their nodes are written into the output from it (_write_nodes).
+    replays = [plan._replay() for plan in plans]
     # What each new node reads and outputs, read from it once (each read of a protobuf field makes new objects).
     new_reads: list[list[str]] = []
     new_outputs: list[list[str]] = []
-    for plan in plans:
-        for node in plan.nodes:
-            reads_, outputs_ = _reads_and_outputs(node)
+    for plan, replay in zip(plans, replays):
+        if replay is None:
+            for node in plan.nodes:
+                reads_, outputs_ = _reads_and_outputs(node)
+                new_reads.append(reads_)
+                new_outputs.append(outputs_)
+            continue
+        for reads_, outputs_ in replay.reads_and_outputs():
             new_reads.append(reads_)
             new_outputs.append(outputs_)
-    removed, is_read = _removed_nodes(old, index, plans, new_reads)
+    replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
+    removed, is_read = _removed_nodes(old, index, plans, new_reads, replaced_outputs)
 
     # Scalars only the removed nodes read go with them; every other initializer stays. Whether a removed node
     # reads one is asked of its readers in the index (input slots), and of the removed nodes holding subgraphs
@@ -620,18 +811,21 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
     for i in removed:  # set updates from the facts' tuples (the empty name dropped after): most of the graph
         gone_values.update(facts[i][3])
     gone_values.discard("")
-    replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
     gone_values -= replaced_outputs
 
     # Order: every kept node at its old position, each plan's nodes at the position of its update's last
     # node, then a stable topological sort (a reader of a fused output placed earlier moves after it).
     kept = [i for i in range(len(old)) if i not in removed]
-    entries: list[tuple[tuple[int, int], onnx.NodeProto]] = [((i, 0), old.node(i)) for i in kept]
+    entries: list[tuple[tuple[int, int], onnx.NodeProto | tuple[_Replay, int]]] = [((i, 0), old.node(i)) for i in kept]
     entry_reads = [old.reads(i) for i in kept] + new_reads
-    for plan in plans:
+    for plan, replay in zip(plans, replays):
         anchor = max(plan.match.nodes) if plan.match.nodes else len(old)
-        for j, node in enumerate(plan.nodes):
-            entries.append(((anchor, 1 + j), node))
+        if replay is None:
+            for j, node in enumerate(plan.nodes):
+                entries.append(((anchor, 1 + j), node))
+        else:
+            for j in range(len(replay.template.nodes)):
+                entries.append(((anchor, 1 + j), (replay, j)))  # written by _write_nodes
     available = inputs | {t.name for t in kept_initializers} | {t.name for plan in plans for t in plan.initializers}
     entry_outputs = [old.outputs(i) for i in kept] + new_outputs
     ordered = _stable_topological_sort(entries, available=available, reads=entry_reads, outputs=entry_outputs)
@@ -641,13 +835,14 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
     _copy_into(result, model, skip={"graph"})
     graph = result.graph
     _copy_into(graph, model.graph, skip={"node", "initializer", "value_info"})
-    graph.node.extend(ordered)
+    _write_nodes(graph.node, ordered)
     graph.initializer.extend(kept_initializers)
     graph.initializer.extend(t for plan in plans for t in plan.initializers)
     graph.value_info.extend(vi for vi in model.graph.value_info if vi.name not in gone_values)
     declared = _DeclaredTypes()
-    for plan in plans:
-        declared.add_to(graph.value_info, plan)
+    for plan, replay in zip(plans, replays):
+        declared.add(plan, replay)
+    declared.write_to(graph)
     ensure_sgd_function(result)
     return result
 
@@ -665,42 +860,93 @@ class _DeclaredTypes:
     inference over the whole model (growing faster than linearly: 12.9 s at 50,000 updates); other values
     (first-step flags, computed learning rates, a runtime momentum's ``If``) stay undeclared, and inference
     then runs as before.
-    Each tensor type is built once per (dtype, dims) and copied (``helper.make_tensor_value_info`` builds a
-    type anew, a message per dimension: about a sixth of ``apply_plans`` with one stat per update)."""
+    Each tensor type is built and serialised once per (dtype, dims) (``helper.make_tensor_value_info`` builds
+    a type anew, a message per dimension: about a sixth of ``apply_plans`` with one stat per update), and the
+    value infos are written as their serialised bytes and parsed into the graph in one call: the same messages
+    (a ``ValueInfoProto`` with the name and that type), without a field assignment and a copy per value."""
 
     def __init__(self) -> None:
-        self._types: dict[tuple[int, tuple[int, ...]], onnx.TypeProto] = {}
+        self._types: dict[tuple[int, tuple[int, ...]], bytes] = {}
+        # Per (dtype, shape) of a match: the serialised type of its stat, or None (not declared).
+        self._stat_types: dict[tuple[int, tuple | None], bytes | None] = {}
+        self._chunks: list[bytes] = []
 
-    def _type(self, dtype: int, dims: Sequence[int]) -> onnx.TypeProto:
+    def _type(self, dtype: int, dims: Sequence[int]) -> bytes:
+        """``ValueInfoProto.type`` (field 2) of a tensor of ``dtype`` and ``dims``, serialised."""
         key = (dtype, tuple(dims))
         found = self._types.get(key)
         if found is None:
-            found = self._types[key] = helper.make_tensor_type_proto(dtype, list(dims))
+            typed = helper.make_tensor_type_proto(dtype, list(dims)).SerializeToString()
+            found = self._types[key] = b"\x12" + _varint(len(typed)) + typed
         return found
 
-    def add_to(self, infos, plan: Plan) -> None:
-        """Append to ``infos`` (a repeated ``ValueInfoProto`` field) the value infos of what ``plan`` adds."""
+    def add(self, plan: Plan, replay: _Replay | None = None) -> None:
+        """Collect the value infos of what ``plan`` adds (:meth:`write_to` appends them); ``replay``: its
+        :class:`_Replay` while its nodes are not made (their names are then the template's, renamed)."""
         match = plan.match
-        dims = Planner._static_dims(match)
-        if dims is not None and match.first_step is None:
-            sgd = plan.sgd_node
+        if match.first_step is not None:
+            return
+        shape = match.shape
+        key = (match.dtype, shape)
+        typed = self._stat_types.get(key, _UNSET) if shape is None or type(shape) is tuple else _UNSET
+        if typed is _UNSET:
+            dims = Planner._static_dims(match)
+            typed = None if dims is None else self._type(match.dtype, dims)
+            if shape is None or type(shape) is tuple:
+                self._stat_types[key] = typed
+        if typed is None:
+            return
+        if replay is not None:
+            template = replay.template
             if match.dtype == onnx.TensorProto.BFLOAT16:
-                for node in plan.nodes:
-                    if node.op_type == "ConstantOfShape":
-                        self._declare(infos, node.output[0], onnx.TensorProto.FLOAT, dims)  # stat_float
-            typed = self._type(match.dtype, dims)
-            for name in (sgd.input[5], sgd.output[2]):
-                info = infos.add()
-                info.name = name
-                info.type.CopyFrom(typed)
+                dims = Planner._static_dims(match)
+                for (_, _, _, outputs), op_type in zip(template.nodes, template.op_types):
+                    if op_type == "ConstantOfShape":
+                        self._declare(replay.renamed(outputs[0]), self._type(onnx.TensorProto.FLOAT, dims))  # stat_float
+            _, _, sgd_inputs, sgd_outputs = template.nodes[template.sgd_position]
+            self._declare(replay.renamed(sgd_inputs[5]), typed)
+            self._declare(replay.renamed(sgd_outputs[2]), typed)
+            return
+        sgd = plan.sgd_node
+        if match.dtype == onnx.TensorProto.BFLOAT16:
+            dims = Planner._static_dims(match)
+            for node in plan.nodes:
+                if node.op_type == "ConstantOfShape":
+                    self._declare(node.output[0], self._type(onnx.TensorProto.FLOAT, dims))  # stat_float
+        self._declare(sgd.input[5], typed)
+        self._declare(sgd.output[2], typed)
         # A maximize update's negated gradient is left undeclared: its type is the gradient's as inference reads
         # it, which need not be the index's (a gradient input that is also a graph output declared otherwise is
         # read with the output's declaration), whereas stat's shape is that of the constant ConstantOfShape reads.
 
-    def _declare(self, infos, name: str, dtype: int, dims: Sequence[int]) -> None:
-        info = infos.add()
-        info.name = name
-        info.type.CopyFrom(self._type(dtype, dims))
+    def _declare(self, name: str, typed: bytes) -> None:
+        encoded = name.encode("utf-8")
+        size = len(encoded)
+        # ValueInfoProto: name (field 1), type (field 2); in GraphProto.value_info (field 13)
+        body = b"\n" + (_ONE_BYTE[size] if size < 0x80 else _varint(size)) + encoded + typed
+        size = len(body)
+        self._chunks.append(b"j" + (_ONE_BYTE[size] if size < 0x80 else _varint(size)) + body)
+
+    def write_to(self, graph: onnx.GraphProto) -> None:
+        """Append the value infos collected to ``graph.value_info``, in the order of the plans."""
+        if self._chunks:
+            graph.MergeFromString(b"".join(self._chunks))
+
+
+_UNSET = object()
+_ONE_BYTE = [bytes((n,)) for n in range(0x80)]  # the varints of one byte
+
+
+def _varint(value: int) -> bytes:
+    """``value`` (>= 0) in protobuf's varint encoding."""
+    if value < 0x80:
+        return bytes((value,))
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 class _OldNodes:
@@ -744,8 +990,11 @@ class _OldNodes:
         return names
 
 
-def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new_reads: list[list[str]]) -> tuple[set[int], Callable[[str], bool]]:
-    """The old nodes the plans remove, and whether a value is read after the rewrite.
+def _removed_nodes(
+    old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new_reads: list[list[str]], replaced_outputs: set[str]
+) -> tuple[set[int], Callable[[str], bool]]:
+    """The old nodes the plans remove, and whether a value is read after the rewrite (``replaced_outputs``: the
+    updates' outputs, which the fused nodes now produce).
 
     The fused node now produces each update's outputs: their old producers go. Another node of an update's
     cone goes only if nothing reads its outputs after the rewrite (neither a kept node, a subgraph, a new
@@ -758,7 +1007,6 @@ def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new
     readers spares a count update per input of every removed node (most of the graph in a pure optimizer
     step).
     """
-    replaced_outputs = {name for plan in plans for name in (plan.match.parameters_out, plan.match.accum_out)}
     cone = set().union(*(plan.match.nodes for plan in plans))
     # A value has one producer (ONNX graphs are in SSA form; build_index's table): the replaced outputs'
     # producers in the cone are found by name, not by reading every cone node's outputs.
@@ -802,6 +1050,24 @@ def _removed_nodes(old: _OldNodes, index: GraphIndex, plans: Sequence[Plan], new
         if not read:
             removed.add(i)
     return removed, is_read
+
+
+def _write_nodes(target, ordered: list) -> None:
+    """Append ``ordered`` to the repeated ``NodeProto`` field ``target``: a node is copied (runs of them in one
+    call), a ``(replay, j)`` entry is node ``j`` of the replay, written once, in place."""
+    run: list[onnx.NodeProto] = []
+    add = target.add
+    for item in ordered:
+        if type(item) is tuple:
+            if run:
+                target.extend(run)
+                run = []
+            replay, j = item
+            replay.write(j, add())
+        else:
+            run.append(item)
+    if run:
+        target.extend(run)
 
 
 def _copy_into(target, source, *, skip: set[str]) -> None:
@@ -872,25 +1138,33 @@ def _stable_topological_sort(
                 producer[name] = k
     # When the entries in position order already respect every dependency (no reader placed before what it
     # reads), that order is the result: the smallest entry left is then always ready, so Kahn's algorithm
-    # would take them in that very order. Checked per dependency while the dependencies are collected; the
+    # would take them in that very order. Checked per read first; the dependencies are collected and the
     # heap runs only otherwise.
     keys = [(entry[0], k) for k, entry in enumerate(entries)]
     keyed = sorted(range(len(entries)), key=keys.__getitem__)
     rank = [0] * len(entries)
     for r, k in enumerate(keyed):
         rank[k] = r
-    edges: list[tuple[int, int]] = []
-    in_order = True
     producer_get = producer.get
+    # (A name read twice is asked twice, which changes no answer; no set per entry.)
+    in_order = True
+    for k, names in enumerate(reads):
+        own = rank[k]
+        for name in names:
+            source = producer_get(name)
+            if source is not None and rank[source] > own and name not in available:
+                in_order = False
+                break
+        if not in_order:
+            break
+    if in_order:
+        return [entries[k][1] for k in keyed]
+    edges: list[tuple[int, int]] = []
     for k, names in enumerate(reads):
         for name in set(names) if len(names) > 1 else names:
             source = producer_get(name)
             if source is not None and source != k and name not in available:
                 edges.append((source, k))
-                if rank[source] > rank[k]:
-                    in_order = False
-    if in_order:
-        return [entries[k][1] for k in keyed]
     waiting: list[int] = [0] * len(entries)
     dependants: dict[int, list[int]] = {}
     for source, k in edges:

@@ -11,9 +11,13 @@ Where the scanner cannot be built (no compiler, no Python headers) or is turned 
 ``SGDFUSE_NATIVE_SCAN=0``, :func:`python_node_table` reads the same table through protobuf's Python API.
 Both give the same table for every model (tests/test_node_scan.py), equal to what protobuf returns.
 
+The table can list the node names under a prefix (``name_prefix``). :func:`native_structure` is the output
+guard's pass over a rewritten graph (:mod:`sgdfuse.passes.output_check`): definition before use, and what the
+checker sees of the new nodes, from the bytes, with Python objects made only for those nodes.
+
 Field numbers (onnx/onnx.proto): ``ModelProto.graph`` 7; ``GraphProto.node`` 1; ``NodeProto.input`` 1,
-``output`` 2, ``op_type`` 4, ``attribute`` 5, ``domain`` 7; ``AttributeProto.type`` 20 (``GRAPH`` = 5,
-``GRAPHS`` = 10), ``g`` 6, ``graphs`` 11.
+``output`` 2, ``name`` 3, ``op_type`` 4, ``attribute`` 5, ``domain`` 7, ``overload`` 8;
+``AttributeProto.type`` 20 (``GRAPH`` = 5, ``GRAPHS`` = 10), ``g`` 6, ``graphs`` 11.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import logging
 import os
 import sys
 import sysconfig
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -43,6 +48,12 @@ __all__ = [
     "node_table",
     "python_node_table",
     "native_node_table",
+    "python_node_details",
+    "NodeDetails",
+    "GroupSummary",
+    "StructureScan",
+    "native_structure",
+    "native_available",
     "build_scanner",
     "build_extension",
 ]
@@ -77,6 +88,9 @@ class NodeTable:
         has_attributes: the node has at least one ``NodeProto.attribute`` (field 5).
         has_subgraph: one of its attributes holds a graph: ``type`` (field 20) is ``GRAPH`` or ``GRAPHS``, or
             ``g`` (field 6) is set or ``graphs`` (field 11) is not empty.
+        prefixed_names: with ``name_prefix``, the ``NodeProto.name`` (field 3) of every node whose name
+            starts with it, in node order (a name that is not UTF-8 is ``bytes`` and is compared as such);
+            None when no prefix was asked for.
         reader: ``"native"`` or ``"python"``: which reader made the table (not compared by ``==``).
     """
 
@@ -87,6 +101,7 @@ class NodeTable:
     has_attributes: tuple[bool, ...]
     has_subgraph: tuple[bool, ...]
     reader: str = dataclasses.field(default="python", compare=False)
+    prefixed_names: tuple[str, ...] | None = None
 
     def __len__(self) -> int:
         """The number of nodes."""
@@ -132,7 +147,25 @@ class ScannerBuild:
     seconds: float
 
 
-def node_table(model: onnx.ModelProto, data: bytes | None = None) -> NodeTable:
+def native_available() -> bool:
+    """True when the native node scanner is to be used (``$SGDFUSE_NATIVE_SCAN`` is not ``0``) and builds (or
+    is built); why not is logged at debug level."""
+    return _native_enabled()
+
+
+def _native_enabled() -> bool:
+    """The native scanner is to be used and builds (why not is logged at debug level)."""
+    if os.environ.get(NATIVE_ENV, "").strip() == "0":
+        return False
+    try:
+        build_scanner()
+    except NativeBuildError as error:
+        logger.debug("native node scanner unavailable, reading nodes through protobuf: %s", error)
+        return False
+    return True
+
+
+def node_table(model: onnx.ModelProto, data: bytes | None = None, *, graph: bool = False, name_prefix: str | None = None) -> NodeTable:
     """The node table of ``model``'s main graph (:class:`NodeTable`), read natively when the scanner builds.
 
     Args:
@@ -140,36 +173,37 @@ def node_table(model: onnx.ModelProto, data: bytes | None = None) -> NodeTable:
         data: the serialised bytes ``model`` was parsed from (binary protobuf, unchanged since), when the
             caller has them: then nothing is serialised again. Without them the scanner reads
             ``model.graph.SerializeToString()``.
+        graph: ``data`` is ``model.graph`` serialised, not the whole model.
+        name_prefix: also list the names of the nodes that start with it (:attr:`NodeTable.prefixed_names`).
 
     Falls back to :func:`python_node_table` (logged at debug level) when ``$SGDFUSE_NATIVE_SCAN`` is ``0``,
     when the scanner cannot be built, when ``data`` is not well-formed protobuf, or when it does not hold as
     many nodes as ``model``; the table is the same either way.
     """
-    if os.environ.get(NATIVE_ENV, "").strip() == "0":
-        return python_node_table(model)
+    if not _native_enabled():
+        return python_node_table(model, name_prefix=name_prefix)
+    nodes = model.graph.node
     try:
-        build_scanner()
-    except NativeBuildError as error:
-        logger.debug("native node scanner unavailable, reading nodes through protobuf: %s", error)
-        return python_node_table(model)
-    graph = model.graph
-    try:
-        table = native_node_table(graph.SerializeToString(), graph=True) if data is None else native_node_table(data)
+        if data is None:
+            table = native_node_table(model.graph.SerializeToString(), graph=True, name_prefix=name_prefix)
+        else:
+            table = native_node_table(data, graph=graph, name_prefix=name_prefix)
     except ScanError as error:
         logger.debug("native node scanner refused the model's bytes, reading nodes through protobuf: %s", error)
-        return python_node_table(model)
-    if len(table) != len(graph.node):
-        logger.debug("the bytes given hold %d nodes, the model %d; reading nodes through protobuf", len(table), len(graph.node))
-        return python_node_table(model)
+        return python_node_table(model, name_prefix=name_prefix)
+    if len(table) != len(nodes):
+        logger.debug("the bytes given hold %d nodes, the model %d; reading nodes through protobuf", len(table), len(nodes))
+        return python_node_table(model, name_prefix=name_prefix)
     return table
 
 
-def native_node_table(data: bytes | bytearray | memoryview, *, graph: bool = False) -> NodeTable:
+def native_node_table(data: bytes | bytearray | memoryview, *, graph: bool = False, name_prefix: str | None = None) -> NodeTable:
     """The node table read by the native scanner from serialised bytes.
 
     Args:
         data: a serialised ``ModelProto`` (binary protobuf), or a ``GraphProto`` when ``graph``. Untrusted
             bytes are safe: every read is bounds-checked.
+        name_prefix: also list the names of the nodes that start with it (their UTF-8 bytes start with its).
 
     Raises:
         ScanError: ``data`` is not well-formed protobuf where the scanner reads it (a truncated field, a length
@@ -177,14 +211,18 @@ def native_node_table(data: bytes | bytearray | memoryview, *, graph: bool = Fal
         ScannerBuildError: the scanner cannot be built (see :func:`build_scanner`).
     """
     module = build_scanner().module
+    prefix = None if name_prefix is None else name_prefix.encode()
     try:
-        op_types, domains, inputs, outputs, has_attributes, has_subgraph = module.scan(data, not graph)
+        op_types, domains, inputs, outputs, has_attributes, has_subgraph, names = module.scan(data, not graph, prefix)
     except ValueError as error:
         raise ScanError.from_message(str(error)) from None
-    return NodeTable(tuple(op_types), tuple(domains), tuple(inputs), tuple(outputs), tuple(has_attributes), tuple(has_subgraph), "native")
+    return NodeTable(
+        tuple(op_types), tuple(domains), tuple(inputs), tuple(outputs), tuple(has_attributes), tuple(has_subgraph), "native",
+        None if name_prefix is None else tuple(names),
+    )
 
 
-def python_node_table(model: onnx.ModelProto) -> NodeTable:
+def python_node_table(model: onnx.ModelProto, *, name_prefix: str | None = None) -> NodeTable:
     """The node table read through protobuf's Python API (the reader :func:`node_table` falls back to)."""
     op_types: list[str] = []
     domains: list[str] = []
@@ -211,11 +249,88 @@ def python_node_table(model: onnx.ModelProto) -> NodeTable:
         else:
             has_attributes.append(False)
             has_subgraph.append(False)
-    return NodeTable(tuple(op_types), tuple(domains), tuple(inputs), tuple(outputs), tuple(has_attributes), tuple(has_subgraph), "python")
+    names = None
+    if name_prefix is not None:
+        prefix = name_prefix.encode()
+        names = []
+        for node in model.graph.node:
+            name = node.name
+            if name.startswith(name_prefix) if type(name) is str else name.startswith(prefix):
+                names.append(_intern_text(name))
+    return NodeTable(
+        tuple(op_types), tuple(domains), tuple(inputs), tuple(outputs), tuple(has_attributes), tuple(has_subgraph), "python",
+        None if names is None else tuple(names),
+    )
 
 
 def _intern_text(value: str | bytes) -> str | bytes:
     return sys.intern(value) if type(value) is str else value
+
+
+NodeDetails = tuple[str, tuple[bytes, ...]]
+"""What :func:`python_node_details` reads of one node: its ``overload`` (field 8; ``""`` when absent) and each of its
+attributes (field 5) serialised, in order."""
+
+
+def python_node_details(model: onnx.ModelProto, positions: list[int]) -> list[NodeDetails]:
+    """:data:`NodeDetails` of the main graph's nodes at ``positions``, read through protobuf's Python API."""
+    nodes = model.graph.node
+    return [(_intern_text(nodes[k].overload), tuple(a.SerializeToString() for a in nodes[k].attribute)) for k in positions]
+
+
+GroupSummary = tuple[bytes, tuple[str, ...], tuple[int, ...], tuple[bool, ...]]
+"""What :func:`native_structure` says of one group of nodes (a plan's): the bytes of what the checker reads of them
+but names (per node its domain, op type, overload, each attribute's bytes, the numbers of inputs and outputs; then
+per input and output slot, in order, the place its name first stands in that sequence, -1 for ``""``; every length
+written, so that equal bytes are equal nodes up to a renaming that keeps ``""``), the distinct non-empty names in
+the order they first stand, those places, and whether the group's nodes output each."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StructureScan:
+    """What :func:`native_structure` found in a graph.
+
+    Attributes:
+        error: None, or the first rule broken, as ``(kind, names)``: ``"read"`` (a node reads a name not defined
+            before it), ``"subgraph"`` (a subgraph reads such names: all of one subgraph's), ``"twice"`` (a node
+            defines a name already defined, or one twice), ``"output"`` (a graph output nothing defines).
+        found: per wanted name, the position of the node whose first output it is, -1 when there is none (or the
+            name is wanted again later, or None); complete only without ``error``.
+        subgraph: per wanted name, whether its node holds a subgraph.
+        groups: per group, its :data:`GroupSummary`, or None when one of its nodes was not found (all None after an
+            error).
+    """
+
+    error: tuple[str, list] | None
+    found: list[int]
+    subgraph: list[bool]
+    groups: list[GroupSummary | None]
+
+
+def native_structure(
+    data: bytes | bytearray | memoryview, wanted: Sequence[str | None], sizes: Sequence[int], outer: Callable[[int], list[list[str]]],
+    *, graph: bool = False,
+) -> StructureScan:
+    """Single assignment and definition before use over the main graph of the serialised ``data``, read by the
+    native scanner (the rules of :func:`sgdfuse.passes.output_check` and its Python pass, which is the reference):
+    the names defined before the first node are the graph inputs', the initializers', the sparse initializers'
+    values' and ``""``; each node must read defined names only (and its subgraphs too: ``outer(position)`` gives,
+    per subgraph of the node, the names it reads from outside), and define new, distinct names; every graph output
+    must be defined. Names are compared as their bytes. Meanwhile the nodes whose first output is in ``wanted``
+    are found, and each group of ``sizes[i]`` consecutive wanted names summarised (:data:`GroupSummary`).
+
+    Raises:
+        ScanError: ``data`` is not well-formed protobuf where the scanner reads it.
+        ScannerBuildError: the scanner cannot be built.
+    """
+    module = build_scanner().module
+    try:
+        error, found, subgraph, groups = module.structure(data, not graph, wanted, sizes, outer)
+    except ValueError as error:
+        if str(error).startswith("malformed protobuf"):
+            raise ScanError.from_message(str(error)) from None
+        raise
+    return StructureScan(error, found, subgraph, groups)
 
 
 def build_scanner(*, cache_dir: str | os.PathLike | None = None, force: bool = False) -> ScannerBuild:
