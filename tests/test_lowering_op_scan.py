@@ -17,7 +17,12 @@ from test_lowering_support import MODEL_PATHS, fused
 
 FIELDS = ("spans", "names", "types", "bodies", "sources", "position", "net_output")
 
-pytestmark = pytest.mark.skipif(not op_scan.native_available(), reason="the native GE op reader does not build here")
+
+
+@pytest.fixture(autouse=True)
+def _reader_builds() -> None:
+    # Fail, not skip, when the reader cannot be built: a skip would hide a broken build (as for the scanners).
+    assert op_scan.native_available(), "the native GE op reader does not build here (or SGDFUSE_NATIVE_SCAN=0)"
 
 
 def _same(data: bytes) -> None:
