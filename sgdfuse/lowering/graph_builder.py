@@ -84,10 +84,10 @@ class OpKind:
     which inputs are present, each port's dtype and shape) and the same attribute values, except the
     attributes named in ``own``, whose values are each op's own (a ``Data`` op's index, a ``Const``'s value).
 
-    Made by :meth:`GraphBuilder.kind` for a caller that adds many ops of one class (the state variables, the
-    graph inputs, the ``SGD`` ops of one hyper-parameter set): the caller keys its kinds by everything the
-    ops' tails depend on, and the encoder writes the shared part once per kind instead of deriving it from
-    each op's ports (about a third of the encoding of an op). Compared by identity.
+    Made by ``kind()`` of a :class:`GraphBuilder` or :class:`GraphWriter` for a caller that adds many ops of
+    one class (the state variables, the graph inputs, the ``SGD`` ops of one hyper-parameter set): the caller
+    keys its kinds by everything the ops' tails depend on, and the encoder writes the shared part once per
+    kind instead of deriving it from each op's ports. Compared by identity.
 
     Attributes:
         type: the GE op type.
@@ -331,9 +331,9 @@ class GraphBuilder(_Graph):
     ties keep creation order).
 
     Writing is linear in the graph: each op's ``OpDef`` is encoded straight to protobuf wire bytes from
-    cached pieces (a graph has few distinct descriptors, attribute values and port-name lists), and the
-    whole ``GraphDef`` is parsed once by the protobuf runtime. Building ``OpDef`` messages field by field
-    from Python instead cost about 100 µs an op.
+    cached pieces (a graph has few distinct descriptors, attribute values and port-name lists; an op added
+    as an :class:`OpKind` takes its kind's whole tail), and the ``GraphDef`` is never built as a message.
+    Building ``OpDef`` messages field by field from Python instead cost about 100 µs an op.
     """
 
     def __init__(self, name: str) -> None:
@@ -541,7 +541,7 @@ def _graph_fields(
     """The pieces of a serialised ``GraphDef`` (name, inputs, outputs, the encoded ``ops`` of total length
     ``ops_size``, attributes: fields in number order) and their total length."""
     head = [_len(_GRAPH_NAME, name.encode())]
-    head.extend(_len(_GRAPH_INPUT, f"{name}:0".encode()) for name in inputs)
+    head.extend(_len(_GRAPH_INPUT, f"{data_op}:0".encode()) for data_op in inputs)
     head.extend(_len(_GRAPH_OUTPUT, t.edge.encode()) for t in outputs)
     tail = [_len(_GRAPH_ATTR, encoder.map_entry(key, attr_value(value))) for key, value in sorted((attrs or {}).items(), key=lambda item: item[0].encode())]
     return head + ops + tail, sum(map(len, head)) + ops_size + sum(map(len, tail))
@@ -688,10 +688,10 @@ class _Encoder:
         return size
 
     def op(self, record: OpRecord, out: list[bytes], written: set[str] | None = None) -> int:
-        """Append the pieces of ``record``'s whole ``GraphDef.op`` field (tag, length, ``OpDef``) to ``out``,
-        to be joined once with the rest of the graph (no per-op copy of the op's bytes), and return its
-        length. With ``written`` (the ops written so far, to which ``record`` is added), -1 and nothing
-        appended when ``record`` reads an op not in it."""
+        """Append ``record``'s whole ``GraphDef.op`` field (tag, length, ``OpDef``) to ``out`` as one bytes
+        object, to be joined once with the rest of the graph, and return its length. With ``written`` (the
+        ops written so far, to which ``record`` is added), -1 and nothing appended when ``record`` reads an
+        op not in it."""
         inputs = record.inputs
         count = len(inputs)
         while count and inputs[count - 1][1] is None:  # absent trailing optional inputs are not written
@@ -777,8 +777,8 @@ class _Encoder:
         controls: Sequence[str] = (),
     ) -> int:
         """Append the ``GraphDef.op`` field of an op of ``kind`` (its template set) named ``name`` reading
-        ``inputs`` and waiting for ``controls``, its ``own`` attributes (``AttrDef`` s) in ``attrs``, and
-        return its length: the op's name and edges, then the kind's template."""
+        ``inputs`` and waiting for ``controls``, its ``own`` attributes in ``attrs`` (``AttrDef`` s, or
+        plain ints), and return its length: the op's name and edges, then the kind's template."""
         op_type = self._types.get(kind.type)
         if op_type is None:
             op_type = self._types[kind.type] = _len(_OP_TYPE, kind.type.encode())
@@ -797,13 +797,14 @@ class _Encoder:
         for source in controls:
             edge = f"{source}:-1".encode()
             pieces += (_OP_INPUT, _varint(len(edge)), edge)
-        template = kind.template
-        if len(template) == 1:  # type: ignore[arg-type]
+        template: list[bytes | str] = kind.template  # type: ignore[assignment]
+        if len(template) == 1:
             pieces += template  # type: ignore[arg-type]
         else:
             # An own value is encoded each time, never cached by identity: a GraphWriter keeps no record, so
             # the value may be freed and its id reused by the next op's.
-            pieces += [piece if type(piece) is bytes else self._own(piece, attrs[piece]) for piece in template]  # type: ignore[index, union-attr]
+            own = attrs or {}
+            pieces += [piece if type(piece) is bytes else self._own(piece, own[piece]) for piece in template]  # type: ignore[misc]
         return self._framed(pieces, out)
 
     def _own(self, key: str, value) -> bytes:

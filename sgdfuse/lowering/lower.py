@@ -19,8 +19,10 @@ Flow:
 8. the init graph assigns the state's initial values.
 
 Cost: linear in the size of the graph (each step is a sweep, the ordering walks are bounded, see
-:mod:`sgdfuse.lowering.dag`); the GE messages are serialised from cached descriptor bytes
-(:mod:`sgdfuse.lowering.graph_builder`).
+:mod:`sgdfuse.lowering.dag`); the sweeps read the index's node facts, not the nodes through protobuf. The GE
+graphs are written from cached bytes: the ops made by the thousand (state variables, graph inputs, ``SGD``
+ops, ``Const`` s, the init graph's) as op kinds whose tail is encoded once per class, the init graph as its
+ops are added (:mod:`sgdfuse.lowering.graph_builder`; docs/lowering.md, "What `sgdfuse lower` costs").
 """
 
 from __future__ import annotations

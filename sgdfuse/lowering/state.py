@@ -130,7 +130,7 @@ from sgdfuse.lowering import alias, ge_ir
 from sgdfuse.lowering.context import GraphLowering, NodeLowering
 from sgdfuse.lowering.dag import OpOrder
 from sgdfuse.lowering.errors import InPlaceStateError
-from sgdfuse.lowering.graph_builder import GraphBuilder, GraphWriter, OpKind, OpRecord, Tensor, add_const, tensor_def
+from sgdfuse.lowering.graph_builder import GraphBuilder, GraphWriter, OpKind, Tensor, add_const, tensor_def
 from sgdfuse.lowering.registry import register
 from sgdfuse.passes.index import GraphIndex, _outer_reads, _subgraphs
 from sgdfuse.runtime import onnx_to_numpy_dtype
@@ -733,7 +733,8 @@ def lower_sgd(ctx: NodeLowering) -> None:
         copy = ctx.op("TensorMove", [("x", op.output(0))], [("y", output)], suffix="parameters_after_write")
         graph.after_write.add(copy.name)
         graph.after_write_of.setdefault(parameters.name, []).append(copy.name)
-        values[outputs[0]] = copy.output(0)
+        if outputs[0]:
+            values[outputs[0]] = copy.output(0)
     for out_index, port in ((1, 3), (2, 5)):
         value = outputs[out_index] if out_index < len(outputs) else ""
         # index.is_used(value), with the graph outputs the plan holds as a set already
