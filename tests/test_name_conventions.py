@@ -46,10 +46,16 @@ def test_convention_flags_agree_with_the_patterns(name):
 def test_conventions_asked_once_per_digit_form_agree_with_the_patterns(names):
     # The patterns read a digit only as a character that is no letter, so a name and its digits made 0
     # match them alike; the class keys ask each such form once.
-    assert [_regex_flags(name.translate(_DIGITS_AS_ZERO)) for name in names] == [_regex_flags(name) for name in names]
+    forms = [name.encode("utf-8", "surrogatepass").translate(_DIGITS_AS_ZERO).decode("utf-8", "surrogatepass") for name in names]
+    assert [_regex_flags(form) for form in forms] == [_regex_flags(name) for name in names]
     known: dict = {}
     assert _conventions_of(names, known) == [_regex_flags(name) for name in names]
     assert _conventions_of(names[::-1], known) == [_regex_flags(name) for name in names[::-1]]
+
+
+def test_conventions_of_names_holding_nul_are_read_one_by_one():
+    names = ["a\x00grad", "buf\x000", "mom"]
+    assert _conventions_of(names, {}) == [_regex_flags(name) for name in names]
 
 
 def test_conventions_of_numbered_names_fall_on_few_forms():

@@ -275,15 +275,6 @@ class _Walker:
             cached = self._below[roots] = sorted(seen)
         return cached
 
-    def behind_copies_not_entered(self, output: str, chain: list[str] | None = None) -> bool:
-        """True when ``output``, past its copies (``chain``, its :meth:`copy_chain` if known), comes out of an op
-        the walk does not enter (the matcher then looks behind that op for an update it passes through)."""
-        k = self.index.producer.get((chain or self.copy_chain(output))[-1])
-        if k is None:
-            return False
-        op, domain = self._node_facts[k][:2]
-        return domain not in _DEFAULT_DOMAINS or op not in ENTERED_OPS
-
     def facts(self, values: list[str], steps: list[tuple]) -> list[int]:
         """What the key holds of each of ``values`` (whose walk steps are ``steps``) besides its name facts, as
         the number of its distinct facts ``(dtype, shape, kind, is a graph output)`` (:meth:`facts_of`), with
@@ -523,18 +514,17 @@ def _walk_regions(walker: _Walker, outputs: Sequence[str]) -> _Walk:
         chain = walker.copy_chain(o)
         behind_copies[o] = chain[-1]
         output_copies.update(chain)
-    candidates = set(outputs)
     linking: dict[str, bool] = {}
     spec = walker.index.spec
     steps_get = walker._steps.get
+    appearances_get = appearances.get  # (a look-up that adds no entry)
     # Later outputs first: a parameter update's region holds its buffer output's, whose own region then adds
     # nothing (every value reachable from a value of a region is in it) and is not walked again.
-    walked: set[str] = set()  # the outputs some region walked so far
     for o in reversed(outputs):
         behind = steps_get(behind_copies[o])
         if behind is not None and behind[0] is None:
             direct.add(o)  # past its copies, it comes out of an op the walk does not enter
-        if o in walked and spec(o).num_elements() != 1:
+        if _walked_in(o, appearances_get(o), fringes) and spec(o).num_elements() != 1:
             # A tensor links its reader's region with its own, so both land in one cluster anyway.
             regions[o], fringes[o] = None, _NOTHING
             appearances[o].append(o)
@@ -580,7 +570,6 @@ def _walk_regions(walker: _Walker, outputs: Sequence[str]) -> _Walk:
         leaves[o] = found_leaves
         if must or len(order) > MAX_REGION:
             direct.add(o)
-        walked.update(candidates.intersection(order).difference(fringe) if fringe else candidates.intersection(order))
         for name in fringe:
             links = linking.get(name)
             if links is None:
@@ -588,6 +577,16 @@ def _walk_regions(walker: _Walker, outputs: Sequence[str]) -> _Walk:
             if links:
                 appearances[name].append(o)
     return _Walk(regions, steps, fringes, direct, appearances, leaves)
+
+
+def _walked_in(value: str, readers: list[str] | None, fringes: dict[str, AbstractSet[str]]) -> bool:
+    """Whether a region walked so far walks ``value`` (whose appearances are ``readers``), rather than only
+    lists it."""
+    if readers:
+        for reader in readers:
+            if value not in fringes[reader]:
+                return True
+    return False
 
 
 def _union(walker: _Walker, outputs: Sequence[str], appearances: dict[str, list[str]]) -> tuple[dict[str, str], dict[str, list[str]], list[str]]:

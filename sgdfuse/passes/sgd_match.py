@@ -380,22 +380,30 @@ def _convention_flags(name: str) -> tuple[bool, bool]:
     return _BUFFER_NAME.search(name) is not None, _GRADIENT_NAME.search(name) is not None
 
 
-_DIGITS_AS_ZERO = str.maketrans("123456789", "000000000")
-"""Every ASCII digit as ``0``: the convention patterns read a digit only as a character that is no letter
-(``[^a-z]``, ``\\d``), any digit alike, so a name and its digits made ``0`` match them alike."""
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+"""Every ASCII digit as ``0`` (in UTF-8: no other character's bytes are ASCII): the convention patterns read a
+digit only as a character that is no letter (``[^a-z]``, ``\\d``), any digit alike, so a name and its digits
+made ``0`` match them alike."""
 
 
-def _conventions_of(names: Sequence[str], known: dict[str, tuple[bool, bool]]) -> list[tuple[bool, bool]]:
+def _conventions_of(names: Sequence[str], known: dict[bytes, tuple[bool, bool]]) -> list[tuple[bool, bool]]:
     """:func:`_convention_flags` of each name, asked once per name with its digits made ``0``
     (:data:`_DIGITS_AS_ZERO`) and remembered in ``known``: the updates of a step differ in their numbers, so
-    their values' names fall on a few such forms."""
-    forms = list(map(str.translate, names, itertools.repeat(_DIGITS_AS_ZERO)))
+    their values' names fall on a few such forms. The forms are made for all the names at once, joined
+    (``str.translate`` would look every character up in a dict)."""
+    if not names:
+        return []
+    text = "\x00".join(names)
+    if text.count("\x00") == len(names) - 1:
+        forms = text.encode("utf-8", "surrogatepass").translate(_DIGITS_AS_ZERO).split(b"\x00")
+    else:  # a name holding NUL: each on its own
+        forms = [name.encode("utf-8", "surrogatepass").translate(_DIGITS_AS_ZERO) for name in names]
     found = list(map(known.get, forms))
     for position in list(itertools.compress(range(len(found)), map(operator.is_, found, itertools.repeat(None)))):
         form = forms[position]
         flags = known.get(form)
         if flags is None:
-            flags = known[form] = _convention_flags(form)
+            flags = known[form] = _convention_flags(form.decode("utf-8", "surrogatepass"))
         found[position] = flags
     return found
 
@@ -607,7 +615,7 @@ def name_facts_of(
     next_of = named_next.get
     known = previous_of or {}
     is_buffer = pins.is_buffer if pins.buffers else None
-    conventions: dict[str, tuple[bool, bool]] = {}
+    conventions: dict[bytes, tuple[bool, bool]] = {}
 
     def name_facts(values: Sequence[str], is_output: Sequence[bool]) -> list[tuple]:
         globs = map(is_buffer, values) if is_buffer is not None else itertools.repeat(None)
