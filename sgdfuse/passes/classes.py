@@ -740,7 +740,7 @@ def _tables(walker: _Walker, batch: list[Cluster], walk: _Walk, shared: set[str]
         if len(values) <= MAX_REGION:
             kept.append(cluster)
             values_of.append(values)
-            steps_of.append(steps if steps is not None else list(map(walker._steps.get, values, itertools.repeat(_LEAF_STEP, len(values)))))
+            steps_of.append(steps)
     sizes = list(map(len, values_of))
     starts = list(itertools.accumulate(sizes, initial=0))
     flat = list(itertools.chain.from_iterable(values_of))
@@ -766,11 +766,11 @@ def _tables(walker: _Walker, batch: list[Cluster], walk: _Walk, shared: set[str]
     return _Tables(kept, values_of, sizes, starts, flat, facts, producers, referred, listed, tails, pointing)
 
 
-def _values(cluster: Cluster, walk: _Walk, shared: set[str]) -> tuple[list[str], list | None]:
+def _values(cluster: Cluster, walk: _Walk, shared: set[str]) -> tuple[list[str], list]:
     """The cluster's values in canonical order: the outputs' regions in turn (each in its walk order) without
     repeats or shared values. Two members of a class list corresponding values at the same positions. Also
-    their steps when one region holds them all (:attr:`_Walk.steps`; ``_LISTED`` for a value only listed
-    there), else None."""
+    their steps as the walk kept them (:attr:`_Walk.steps`; ``_LISTED`` for a value only listed where it came
+    from, to be looked up)."""
     outputs = cluster.outputs
     first = walk.regions[outputs[0]]
     if first is not None and (
@@ -779,16 +779,18 @@ def _values(cluster: Cluster, walk: _Walk, shared: set[str]) -> tuple[list[str],
         # region (the walk from it takes the same steps), so the second region adds nothing.
         or len(outputs) == 2 and outputs[1] in first and outputs[1] not in walk.fringes[outputs[0]]
     ):
-        steps = walk.steps[outputs[0]]
-        if not shared:
-            return list(first), list(steps)
-        kept = list(map(operator.not_, map(shared.__contains__, first)))
-        return list(itertools.compress(first, kept)), list(itertools.compress(steps, kept))
-    if len(outputs) == 1:
-        merged: Iterable[str] = outputs  # a tensor inside a region walked already
+        values, steps = first, walk.steps[outputs[0]]
     else:
-        merged = dict.fromkeys(itertools.chain.from_iterable(walk.regions[o] or (o,) for o in outputs))
-    return (list(itertools.filterfalse(shared.__contains__, merged)) if shared else list(merged)), None
+        # The first place of each value, with the step of its last (any step of a value is its step).
+        regions = [walk.regions[o] or (o,) for o in outputs]
+        merged = dict(zip(itertools.chain.from_iterable(regions), itertools.chain.from_iterable(
+            walk.steps[o] if walk.regions[o] is not None else (_LISTED,) for o in outputs
+        )))
+        values, steps = list(merged), list(merged.values())
+    if not shared:
+        return list(values), list(steps)
+    kept = list(map(operator.not_, map(shared.__contains__, values)))
+    return list(itertools.compress(values, kept)), list(itertools.compress(steps, kept))
 
 
 def _listed_only(cluster: Cluster, walk: _Walk) -> AbstractSet[str]:
