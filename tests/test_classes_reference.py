@@ -4,9 +4,10 @@
 (issue 12): one Python call per value and fact. On every committed model and on generated steps of the
 benchmark's families, both must find the same clusters in the same order, with the same outputs, extras,
 values and nodes, and keys that are equal exactly when the reference's are: the same partition of the
-clusters into classes. The present keys hold numbers for the facts and the permutation that sorts the names
-where the reference held the facts and each name's rank; decoded back (numbers to facts, permutation to ranks)
-they must be the reference's keys, tuple for tuple. The expected values come from the reference, never from
+clusters into classes. The present keys hold numbers for the facts, columns for the values' entries and the
+permutation that sorts the names where the reference held the facts, an entry per value and each name's rank;
+decoded back (numbers to facts, columns to entries, permutation to ranks) they must be the reference's keys,
+tuple for tuple. The expected values come from the reference, never from
 the code under test.
 """
 
@@ -64,15 +65,24 @@ def _both(model: onnx.ModelProto, pins: RolePins, monkeypatch) -> tuple[list, li
 
 
 def _decoded(key: tuple | None, walker: classes._Walker) -> tuple | None:
-    """A present key in the reference's terms: facts for their numbers, each name's rank for the permutation."""
+    """A present key in the reference's terms: facts for their numbers, an entry per value for the columns, each
+    name's rank for the permutation."""
     if key is None:
         return None
-    outputs, extras, structure, (by_name, before, tails), read_outside = key
+    outputs, extras, (facts, nodes, arities, inputs), (by_name, before, tails), read_outside = key
+    entries, at = [], 0
+    for number, node, arity in zip(facts, nodes, arities):
+        if arity < 0:
+            entries.append((walker.facts_of(number), "operand of a leaf's producer"))
+        else:
+            entries.append((walker.facts_of(number), node, tuple(inputs[at:at + arity])))
+            at += arity
+    assert at == len(inputs)
     ranks = [0] * len(by_name)
     for rank, position in enumerate(by_name):
         ranks[position] = rank
     names = tuple((rank, place) + tail for rank, place, tail in zip(ranks, before, tails))
-    return outputs, extras, tuple((walker.facts_of(entry[0]),) + entry[1:] for entry in structure), names, read_outside
+    return outputs, extras, tuple(entries), names, read_outside
 
 
 def _partition(keys: list) -> list[int]:

@@ -128,9 +128,6 @@ _COPY_OPS = frozenset({"Identity", "Cast", "CastLike"})
 _OUTSIDE = ("outside",)
 """A value a name fact points to that is neither the cluster's nor shared (:func:`_named`)."""
 
-_OPERAND = "operand of a leaf's producer"
-"""The definition in the key of a value the region only lists (an operand of a leaf's producer), not walks."""
-
 _NO_SPEC = TensorSpec("", None, 0)
 """The spec of a value the index has none for (dtype 0, shape unknown), as ``GraphIndex.spec`` makes it."""
 
@@ -674,20 +671,26 @@ def _key_batch(walker: _Walker, batch: list[Cluster], walk: _Walk, shared: set[s
     The key is ``(output positions, extras, structure, names, read outside)``, over the cluster's values in
     canonical order (:func:`_values`):
 
-    - ``structure``, per value, how it is defined: ``(facts, "operand of a leaf's producer")`` for a value only
-      listed, ``(facts, None, operands)`` for a leaf and ``(facts, node position, inputs)`` for a value the
-      walk enters, each input as a position (local) or a name (shared; "" for an input left out), with
-      ``facts`` the number :meth:`_Walker.facts` gives the value's dtype, shape, kind and output-ness;
+    - ``structure``, how each value is defined, as ``(facts, nodes, arities, inputs)``: per value the number
+      :meth:`_Walker.facts` gives its dtype, shape, kind and output-ness, its node's position among the
+      cluster's nodes (None for a leaf or a value only listed), how many names its entry refers to (the
+      entered producer's inputs, a leaf's producer's operands; -1 for a value only listed as an operand of a
+      leaf's producer), and all those names in turn, each as a position (local) or its own name (shared; ""
+      for an input left out: no value is named so);
     - ``names`` (:func:`_names`): the values' positions in name order, each value's place among the shared
       names below the ones the cluster reads, and its name facts (:meth:`_Walker.name_tails`);
     - ``read outside``: the positions of the computed values something outside the region reads (the rewrite
       keeps their nodes, and the verification probes them, so members of a class must agree on it too).
 
-    The key before issue 12 held the facts themselves and, per value, ``(rank, place) + name facts``. This one
-    is a one-to-one image of it, so two clusters have equal keys exactly when they had: facts and numbers are
-    one-to-one (one walker numbers them, and only keys of one walker are compared), and the positions in name
-    order are the permutation the ranks invert, from which the ranks are computed back. Every key of the
-    committed models and of benchmark steps decodes into the old one (tests/test_classes_reference.py).
+    The key before issue 12 held per value ``(facts, "operand of a leaf's producer")``, ``(facts, None,
+    operands)`` or ``(facts, node position, inputs)``, with the facts themselves, and ``(rank, place) + name
+    facts``. This one is a one-to-one image of it, so two clusters have equal keys exactly when they had: facts
+    and numbers are one-to-one (one walker numbers them, and only keys of one walker are compared); the
+    entries' columns, with the arities to cut the inputs apart and -1 standing for the operand mark, give the
+    entries back; and the positions in name order are the permutation the ranks invert, from which the ranks
+    are computed back. The columns cost a few slices per cluster where the entries cost three tuples per
+    value. Every key of the committed models and of benchmark steps decodes into the old one
+    (tests/test_classes_reference.py).
 
     The batch is keyed as a whole (:func:`_key_together`, passes of builtins over all its values: a cluster
     has about ten values, and a pass over ten values costs mostly its own set-up) unless a value is in two
@@ -819,16 +822,18 @@ def _key_together(walker: _Walker, tables: _Tables, local: dict[str, int], compu
     - something outside a cluster's region reads a computed value exactly when a reader of the value is none
       of the nodes of the batch: a node of another cluster of the batch reading it would put the value in a
       region of that cluster too, and it is in one cluster only."""
-    flat, facts, referred, starts = tables.flat, tables.facts, tables.referred, tables.starts
+    flat, referred, starts = tables.flat, tables.referred, tables.starts
     count = len(flat)
-    refs = map(tuple, map(map, itertools.repeat(local.get, count), referred, referred))
+    facts = tuple(tables.facts)
     # Each cluster's computed values are computed[ends[j]:ends[j + 1]] (computed is in entry order).
     ends = list(map(functools.partial(bisect.bisect_left, computed), starts))
     node_of = dict(zip(computed, itertools.chain.from_iterable(map(range, map(operator.sub, ends[1:], ends)))))
-    structure = list(zip(facts, map(node_of.get, range(count)), refs))
-    for position in tables.listed:
-        structure[position] = (facts[position], _OPERAND)
-    entries = tuple(structure)
+    node_ids = tuple(map(node_of.get, range(count)))
+    arities = _arities(referred, tables.listed)
+    names = list(itertools.chain.from_iterable(referred))
+    inputs = tuple(map(local.get, names, names))
+    # Each cluster's inputs are inputs[at[start]:at[end]].
+    at = list(itertools.accumulate(map(len, referred), initial=0))
     tails = tables.tails
     if tables.pointing:
         # Name facts naming other values: each such value by its position in the entry's own cluster.
@@ -863,7 +868,7 @@ def _key_together(walker: _Walker, tables: _Tables, local: dict[str, int], compu
         cluster.key = (
             tuple(map(local.__getitem__, cluster.outputs)),
             tuple(cluster.extras),
-            entries[start:end],
+            (facts[start:end], node_ids[start:end], arities[start:end], inputs[at[start]:at[end]]),
             _names(values, tails[start:end], shared_below(frozenset(shared_read)) if shared_read else []),
             read_outside,
         )
@@ -889,15 +894,17 @@ def _key_alone(walker: _Walker, tables: _Tables, j: int, shared: set[str]) -> No
     start, end = tables.starts[j], tables.starts[j + 1]
     count = end - start
     ids = dict(zip(values, range(count)))
-    producers, referred, facts = tables.producers[start:end], tables.referred[start:end], tables.facts[start:end]
+    producers, referred = tables.producers[start:end], tables.referred[start:end]
     # Nodes in the order their first value comes; a leaf's None maps to None.
     nodes = list(dict.fromkeys(filter(_is_not_none, producers)))
     node_ids = dict(zip(nodes, range(len(nodes))))
-    # An input is its position when local, else its own name ("" stays "": no value is named so).
-    ids_get = ids.get
-    structure = list(zip(facts, map(node_ids.get, producers), map(tuple, map(map, itertools.repeat(ids_get, count), referred, referred))))
-    for position in _between(tables.listed, start, end):
-        structure[position - start] = (facts[position - start], _OPERAND)
+    names = list(itertools.chain.from_iterable(referred))
+    structure = (
+        tuple(tables.facts[start:end]),
+        tuple(map(node_ids.get, producers)),
+        _arities(referred, [position - start for position in _between(tables.listed, start, end)]),
+        tuple(map(ids.get, names, names)),
+    )
     computed = list(itertools.compress(range(count), map(_is_not_none, producers)))
     shared_read = set(itertools.chain.from_iterable(referred)).difference(ids)
     shared_read.discard("")
@@ -910,10 +917,18 @@ def _key_alone(walker: _Walker, tables: _Tables, j: int, shared: set[str]) -> No
     cluster.key = (
         tuple(map(ids.__getitem__, cluster.outputs)),
         tuple(cluster.extras),
-        tuple(structure),
+        structure,
         _names(values, tails, walker.shared_below(frozenset(shared_read)) if shared_read else []),
         tuple(_read_outside(walker, list(map(values.__getitem__, computed)), set(nodes), computed)),
     )
+
+
+def _arities(referred: list[tuple[str, ...]], listed: list[int]) -> tuple[int, ...]:
+    """How many names each entry refers to, -1 for an entry of a value only listed (``listed``)."""
+    arities = list(map(len, referred))
+    for position in listed:
+        arities[position] = -1
+    return tuple(arities)
 
 
 def _names(values: list[str], tails: Sequence[tuple], shared_names: list[str]) -> tuple[tuple, tuple, tuple]:

@@ -53,6 +53,9 @@ _dtype_of = operator.attrgetter("dtype")
 _COPY_OPS = frozenset({"Identity", "Cast", "CastLike"})
 """The ops :func:`_skip_copies` may follow (any other producer makes a value its own copy-free value)."""
 
+_state_of = operator.attrgetter("parameters", "accum", "parameters_out", "accum_out")
+_outputs_of = operator.attrgetter("parameters_out", "accum_out")
+
 
 class LazyText:
     """Text computed when first read (``str()``): equations of every candidate tried are formatted only for
@@ -209,7 +212,7 @@ def _renamer(match: Match, values: list[str], nodes: list[int]) -> Callable[[lis
     parameter_coefficients, buffer_coefficients = list(parameter_form.values()), list(buffer_form.values())
 
     def rename(member_values: list[str], member_nodes: list[int]) -> Match:
-        renamed_names = names(member_values + names_staying)
+        renamed_names = names(member_values + names_staying if names_staying else member_values)
         p, g, a, w, v = renamed_names[:5]
         parameter_form = dict(zip(renamed_names[len(fields):split], parameter_coefficients))
         buffer_form = dict(zip(renamed_names[split:], buffer_coefficients))
@@ -223,7 +226,7 @@ def _renamer(match: Match, values: list[str], nodes: list[int]) -> Callable[[lis
             accum=a,
             parameters_out=w,
             accum_out=v,
-            nodes=set(node_positions(member_nodes + nodes_staying)),
+            nodes=set(node_positions(member_nodes + nodes_staying if nodes_staying else member_nodes)),
             rounded=dict(match.rounded),
             equation_forms=(parameter_form, buffer_form),
             parameter_equation=parameter_equation,
@@ -468,7 +471,10 @@ def find_updates(
     matches, misses = _find_by_class(index, normaliser, outputs, pins, allow_rounding, canonical)
     # A guarded output Where(c, old, new) that no update explains as it is (a first-step Where is one) is
     # matched through its new value; the guard pairs new with old.
-    claimed = {canonical[name] if name in canonical else _skip_copies(index, name) for m in matches for name in (m.parameters_out, m.accum_out)}
+    fused = list(itertools.chain.from_iterable(map(_outputs_of, matches)))
+    claimed = set(map(canonical.get, fused))
+    if None in claimed:  # an output not among the graph's (never, as the matcher finds them)
+        claimed = {canonical[name] if name in canonical else _skip_copies(index, name) for name in fused}
     guards = {g.new: g for g in (_guard(index, o) for o in outputs if canonical[o] not in claimed) if g is not None}
     if not guards:
         return matches, misses
@@ -509,6 +515,9 @@ def _check_pins(index: GraphIndex, pins: RolePins) -> None:
 
 def _one_writer(matches: list[Match]) -> tuple[list[Match], list[Miss]]:
     """One parameter, one buffer, one update: a second claim on the same state is refused."""
+    names = list(itertools.chain.from_iterable(map(_state_of, matches)))
+    if len(set(names)) == len(names):
+        return list(matches), []  # every state value named once: no claim meets another (most steps)
     claimed: set[str] = set()
     accepted: list[Match] = []
     misses: list[Miss] = []
