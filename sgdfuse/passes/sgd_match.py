@@ -214,9 +214,9 @@ def _renamer(match: Match, values: list[str], nodes: list[int]) -> Callable[[lis
     def rename(member_values: list[str], member_nodes: list[int]) -> Match:
         renamed_names = names(member_values + names_staying if names_staying else member_values)
         p, g, a, w, v = renamed_names[:5]
-        parameter_form = dict(zip(renamed_names[len(fields):split], parameter_coefficients))
-        buffer_form = dict(zip(renamed_names[split:], buffer_coefficients))
-        parameter_equation, accum_equation = _equations(p, g, a, w, v, parameter_form, buffer_form)
+        member_parameter_form = dict(zip(renamed_names[len(fields):split], parameter_coefficients))
+        member_buffer_form = dict(zip(renamed_names[split:], buffer_coefficients))
+        parameter_equation, accum_equation = _equations(p, g, a, w, v, member_parameter_form, member_buffer_form)
         renamed = object.__new__(Match)
         # As Match.renamed: a copy of every field, then the renamed ones (its equations written from its forms).
         renamed.__dict__.update(
@@ -228,7 +228,7 @@ def _renamer(match: Match, values: list[str], nodes: list[int]) -> Callable[[lis
             accum_out=v,
             nodes=set(node_positions(member_nodes + nodes_staying if nodes_staying else member_nodes)),
             rounded=dict(match.rounded),
-            equation_forms=(parameter_form, buffer_form),
+            equation_forms=(member_parameter_form, member_buffer_form),
             parameter_equation=parameter_equation,
             accum_equation=accum_equation,
         )
