@@ -400,8 +400,8 @@ def clusters_of(
     lazy: bool = False,
 ) -> Iterable[Cluster]:
     """The clusters of ``outputs`` (float graph outputs, in graph order), each keyed (or marked direct); with
-    ``lazy``, a generator that keys each cluster as it is taken (so that a caller dropping them never holds
-    every key at once).
+    ``lazy``, a generator that keys the clusters as they are taken, :data:`_BATCH` at a time (so that a caller
+    dropping them never holds every key at once).
 
     ``name_facts(names, is_output)`` returns the matcher's facts drawn from each name (``is_output``: whether
     it is a graph output): ``(flags, previous, next)`` with ``flags`` a tuple (conventions, pins),
