@@ -156,6 +156,8 @@ def _bfloat16_in_float(model: onnx.ModelProto | bytes, error: Exception, options
     if not missing:
         return None
     proto = onnx.ModelProto.FromString(model) if isinstance(model, bytes) else model
+    if not _mentions_bfloat16(proto):
+        return None  # a kernel missing for another type (DOUBLE in a lifted model): nothing to widen
     last: Exception = error
     for _ in range(_MAX_EMULATION_ROUNDS):
         widened, changed = bfloat16_through_float(proto, missing)
@@ -180,6 +182,39 @@ def _bfloat16_in_float(model: onnx.ModelProto | bytes, error: Exception, options
 
 def _reraise(error: Exception):
     raise error
+
+
+
+
+def _mentions_bfloat16(model: onnx.ModelProto) -> bool:
+    """Whether any graph of ``model`` (subgraphs and function bodies included) declares, stores or makes a
+    BFLOAT16 value: a value info or initializer of that type, or a node attribute holding a BFLOAT16 tensor or
+    naming the type (``Cast``'s ``to``, a ``dtype``). Every BFLOAT16 value starts at one of these (``CastLike``
+    copies its target's type), so a model without one has nothing :func:`sgdfuse.lift.bfloat16_through_float`
+    could widen; this walk is much cheaper than the transform's inference on a large model."""
+    graphs: list[onnx.GraphProto] = [model.graph]
+    bodies = [function.node for function in model.functions]
+    while graphs or bodies:
+        if graphs:
+            graph = graphs.pop()
+            infos = (*graph.input, *graph.output, *graph.value_info)
+            if any(i.type.tensor_type.elem_type == _ONNX_BF16 for i in infos) or any(t.data_type == _ONNX_BF16 for t in graph.initializer):
+                return True
+            nodes = graph.node
+        else:
+            nodes = bodies.pop()
+        for node in nodes:
+            for attribute in node.attribute:
+                kind = attribute.type
+                if kind == onnx.AttributeProto.INT and attribute.name in ("to", "dtype") and attribute.i == _ONNX_BF16:
+                    return True
+                if kind == onnx.AttributeProto.TENSOR and attribute.t.data_type == _ONNX_BF16:
+                    return True
+                if kind == onnx.AttributeProto.GRAPH:
+                    graphs.append(attribute.g)
+                elif kind == onnx.AttributeProto.GRAPHS:
+                    graphs.extend(attribute.graphs)
+    return False
 
 
 def run(

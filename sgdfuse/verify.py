@@ -135,7 +135,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from sgdfuse import collector
 from sgdfuse.contract import TensorSpec
@@ -908,6 +908,72 @@ def _overload_problem(node: onnx.NodeProto) -> str:
         Specialisation.from_overload(node.overload).check(read_sgd_attributes(node), subject=node.name or "SGD node")
     except ValueError as error:
         return str(error)
+    return ""
+
+
+class _ConstantInputs:
+    """The constant value of a main-graph value where the graph fixes it: an initializer that is no graph input,
+    a ``Constant``'s ``value``, every element of a ``ConstantOfShape`` (its ``value``, FLOAT +0 without one),
+    through ``Identity``, ``Cast``, ``CastLike``, ``Expand`` and ``Reshape`` of such (which keep the elements'
+    values, +0 included); None elsewhere. Read when asked, one look-up table built once."""
+
+    _KEEP = frozenset({"Identity", "Cast", "CastLike", "Expand", "Reshape"})
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self._graph = graph
+        self._producers: dict[str, onnx.NodeProto] | None = None
+        self._initializers: dict[str, onnx.TensorProto] | None = None
+
+    def value(self, name: str) -> np.ndarray | None:
+        if self._producers is None:
+            self._producers = {o: node for node in self._graph.node for o in node.output if o}
+            inputs = {i.name for i in self._graph.input}
+            self._initializers = {t.name: t for t in self._graph.initializer if t.name not in inputs}
+        for _ in range(16):  # a short chain of copies at most
+            if name in self._initializers:
+                tensor = self._initializers[name]
+                if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                    return None  # never loaded here
+                return numpy_helper.to_array(tensor).astype(np.float64)
+            node = self._producers.get(name)
+            if node is None or node.domain not in ("", "ai.onnx"):
+                return None
+            if node.op_type in ("Constant", "ConstantOfShape"):
+                value = next((a.t for a in node.attribute if a.name == "value"), None)
+                if value is None:
+                    return np.zeros(1) if node.op_type == "ConstantOfShape" else None
+                return numpy_helper.to_array(value).astype(np.float64)
+            if node.op_type not in self._KEEP or not node.input:
+                return None
+            name = node.input[0]
+        return None
+
+
+def _overload_input_problem(node: onnx.NodeProto, constants: _ConstantInputs) -> str:
+    """Why an SGD node's inputs do not meet what its specialised body assumes of them (``stat`` +0 in every
+    element, a constant non-zero ``momentum``: :class:`~sgdfuse.fused_op.Specialisation`), or "" when they
+    provably do. The body then computes another function than the device op, which reads those inputs:
+    onnxruntime's numbers prove nothing about the device (a stat of 1 fed to a ``stat0`` body passed check,
+    and the lowered graph skipped dampening)."""
+    if not node.overload:
+        return ""
+    try:
+        spec = Specialisation.from_overload(node.overload)
+    except ValueError:
+        return ""  # _overload_problem reports it
+    subject = node.name or "SGD node"
+    if spec.stat_zero:
+        stat = node.input[5] if len(node.input) > 5 else ""
+        value = constants.value(stat) if stat else None
+        if value is None or value.size == 0 or np.any(value != 0) or np.any(np.signbit(value)):
+            return (f"{subject}: its body {node.overload} assumes stat is +0 in every element, but {stat or 'its stat'} is not "
+                    "a constant +0; the device op reads stat and onnxruntime's body does not, so these numbers prove nothing")
+    if spec.momentum_nonzero:
+        momentum = node.input[4] if len(node.input) > 4 else ""
+        value = constants.value(momentum) if momentum else None
+        if value is None or value.size == 0 or np.any(value == 0):
+            return (f"{subject}: its body {node.overload} assumes momentum is a constant other than 0, but {momentum or 'its momentum'} "
+                    "is not one; the device op decides on momentum at run time, so these numbers prove nothing")
     return ""
 
 
@@ -1758,6 +1824,7 @@ def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_Update
     of such a node prove nothing about the device."""
     nodes = [node for node in fused.graph.node if node.domain == DOMAIN and node.op_type == OP_TYPE]
     problems: dict[tuple, str] = {}  # per overload and attributes: a few hundred kinds of node at most
+    constants = _ConstantInputs(fused.graph)
     for node, (k, view) in zip(nodes, enumerate(views)):
         kind = (node.overload, tuple(a.SerializeToString(deterministic=True) for a in node.attribute))
         problem = problems.get(kind)
@@ -1765,6 +1832,7 @@ def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_Update
             problem = problems[kind] = _overload_problem(node)
         elif problem:
             problem = _overload_problem(node)  # the message names this node
+        problem = problem or _overload_input_problem(node, constants)
         if not problem:
             continue
         for name in view.outputs:
@@ -1838,7 +1906,9 @@ class _Side:
             for node, names, flagged in zip(nodes, table.inputs, table.has_subgraph)
         ]
         writes = [[o for o in names if o] for names in table.outputs]
-        subgraph = [attributed and _holds_subgraph(node) for node, attributed in zip(nodes, table.has_attributes)]
+        # The table's flag holds for every node with an attribute typed GRAPH or GRAPHS (and for one holding a
+        # graph under another type): only those are read through protobuf.
+        subgraph = [flagged and _holds_subgraph(node) for node, flagged in zip(nodes, table.has_subgraph)]
         return cls(
             model, nodes, reads, writes, {o: k for k, names in enumerate(writes) for o in names},
             initializers, {i.name: i for i in graph.input if i.name not in initializers}, [o.name for o in graph.output],

@@ -183,3 +183,18 @@ def test_bfloat16_made_only_by_constant_nodes_is_widened():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     got = run(make_session(model), {"x": np.array([1.0, 3.0, 0.25], np.float32)})["out"]
     assert got.tolist() == [0.5, 4.5, -0.5]
+
+
+def test_a_kernel_missing_for_another_type_is_not_widened(monkeypatch):
+    # A lifted (DOUBLE) model onnxruntime lacks a kernel for: the BFLOAT16 transform (inference over the whole
+    # model) must not run for it; lowering's verification makes many such sessions.
+    import sgdfuse.lift as lift
+
+    monkeypatch.setattr(lift, "bfloat16_through_float", lambda *a, **k: pytest.fail("the transform ran for a DOUBLE model"))
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [1, 1, 3, 3]),
+                                           helper.make_tensor_value_info("w", TensorProto.DOUBLE, [1, 1, 2, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.DOUBLE, [1, 1, 2, 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    with pytest.raises(Exception, match="Conv"):
+        make_session(model)

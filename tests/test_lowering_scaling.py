@@ -55,8 +55,8 @@ def test_op_order_keeps_a_topological_rank_and_answers_reachability_like_a_full_
                 order.add_edge(before, after)
             continue
         order.add_edge(before, after)
-        for name, sources in order.preds.items():
-            assert all(order.rank[s] < order.rank[name] for s in sources)
+        for name in list(order.rank):  # every op's predecessors (read from its record when first asked for)
+            assert all(order.rank[s] < order.rank[name] for s in order.preds[name])
     for _ in range(200):
         a, b = rng.sample(names, 2)
         assert order.reaches(a, b) == _reaches(order.succs, a, b)
@@ -76,8 +76,8 @@ def test_op_order_ranks_a_graph_whose_creation_order_is_not_topological(seed):
         if not _reaches({n: set() for n in names} | _succs(builder), names[early], names[late]):
             builder.add_control(names[early], names[late])
     order = OpOrder(builder)
-    for name, sources in order.preds.items():
-        assert all(order.rank[s] < order.rank[name] for s in sources)
+    for name in list(order.rank):
+        assert all(order.rank[s] < order.rank[name] for s in order.preds[name])
     for _ in range(200):
         a, b = rng.sample(names, 2)
         assert order.reaches(a, b) == _reaches(order.succs, a, b)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import sys
 
 import pytest
 
@@ -280,22 +281,34 @@ def test_written_files_get_the_usual_mode_not_the_temporary_files_0600(tmp_path)
 
 
 def _captured_builders(model):
-    """Lower ``model``, keeping the GraphBuilders that wrote the step and init graphs."""
-    from sgdfuse.lowering import graph_builder
+    """Lower ``model``, keeping the GraphBuilder that wrote the step graph, and the init graph built again as
+    records in a GraphBuilder (lowering writes it with a GraphWriter, which keeps none)."""
+    from sgdfuse.lowering import graph_builder, state
 
     builders = []
-    original = graph_builder.GraphBuilder.to_graph_def_bytes
+    plans = []
+    original = graph_builder.GraphBuilder.to_model_def_bytes
+    original_plan = state.plan_state
+    lower_module = sys.modules["sgdfuse.lowering.lower"]
 
-    def keep(self, **kwargs):
+    def keep(self, *args, **kwargs):
         builders.append(self)
-        return original(self, **kwargs)
+        return original(self, *args, **kwargs)
 
-    graph_builder.GraphBuilder.to_graph_def_bytes = keep
+    def keep_plan(index):
+        plans.append(original_plan(index))
+        return plans[-1]
+
+    graph_builder.GraphBuilder.to_model_def_bytes = keep
+    lower_module.plan_state = keep_plan
     try:
         lowered = sgdfuse.lower(model, soc="Ascend950PR_9599")
     finally:
-        graph_builder.GraphBuilder.to_graph_def_bytes = original
-    return lowered, builders
+        graph_builder.GraphBuilder.to_model_def_bytes = original
+        lower_module.plan_state = original_plan
+    name = lowered.init_model.graph[0].name
+    init, *_ = state.build_init_graph(plans[-1], name, graph=graph_builder.GraphBuilder(name))
+    return lowered, builders + [init]
 
 
 @pytest.mark.parametrize("path", MODEL_PATHS[:6] + [p for p in MODEL_PATHS if p.stem == "mlp_train_step_legacy"], ids=lambda p: p.stem)
@@ -305,8 +318,24 @@ def test_encoded_ops_are_the_ops_the_message_api_builds(path):
     from sgdfuse.lowering.graph_builder import _op_def
 
     lowered, builders = _captured_builders(fused(path))
+    assert len(builders) == 2
     for builder, model in zip(builders, (lowered.model, lowered.init_model)):
         written = {op.name: op for op in model.graph[0].op}
         assert set(written) == set(builder.ops)
         for name, record in builder.ops.items():
             assert written[name] == _op_def(record), name
+
+
+@pytest.mark.parametrize("path", MODEL_PATHS[:6] + [p for p in MODEL_PATHS if p.stem == "mlp_train_step_legacy"], ids=lambda p: p.stem)
+def test_the_init_graph_written_as_its_ops_are_added_is_the_graph_its_records_encode_to(path):
+    # Lowering writes the init graph with a GraphWriter (each op encoded when it is added, no record kept);
+    # the same ops added to a GraphBuilder as records must encode to the same bytes.
+    from sgdfuse.lowering import graph_builder
+
+    lowered, builders = _captured_builders(fused(path))
+    init = builders[1]
+    outputs = [t for _, t in init.ops["NetOutput"].inputs]
+    data = [op.name for op in lowered.init_model.graph[0].op if op.type == "Data"]
+    again = init.to_model_def_bytes(init.name, {"soc_version": b"Ascend950PR_9599"}, inputs=data, outputs=outputs)
+    assert again == lowered.init_bytes()
+    assert isinstance(init, graph_builder.GraphBuilder)

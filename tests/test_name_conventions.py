@@ -6,7 +6,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgdfuse.passes.sgd_match import _BUFFER_NAME, _GRADIENT_NAME, _STATE_PREFIXES, _STATE_SUFFIXES, _convention_flags, previous_by_name
+from sgdfuse.passes.sgd_match import (
+    _BUFFER_NAME, _DIGITS_AS_ZERO, _GRADIENT_NAME, _STATE_PREFIXES, _STATE_SUFFIXES, _convention_flags, _conventions_of, previous_by_name,
+)
 
 # Pieces of real names, and the characters an ignore-case match reads as ASCII letters (long s, dotless i,
 # Kelvin sign, dotted capital I).
@@ -37,6 +39,24 @@ def _previous_reference(output: str, inputs: set[str]) -> str | None:
 @given(_NAMES)
 def test_convention_flags_agree_with_the_patterns(name):
     assert _convention_flags(name) == _regex_flags(name)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_NAMES, max_size=6))
+def test_conventions_asked_once_per_digit_form_agree_with_the_patterns(names):
+    # The patterns read a digit only as a character that is no letter, so a name and its digits made 0
+    # match them alike; the class keys ask each such form once.
+    assert [_regex_flags(name.translate(_DIGITS_AS_ZERO)) for name in names] == [_regex_flags(name) for name in names]
+    known: dict = {}
+    assert _conventions_of(names, known) == [_regex_flags(name) for name in names]
+    assert _conventions_of(names[::-1], known) == [_regex_flags(name) for name in names[::-1]]
+
+
+def test_conventions_of_numbered_names_fall_on_few_forms():
+    known: dict = {}
+    names = [f"{stem}{k}" for k in range(100) for stem in ("grad_p", "buf_p", "nmul_", "state.mom")]
+    assert _conventions_of(names, known) == [_regex_flags(name) for name in names]
+    assert len(known) == 8  # one form per stem and number of digits
 
 
 def test_convention_flags_on_names_an_ignore_case_match_reads_through_unicode():

@@ -3,7 +3,7 @@
 Entry point: :func:`lower` (also ``sgdfuse.lower``). Modules, one concept each:
 
 - ``ge_ir.proto`` / :mod:`.ge_ir` — our wire-compatible GE IR schema and its message classes;
-- :mod:`.graph_builder` — ops, ports, descriptors, edges of one ``GraphDef``;
+- :mod:`.graph_builder` — ops, ports, descriptors, edges of one ``GraphDef`` (op kinds; :class:`GraphWriter` for a graph written as it is built);
 - :mod:`.registry`, :mod:`.context` — the ONNX → GE rule table and what a rule sees;
 - :mod:`.rules_elementwise`, :mod:`.rules_linalg`, :mod:`.rules_tensor`, :mod:`.rules_nn`,
   :mod:`.rules_control` — the rules (layers, normalisation, pooling and losses in ``rules_nn``; ``If`` with
@@ -16,7 +16,7 @@ Entry point: :func:`lower` (also ``sgdfuse.lower``). Modules, one concept each:
 - :mod:`.lower` — the driver; :mod:`.ge_model` — the result (``save_air``, ``to_json``);
 - :mod:`.atc_json` — ATC's model-to-JSON layout; :mod:`.executor` — the numpy reference executor (:mod:`.kernels_nn`: kernels of the
   layer, indexing and activation ops); :mod:`.verify` — the lowered graph run in place against onnxruntime (what
-  ``sgdfuse lower`` checks);
+  ``sgdfuse lower`` checks), cutting the model into parts (:mod:`.parts`, the ops read back by :mod:`.op_scan`);
 - :mod:`.onnx_atc` — ONNX prepared for ATC's own parser, and the op plugin source.
 """
 

@@ -165,7 +165,7 @@ class NodeLowering:
         self.node = node
         self.position = position
         self.name = name or node.name or f"{node.op_type}_{position}"
-        self._attrs = {a.name: a for a in node.attribute}
+        self._attrs: dict[str, onnx.AttributeProto] | None = None  # read on the first attr(): most rules read none
 
     @property
     def opset(self) -> int:
@@ -193,6 +193,8 @@ class NodeLowering:
 
     def attr(self, name: str, default: Any = None) -> Any:
         """An ONNX attribute value (int, float, str, list, numpy array for tensors), or ``default``."""
+        if self._attrs is None:
+            self._attrs = {a.name: a for a in self.node.attribute}
         attribute = self._attrs.get(name)
         if attribute is None:
             return default

@@ -42,16 +42,16 @@ class OpOrder:
         self.hub_after = hub_after
         self.max_hubs = max_hubs
         self._hubs: list[tuple[set[str], set[str]]] = []
-        self.preds: dict[str, set[str]] = {}
-        for name, record in builder.ops.items():
-            sources = {t.op for _, t in record.inputs if t is not None}
-            sources.update(record.controls)
-            self.preds[name] = sources
+        # An op's predecessors are read from its record when first asked for (a few walks visit a few ops);
+        # the successors and the rank take one pass over every record.
+        self.preds: dict[str, set[str]] = _Predecessors(builder)
         self.succs: dict[str, set[str]] = {name: set() for name in builder.ops}
-        for name, sources in self.preds.items():
-            for source in sources:
-                self.succs[source].add(name)
-        self.rank: dict[str, int] = _creation_rank(builder, self.preds) or _sorted_rank(builder, self.preds, self.succs)
+        rank = _creation_rank(builder, self.succs)
+        if rank is None:
+            for name in builder.ops:
+                self.preds[name]  # noqa: B018  (every op's, for the sort)
+            rank = _sorted_rank(builder, self.preds, self.succs)
+        self.rank: dict[str, int] = rank
         self._top = len(self.rank)
 
     def add_op(self, name: str, preds: Iterable[str] = ()) -> None:
@@ -135,18 +135,44 @@ class OpOrder:
         return True
 
 
-def _creation_rank(builder: GraphBuilder, preds: dict[str, set[str]]) -> dict[str, int] | None:
+class _Predecessors(dict):
+    """Op name → the ops it waits for (data and control edges), read from its :class:`OpRecord` the first
+    time they are asked for and kept: edges :meth:`OpOrder.add_edge` adds go into the kept set. A record
+    edited before its set is first read is read as edited: :func:`sgdfuse.lowering.state.order_state_access`
+    adds a control edge to the builder and then to the order, and reads a reader's set (adding the snapshot's
+    edge) before it replaces the reader's input, so every set is the one a walk over all records at
+    construction would have made, plus the edges added since."""
+
+    def __init__(self, builder: GraphBuilder) -> None:
+        super().__init__()
+        self._ops = builder.ops
+
+    def __missing__(self, name: str) -> set[str]:
+        record = self._ops[name]
+        sources = {t.op for _, t in record.inputs if t is not None}
+        sources.update(record.controls)
+        self[name] = sources
+        return sources
+
+
+def _creation_rank(builder: GraphBuilder, succs: dict[str, set[str]]) -> dict[str, int] | None:
     """Creation order as the rank, when it is topological (every op's sources were created before it, which
-    is how rules build a graph), else None. Any topological order serves: reachability answers do not
-    depend on which one, only how far a walk goes does, and a heap sort of every op cost more than the
-    ordering pass's queries."""
+    is how rules build graphs), else None; ``succs`` gets every op's successors either way. Any topological
+    order serves: reachability answers do not depend on which one, only how far a walk goes does, and a heap
+    sort of every op cost more than the ordering pass's queries."""
     rank: dict[str, int] = {}
-    for name in builder.ops:  # creation order
-        for source in preds[name]:
-            if source not in rank:
-                return None
+    topological = True
+    for name, record in builder.ops.items():  # creation order
+        for _, tensor in record.inputs:
+            if tensor is not None:
+                source = tensor.op
+                topological = topological and source in rank
+                succs[source].add(name)
+        for source in record.controls:
+            topological = topological and source in rank
+            succs[source].add(name)
         rank[name] = len(rank)
-    return rank
+    return rank if topological else None
 
 
 def _sorted_rank(builder: GraphBuilder, preds: dict[str, set[str]], succs: dict[str, set[str]]) -> dict[str, int]:

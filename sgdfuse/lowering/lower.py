@@ -19,8 +19,10 @@ Flow:
 8. the init graph assigns the state's initial values.
 
 Cost: linear in the size of the graph (each step is a sweep, the ordering walks are bounded, see
-:mod:`sgdfuse.lowering.dag`); the GE messages are serialised from cached descriptor bytes
-(:mod:`sgdfuse.lowering.graph_builder`).
+:mod:`sgdfuse.lowering.dag`); the sweeps read the index's node facts, not the nodes through protobuf. The GE
+graphs are written from cached bytes: the ops made by the thousand (state variables, graph inputs, ``SGD``
+ops, ``Const`` s, the init graph's) as op kinds whose tail is encoded once per class, the init graph as its
+ops are added (:mod:`sgdfuse.lowering.graph_builder`; docs/lowering.md, "What `sgdfuse lower` costs").
 """
 
 from __future__ import annotations
@@ -33,12 +35,12 @@ import onnx
 from sgdfuse import collector
 from sgdfuse import api
 from sgdfuse.contract import product_line_for_soc
-from sgdfuse.fused_op import default_opset, is_sgd_node
+from sgdfuse.fused_op import DOMAIN, OP_TYPE, default_opset, is_sgd_node
 from sgdfuse.lowering import rules_control, rules_elementwise, rules_linalg, rules_nn, rules_tensor  # noqa: F401  (fill the rule table)
 from sgdfuse.lowering.context import GraphLowering, NodeLowering
 from sgdfuse.lowering.errors import UnsupportedOpError
 from sgdfuse.lowering.ge_model import GEModel
-from sgdfuse.lowering.graph_builder import GraphBuilder, model_def_bytes, strings
+from sgdfuse.lowering.graph_builder import GraphBuilder, strings
 from sgdfuse.lowering.registry import DEFAULT_DOMAIN, rule_for
 from sgdfuse.lowering.scopes import unique_value_names
 from sgdfuse.lowering.soc import check_product_line
@@ -88,33 +90,40 @@ def fused_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
     return prepare(model)[0]
 
 
-def _needed_nodes(index: GraphIndex, plan: StatePlan) -> set[int]:
+def _sgd_positions(index: GraphIndex) -> list[int]:
+    """Positions of the ``ai.sgdfuse::SGD`` nodes, from the index's node facts (no protobuf read)."""
+    return [k for k, (op_type, domain, *_) in enumerate(index.nodes) if op_type == OP_TYPE and domain == DOMAIN]
+
+
+def _needed_nodes(index: GraphIndex, plan: StatePlan, sgd_positions: list[int]) -> set[int]:
     """Positions of the nodes the GE graph needs: what the graph outputs, the ``SGD`` nodes and the state's
     assigned values depend on. An ``SGD`` input that became a variable is not followed, so the
-    ``Shape``/``ConstantOfShape`` behind a zero ``stat`` are never lowered (they would only be pruned)."""
+    ``Shape``/``ConstantOfShape`` behind a zero ``stat`` are never lowered (they would only be pruned).
+    Reads the index's node facts; only a node holding a subgraph is read through protobuf."""
     writable = plan.by_port
     stack = list(index.graph_outputs)
     stack.extend(v.next_value for v in plan.variables if v.next_value)
     needed: set[int] = set()
-    sgd_positions = [k for k, node in enumerate(index.graph.node) if is_sgd_node(node)]
+    nodes = index.nodes
 
     def visit(position: int) -> None:
         if position in needed:
             return
         needed.add(position)
-        node = index.graph.node[position]
-        if is_sgd_node(node):
-            for port, value in enumerate(node.input):
+        op_type, domain, inputs, _, has_subgraph, _ = nodes[position]
+        if op_type == OP_TYPE and domain == DOMAIN:
+            for port, value in enumerate(inputs):
                 variable = writable.get((position, port))
                 if variable is None:
                     stack.append(value)
                 elif variable.assigned:
                     stack.append(variable.assigned)
             return
-        stack.extend(node.input)
-        for attribute in node.attribute:
-            for sub in _subgraphs(attribute):
-                stack.extend(sorted(_outer_reads(sub)))
+        stack.extend(inputs)
+        if has_subgraph:  # no attribute of another node holds a graph
+            for attribute in index.graph.node[position].attribute:
+                for sub in _subgraphs(attribute):
+                    stack.extend(sorted(_outer_reads(sub)))
 
     for position in sgd_positions:
         visit(position)
@@ -130,6 +139,22 @@ def _needed_nodes(index: GraphIndex, plan: StatePlan) -> set[int]:
     return needed
 
 
+
+
+def _require_rules(index: GraphIndex) -> None:
+    """Every node has a lowering rule.
+
+    Raises:
+        UnsupportedOpError: listing every node without one (op type, with its domain unless standard; name).
+    """
+    missing = [
+        (op_type if domain in ("", DEFAULT_DOMAIN) else f"{domain}::{op_type}", k)
+        for k, (op_type, domain, *_) in enumerate(index.nodes)
+        if rule_for(domain, op_type) is None
+    ]
+    if missing:
+        nodes = index.graph.node
+        raise UnsupportedOpError([(op, nodes[k].name or f"#{k}") for op, k in missing])
 
 
 def lower(model: str | os.PathLike | onnx.ModelProto, *, soc: str, optimise: bool = True) -> GEModel:
@@ -159,19 +184,15 @@ def lower(model: str | os.PathLike | onnx.ModelProto, *, soc: str, optimise: boo
 def _lower(model: str | os.PathLike | onnx.ModelProto, soc: str, optimise: bool) -> GEModel:
     line = product_line_for_soc(soc)
     proto, report = prepare(model, optimise=optimise)
-    proto = unique_value_names(proto)  # If branches are inlined: one name per value across scopes
-    graph = proto.graph
     index = build_index(proto)
-    sgd_nodes = [node for node in graph.node if is_sgd_node(node)]
-    check_product_line(index, sgd_nodes, line)
-
-    missing = [
-        (node.op_type if node.domain in ("", DEFAULT_DOMAIN) else f"{node.domain}::{node.op_type}", node.name or f"#{k}")
-        for k, node in enumerate(graph.node)
-        if rule_for(node.domain, node.op_type) is None
-    ]
-    if missing:
-        raise UnsupportedOpError(missing)
+    if index.subgraph_nodes:  # If branches are inlined: one name per value across scopes
+        renamed = unique_value_names(proto)
+        if renamed is not proto:
+            proto, index = renamed, build_index(renamed)
+    graph = proto.graph
+    sgd_positions = _sgd_positions(index)
+    check_product_line(index, sgd_positions, line)
+    _require_rules(index)
 
     plan = plan_state(index)
     builder = GraphBuilder(graph.name or "sgdfuse_graph")
@@ -181,20 +202,20 @@ def _lower(model: str | os.PathLike | onnx.ModelProto, soc: str, optimise: bool)
     add_variables(lowering, plan)
     data_ops: list[str] = []
     data_names: list[str] = []
-    for value in graph.input:
-        if value.name in plan.readable:
+    for name in index.graph_inputs:
+        if name in plan.readable:
             continue
-        spec = index.spec(value.name)
-        record = builder.add("Data", value.name, outputs=[("y", spec)], attrs={"index": len(data_ops)})
-        record.unconnected = [("x", spec)]
+        spec = index.spec(name)
+        kind = builder.kind("graph input", (spec.dtype, spec.shape), "Data", own=("index",))  # the index is each Data op's own
+        record = builder.add("Data", name, outputs=[("y", spec)], attrs={"index": len(data_ops)}, kind=kind, unconnected=[("x", spec)])
         data_ops.append(record.name)
-        data_names.append(value.name)
-        lowering.values[value.name] = record.output(0)
+        data_names.append(name)
+        lowering.values[name] = record.output(0)
 
-    needed = _needed_nodes(index, plan)
-    for position, node in enumerate(graph.node):
-        if position in needed:
-            rule_for(node.domain, node.op_type)(NodeLowering(lowering, node, position))  # type: ignore[misc]
+    nodes = graph.node
+    for position in sorted(_needed_nodes(index, plan, sgd_positions)):
+        op_type, domain, *_ = index.nodes[position]
+        rule_for(domain, op_type)(NodeLowering(lowering, nodes[position], position))  # type: ignore[misc]
     add_write_backs(lowering)
 
     outputs = [lowering.tensor(value.name, reader="graph output") for value in graph.output]
@@ -207,16 +228,15 @@ def _lower(model: str | os.PathLike | onnx.ModelProto, soc: str, optimise: bool)
     name = graph.name or "sgdfuse_model"
     # Kept serialised (canonical bytes, parsed only if someone reads the messages): a parsed step graph of
     # 10,000 updates takes about 280 MB, its init graph 360 MB, their bytes 90 MB together.
-    graph_bytes = builder.to_graph_def_bytes(inputs=data_ops, outputs=final_outputs, attrs={OUTPUT_NAMES_ATTR: strings(output_names)})
+    model_def = builder.to_model_def_bytes(
+        name, {"soc_version": soc.encode()}, inputs=data_ops, outputs=final_outputs, attrs={OUTPUT_NAMES_ATTR: strings(output_names)}
+    )
     sgd_ops = list(lowering.sgd_ops)
     del builder, lowering, index
-    model_def = model_def_bytes(name, [graph_bytes], {"soc_version": soc.encode()})
-    del graph_bytes
 
-    init_builder, init_data, init_feeds = build_init_graph(plan, f"{name}_init")
-    init_outputs = [t for _, t in init_builder.ops["NetOutput"].inputs]
-    init_def = model_def_bytes(f"{name}_init", [init_builder.to_graph_def_bytes(inputs=init_data, outputs=init_outputs)], {"soc_version": soc.encode()})
-    del init_builder
+    init_graph, init_data, init_feeds, init_outputs = build_init_graph(plan, f"{name}_init")
+    init_def = init_graph.to_model_def_bytes(f"{name}_init", {"soc_version": soc.encode()}, inputs=init_data, outputs=init_outputs)
+    del init_graph
 
     return GEModel(
         model=model_def,

@@ -148,7 +148,8 @@ def to_onnx_atc(
     # "ai.onnx" on nodes (an input already written with explicit domains is accepted too).
     _set_domains(result.graph, explicit=False)
     _set_opset_domains(result, explicit=False)
-    check_product_line(build_index(result), [n for n in result.graph.node if is_sgd_node(n)], line)
+    index = build_index(result)
+    check_product_line(index, [k for k, node in enumerate(result.graph.node) if is_sgd_node(node)], line)
     if explicit_onnx_domain:
         _set_domains(result.graph, explicit=True)
         _set_opset_domains(result, explicit=True)

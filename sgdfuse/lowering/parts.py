@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import onnx
 
-from sgdfuse.lowering import ge_ir
+from sgdfuse.lowering import ge_ir, op_scan
 from sgdfuse.lowering.alias import ALIAS_OP_TYPES
 from sgdfuse.lowering.ge_model import GEModel, read_varint
 from sgdfuse.lowering.graph_builder import encode_varint
@@ -99,6 +99,21 @@ class _Ops:
 
 
 def _read_ops(data: bytes, bodies: dict) -> _Ops:
+    """The ops of a ``GraphDef`` from its canonical wire bytes ``data``, each body numbered in ``bodies``:
+    read natively (:mod:`sgdfuse.lowering.op_scan`) where the reader builds and takes the bytes, else by
+    :func:`_read_python_ops`, whose answer the native reader's is (tests/test_lowering_op_scan.py).
+
+    Raises:
+        ValueError: the wire bytes are not laid out as expected (a bug, never a user error).
+    """
+    native = op_scan.read_ops(data, bodies)
+    if native is None:
+        return _read_python_ops(data, bodies)
+    names, spans, types, numbers, sources, position, net_output = native
+    return _Ops(data, spans, names, types, numbers, sources, position, net_output)
+
+
+def _read_python_ops(data: bytes, bodies: dict) -> _Ops:
     """The ops of a ``GraphDef`` from its canonical wire bytes ``data`` (no message per op). ``bodies``
     interns each op's type with the bytes that follow its name, type and inputs (upb writes fields in number
     order; an edge written later would stay in those bytes, literally, which only splits classes). A
@@ -364,14 +379,16 @@ class LoweredParts:
         step, init = self.step, self.init
         local_step = {k: n for n, k in enumerate(part.step_ops)}
         local_init = {k: n for n, k in enumerate(part.init_ops)}
-        entries: list = []
+        # One list of entries per graph: concatenated, a part with one more step op and one fewer init op
+        # could describe like another whose next op holds the same bytes.
+        entries: tuple[list, list] = ([], [])
         variables = []
         fed = []
-        for ops, positions, local, feeds_of in ((step, part.step_ops, local_step, lowered.input_names),
-                                                (init, part.init_ops, local_init, lowered.init_inputs)):
+        for ops, positions, local, feeds_of, entries_of in ((step, part.step_ops, local_step, lowered.input_names, entries[0]),
+                                                            (init, part.init_ops, local_init, lowered.init_inputs, entries[1])):
             for k in positions:
                 edges = [(local.get(j, -3) if j >= 0 else j, index) for j, index in ops.sources[k]]
-                entries.append((ops.bodies[k], edges))
+                entries_of.append((ops.bodies[k], edges))
                 op_type, name = ops.types[k], ops.names[k]
                 if op_type == "Data":
                     fed.append((local[k], rename(feeds_of.get(name, ""))))
@@ -442,7 +459,7 @@ def _sub_model_def(ops: _Ops, positions: Sequence[int], outputs: Sequence[int] |
     producer is kept)."""
     fields = [ops.op_field(k) for k in positions]
     if ops.net_output >= 0:
-        net = ops.op(ops.net_output)
+        net = ops.op(ops.net_output)  # parsed per run: a copy kept across runs raised the check's peak by 200 MB at 50k
         if outputs is None:
             kept = set(positions)
             outputs = [n for n, (j, index) in enumerate(ops.sources[ops.net_output]) if j in kept and index >= 0]

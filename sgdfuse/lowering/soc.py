@@ -34,8 +34,9 @@ def sgd_tensor_specs(index: GraphIndex, node: onnx.NodeProto) -> list[TensorSpec
     return [index.spec(node.input[i]) if i < len(node.input) else TensorSpec(port.name, None, 0) for i, port in enumerate(INPUTS)]
 
 
-def check_product_line(index: GraphIndex, nodes: Iterable[onnx.NodeProto], line: ProductLine) -> None:
-    """Refuse the first ``SGD`` node that breaks ``line``'s limits or the operator's signature.
+def check_product_line(index: GraphIndex, positions: Iterable[int], line: ProductLine) -> None:
+    """Refuse the first ``SGD`` node (of those at ``positions`` in ``index``'s graph) that breaks ``line``'s
+    limits or the operator's signature.
 
     Raises:
         ProductLineError: dtype not supported on ``line``; a dynamic shape where ``line`` has none;
@@ -44,14 +45,16 @@ def check_product_line(index: GraphIndex, nodes: Iterable[onnx.NodeProto], line:
             ``learning_rate``/``momentum`` that is not one element), with the node named.
     """
     # Every clause reads only the dtypes and shapes (names appear in messages alone), and a graph of N
-    # updates has a few distinct signatures: each is checked once.
+    # updates has a few distinct signatures: each is checked once. The inputs come from the index's node
+    # facts; a node is read through protobuf only when its signature is new (for its name).
     passed: set[tuple] = set()
-    for node in nodes:
-        name = node.name or "SGD"
-        specs = sgd_tensor_specs(index, node)
-        signature = tuple((spec.dtype, spec.shape) for spec in specs)
+    for position in positions:
+        signature = _signature(index, index.nodes[position][2])
         if signature in passed:
             continue
+        node = index.graph.node[position]
+        name = node.name or "SGD"
+        specs = sgd_tensor_specs(index, node)
         for spec in specs:
             line.check(spec, node=name)
         parameters = specs[0]
@@ -73,6 +76,18 @@ def check_product_line(index: GraphIndex, nodes: Iterable[onnx.NodeProto], line:
         except ContractError as error:
             raise _with_node(error, name) from error
         passed.add(signature)
+
+
+def _signature(index: GraphIndex, inputs: tuple[str, ...]) -> tuple:
+    """``(dtype, shape)`` of each of the six inputs of an ``SGD`` node reading ``inputs``, as
+    :func:`sgd_tensor_specs` gives them (dtype 0 and shape None for an unknown or absent input)."""
+    specs = index.specs
+    unknown = (0, None)
+    found = []
+    for i in range(len(INPUTS)):
+        spec = specs.get(inputs[i]) if i < len(inputs) else None
+        found.append(unknown if spec is None else (spec.dtype, spec.shape))
+    return tuple(found)
 
 
 def _with_node(error: ContractError, node: str) -> ContractError:

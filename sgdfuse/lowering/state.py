@@ -130,7 +130,7 @@ from sgdfuse.lowering import alias, ge_ir
 from sgdfuse.lowering.context import GraphLowering, NodeLowering
 from sgdfuse.lowering.dag import OpOrder
 from sgdfuse.lowering.errors import InPlaceStateError
-from sgdfuse.lowering.graph_builder import GraphBuilder, OpRecord, Tensor, add_const, tensor_def
+from sgdfuse.lowering.graph_builder import GraphBuilder, GraphWriter, OpKind, Tensor, add_const, tensor_def
 from sgdfuse.lowering.registry import register
 from sgdfuse.passes.index import GraphIndex, _outer_reads, _subgraphs
 from sgdfuse.runtime import onnx_to_numpy_dtype
@@ -224,19 +224,30 @@ def _is_sgd(node: onnx.NodeProto) -> bool:
     return node.op_type == OP_TYPE and node.domain == DOMAIN
 
 
+def _followed(index: GraphIndex, value: str, op_types: Sequence[str]) -> str | None:
+    """Input 0 of the standard ``op_types`` node producing ``value``, or None (read from the node facts)."""
+    position = index.producer.get(value)
+    if position is None:
+        return None
+    op_type, domain, inputs, *_ = index.nodes[position]
+    if op_type not in op_types or domain not in _STANDARD or not inputs:
+        return None
+    return inputs[0]
+
+
 def _through(index: GraphIndex, value: str, op_types: Sequence[str]) -> str:
     """Follow input 0 of standard ``op_types`` nodes back from ``value``."""
-    node = index.node(value)
-    if node is None or node.op_type not in op_types or node.domain not in _STANDARD or not node.input:
+    source = _followed(index, value, op_types)
+    if source is None:
         return value  # nothing to follow, as for nearly every value: no set allocated
     seen = {value}
-    value = node.input[0]
+    value = source
     while value not in seen:
         seen.add(value)
-        node = index.node(value)
-        if node is None or node.op_type not in op_types or node.domain not in _STANDARD or not node.input:
+        source = _followed(index, value, op_types)
+        if source is None:
             return value
-        value = node.input[0]
+        value = source
     return value
 
 
@@ -245,10 +256,13 @@ def _zero_fill(index: GraphIndex, value: str, memo: dict[bytes, bool]) -> bool:
     zero is zero in every float type). ``memo`` keeps the answer per serialised ``value`` attribute: the
     rewrite gives every update's ``stat`` its own ``ConstantOfShape`` with the same one-element value, and
     converting it to an array each time cost more than the rest of the plan."""
-    node = index.node(_through(index, value, ("Identity", "Cast", "CastLike")))
-    if node is None or node.op_type != "ConstantOfShape" or node.domain not in _STANDARD:
+    position = index.producer.get(_through(index, value, ("Identity", "Cast", "CastLike")))
+    if position is None:
         return False
-    for attribute in node.attribute:
+    op_type, domain, *_ = index.nodes[position]
+    if op_type != "ConstantOfShape" or domain not in _STANDARD:
+        return False
+    for attribute in index.graph.node[position].attribute:
         if attribute.name == "value":
             key = attribute.SerializeToString(deterministic=True)
             found = memo.get(key)
@@ -327,14 +341,15 @@ def plan_state(index: GraphIndex) -> StatePlan:
     selections = _selections(index)
     zero_fills: dict[bytes, bool] = {}
     outputs = set(index.graph_outputs)
-    for position, node in enumerate(index.graph.node):
-        if not _is_sgd(node):
+    graph_nodes = index.graph.node
+    for position, (op_type, domain, node_inputs, node_outputs, *_) in enumerate(index.nodes):
+        if op_type != OP_TYPE or domain != DOMAIN:
             continue
-        node_name = node.name or f"SGD_{position}"
-        parameters_spec = index.spec(node.input[0]) if node.input else TensorSpec("parameters", None, 0)
+        node_name = graph_nodes[position].name or f"SGD_{position}"
+        parameters_spec = index.spec(node_inputs[0]) if node_inputs else TensorSpec("parameters", None, 0)
         for port in WRITABLE_PORTS:
             role = INPUTS[port].name
-            value = _through(index, node.input[port], ("Identity",)) if port < len(node.input) else ""
+            value = _through(index, node_inputs[port], ("Identity",)) if port < len(node_inputs) else ""
             subject = f"node {node_name}, input {role} ({value or 'absent'})"
             if not value:
                 raise InPlaceStateError(subject, f"the {role} input is missing; the SGD op writes it in place")
@@ -375,11 +390,11 @@ def plan_state(index: GraphIndex) -> StatePlan:
             shape_from = by_port[(position, 0)].name if fresh and (position, 0) in by_port else None
             if fresh and not spec.is_static and shape_from is None:
                 raise InPlaceStateError(subject, "a computed parameters input of dynamic shape cannot be sized for its variable")
-            next_value = _next_value(index, selections, node, port, spec)
+            next_value = _next_value(index, selections, node_inputs, node_outputs, port, spec)
             guard = None
             if not fresh and role != "stat":
                 out_index = _NEW_VALUE_OF_PORT[port]
-                new_value = next_value or (node.output[out_index] if out_index < len(node.output) else "")
+                new_value = next_value or (node_outputs[out_index] if out_index < len(node_outputs) else "")
                 guard = _guard(index, outputs, new_value, state, spec, role, subject) if new_value else None
             variable = StateVariable(
                 name=name,
@@ -468,8 +483,12 @@ def _selections(index: GraphIndex) -> dict[str, list[tuple[onnx.NodeProto, int]]
     ``Identity(accum_out)``. A user's ``If`` that selects on the momentum (a monitor output) is an ordinary
     node: its result is never written into the buffer."""
     found: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
-    for node in index.graph.node:
-        if node.op_type != "If" or node.domain not in _STANDARD or not node.name.startswith("sgdfuse/") or len(node.output) != 1:
+    for position in index.subgraph_nodes:  # an If with its branches holds subgraphs
+        op_type, domain, *_ = index.nodes[position]
+        if op_type != "If" or domain not in _STANDARD:
+            continue
+        node = index.graph.node[position]
+        if not node.name.startswith("sgdfuse/") or len(node.output) != 1:
             continue
         branches = {a.name: a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH}
         then_branch, else_branch = branches.get("then_branch"), branches.get("else_branch")
@@ -487,17 +506,23 @@ def _selections(index: GraphIndex) -> dict[str, list[tuple[onnx.NodeProto, int]]
 
 
 def _next_value(
-    index: GraphIndex, selections: dict[str, list[tuple[onnx.NodeProto, int]]], node: onnx.NodeProto, port: int, spec: TensorSpec
+    index: GraphIndex,
+    selections: dict[str, list[tuple[onnx.NodeProto, int]]],
+    inputs: Sequence[str],
+    outputs: Sequence[str],
+    port: int,
+    spec: TensorSpec,
 ) -> str | None:
     """The output of the runtime-momentum ``If`` that replaces this port's new value (module docstring): the
-    rewrite's ``If`` (:func:`_selections`) on ``Equal`` of this node's momentum."""
+    rewrite's ``If`` (:func:`_selections`) on ``Equal`` of the momentum of the ``SGD`` node reading
+    ``inputs`` and writing ``outputs``."""
     out_index = _OUTPUT_OF_PORT.get(port)
-    if out_index is None or out_index >= len(node.output) or not node.output[out_index] or len(node.input) < 5:
+    if out_index is None or out_index >= len(outputs) or not outputs[out_index] or len(inputs) < 5:
         return None
-    selectors = selections.get(node.output[out_index])
+    selectors = selections.get(outputs[out_index])
     if not selectors:  # the common case: no runtime momentum
         return None
-    momentum = _through(index, node.input[4], ("Identity",))
+    momentum = _through(index, inputs[4], ("Identity",))
     for selector, k in selectors:
         condition = index.node(selector.input[0]) if selector.input else None
         if condition is None or condition.op_type != "Equal" or condition.domain not in _STANDARD:
@@ -625,9 +650,11 @@ def add_variables(graph: GraphLowering, plan: StatePlan) -> dict[str, str]:
         state variable name → ``Variable`` op name.
     """
     ops: dict[str, str] = {}
+    builder = graph.builder
     for variable in plan.variables:
-        record = graph.builder.add("Variable", variable.name, outputs=[("y", variable.spec)])
-        record.unconnected = [("x", variable.spec)]
+        spec = variable.spec
+        kind = builder.kind("state variable", (spec.dtype, spec.shape), "Variable")  # a few classes of variables: one tail each
+        record = builder.add("Variable", variable.name, outputs=[("y", spec)], kind=kind, unconnected=[("x", spec)])
         ops[variable.name] = record.name
         if plan.readable.get(variable.onnx_value) is variable:
             graph.values[variable.onnx_value] = record.output(0)
@@ -644,13 +671,17 @@ def lower_sgd(ctx: NodeLowering) -> None:
     graph = ctx.graph
     plan: StatePlan = graph.state
     builder = graph.builder
+    index = graph.index
+    position = ctx.position
+    states = {port: plan.by_port[(position, port)] for port in WRITABLE_PORTS}
+    # The node's inputs and outputs from the index's facts (ctx.node is the main graph's node at this position).
+    node_inputs, outputs = index.nodes[position][2:4]
 
     # The variables' tensors, once per port (each output() call makes a new Tensor).
-    sources = {port: builder.ops[graph.variable_ops[plan.by_port[(ctx.position, port)].name]].output(0) for port in WRITABLE_PORTS}
+    sources = {port: builder.ops[graph.variable_ops[state.name]].output(0) for port, state in states.items()}
 
     assigns: list[str] = []
-    for port in WRITABLE_PORTS:
-        state = plan.by_port[(ctx.position, port)]
+    for port, state in states.items():
         if state.assigned is None:
             continue
         value = graph.tensor(state.assigned, reader=ctx.name)
@@ -665,43 +696,63 @@ def lower_sgd(ctx: NodeLowering) -> None:
         assigns.append(assign.name)
 
     attributes = read_sgd_attributes(ctx.node)
-    inputs = [(port.name, sources[port.index] if port.writable else ctx.input(port.index)) for port in INPUTS]
-    op = ctx.op(
-        "SGD",
-        inputs,
-        [("parameters", ctx.output_spec(0))],
-        {
-            "dampening": float(attributes.dampening),
-            "weight_decay": float(attributes.weight_decay),
-            "nesterov": bool(attributes.nesterov),
-            # GE marks an op whose input and output share a name as a ref op; recorded as GE records it.
-            "reference": True,
-        },
+    # ctx.input(i) of each port read as a value, in port order (an initializer's Const is made on its first
+    # read), with the input's name from the facts
+    inputs = [
+        (port.name, sources[port.index] if port.writable else _read_input(graph, node_inputs, port.index, ctx.name))
+        for port in INPUTS
+    ]
+    output = index.spec(outputs[0])
+    attrs = {
+        "dampening": float(attributes.dampening),
+        "weight_decay": float(attributes.weight_decay),
+        "nesterov": bool(attributes.nesterov),
+        # GE marks an op whose input and output share a name as a ref op; recorded as GE records it.
+        "reference": True,
+    }
+    # The updates of one hyper-parameter set and one dtype and shape are one kind of op (graph_builder.OpKind):
+    # keyed by every port's dtype and shape and the attribute values (repr, so that -0.0 and 0.0 stay apart).
+    key = (
+        tuple(None if t is None else (t.spec.dtype, t.spec.shape) for _, t in inputs),
+        output.dtype, output.shape, repr(attrs["dampening"]), repr(attrs["weight_decay"]), attrs["nesterov"],
     )
+    op = builder.add("SGD", ctx.name, inputs, [("parameters", output)], kind=builder.kind("update", key, "SGD", attrs))
     for assign in assigns:
         builder.add_control(op.name, assign)
-    for port in WRITABLE_PORTS:
-        graph.writers.setdefault(plan.by_port[(ctx.position, port)].name, []).append(op.name)
+    writers = graph.writers
+    for state in states.values():
+        writers.setdefault(state.name, []).append(op.name)
     graph.sgd_ops.append(op.name)
-    ctx.set_output(0, op.output(0))
-    parameters = plan.by_port[(ctx.position, 0)]
-    if parameters.next_value is not None and _read_besides(graph.index, plan, ctx.node.output[0], parameters.next_value):
+    values = graph.values
+    if outputs[0]:
+        values[outputs[0]] = op.output(0)
+    parameters = states[0]
+    if parameters.next_value is not None and _read_besides(index, plan, outputs[0], parameters.next_value):
         # A guarded parameters variable is restored by its write-back on a skipped step, and output 0 is a ref
         # of that variable: readers of the op's result other than the guard read a copy taken before that.
-        copy = ctx.op("TensorMove", [("x", op.output(0))], [("y", ctx.output_spec(0))], suffix="parameters_after_write")
+        copy = ctx.op("TensorMove", [("x", op.output(0))], [("y", output)], suffix="parameters_after_write")
         graph.after_write.add(copy.name)
         graph.after_write_of.setdefault(parameters.name, []).append(copy.name)
-        ctx.set_output(0, copy.output(0))
+        if outputs[0]:
+            values[outputs[0]] = copy.output(0)
     for out_index, port in ((1, 3), (2, 5)):
-        value = ctx.node.output[out_index] if out_index < len(ctx.node.output) else ""
-        if not value or not graph.index.is_used(value):
+        value = outputs[out_index] if out_index < len(outputs) else ""
+        # index.is_used(value), with the graph outputs the plan holds as a set already
+        if not value or not (value in plan.graph_outputs or index.consumers.get(value) or value in index.subgraph_reads):
             continue
         role = INPUTS[port].name
-        snapshot = ctx.op("TensorMove", [("x", sources[port])], [("y", ctx.output_spec(out_index))], suffix=f"{role}_after_write")
+        source, copied = sources[port], index.spec(value)
+        kind = builder.kind("after write", (source.spec.dtype, source.spec.shape, copied.dtype, copied.shape), "TensorMove")
+        snapshot = builder.add("TensorMove", f"{ctx.name}/{role}_after_write", [("x", source)], [("y", copied)], kind=kind)
         builder.add_control(snapshot.name, op.name)
         graph.after_write.add(snapshot.name)
-        graph.after_write_of.setdefault(plan.by_port[(ctx.position, port)].name, []).append(snapshot.name)
-        ctx.set_output(out_index, snapshot.output(0))
+        graph.after_write_of.setdefault(states[port].name, []).append(snapshot.name)
+        values[value] = snapshot.output(0)
+
+
+def _read_input(graph: GraphLowering, inputs: tuple[str, ...], i: int, reader: str) -> Tensor | None:
+    """The GE tensor of input ``i`` of a node reading ``inputs``, None when absent (NodeLowering.input)."""
+    return graph.tensor(inputs[i], reader=reader) if i < len(inputs) and inputs[i] else None
 
 
 def _read_besides(index: GraphIndex, plan: StatePlan, value: str, guarded: str) -> bool:
@@ -847,55 +898,65 @@ def prune(builder: GraphBuilder, roots: Sequence[str] = ("NetOutput", "SGD", "As
         del builder.ops[name]
 
 
-def build_init_graph(plan: StatePlan, name: str) -> tuple[GraphBuilder, list[str], dict[str, str]]:
+def build_init_graph(
+    plan: StatePlan, name: str, *, graph: GraphBuilder | GraphWriter | None = None
+) -> tuple[GraphBuilder | GraphWriter, list[str], dict[str, str], list[Tensor]]:
     """The init graph: ``Assign`` each state variable its initial value.
 
+    Args:
+        graph: where the ops go; by default a :class:`GraphWriter` (nothing edits the init graph, so its ops
+            are written as they are added). A :class:`GraphBuilder` gets the same ops as records.
+
     Returns:
-        ``(builder, data op names in index order, data op name → ONNX graph input it takes)``.
+        ``(graph, data op names in index order, data op name → ONNX graph input it takes, the graph's outputs:
+        the Assign s' results, which the NetOutput reads)``.
     """
-    builder = GraphBuilder(name)
+    # A graph of N updates assigns 3N variables with ops of a few classes (dtype, shape and source): each op
+    # is added as its class's OpKind, so its tail is encoded once per class (graph_builder.OpKind).
+    builder = graph if graph is not None else GraphWriter(name)
     data_ops: list[str] = []
     feeds: dict[str, str] = {}
     assigned: dict[str, Tensor] = {}
     outputs: list[Tensor] = []
     zero_values: dict[tuple, object] = {}
-    refs: dict[str, OpRecord] = {}
+    assign_kinds: dict[tuple, OpKind] = {}
+    refs: dict[str, Tensor] = {}
     for variable in plan.variables:  # first, so that no other op takes a variable's name
-        refs[variable.name] = ref = builder.add("Variable", variable.name, outputs=[("y", variable.spec)])
-        ref.unconnected = [("x", variable.spec)]
+        spec = variable.spec
+        kind = builder.kind("state variable", (spec.dtype, spec.shape), "Variable")
+        refs[variable.name] = builder.add("Variable", variable.name, outputs=[("y", spec)], kind=kind, unconnected=[("x", spec)]).output(0)
     for variable in plan.variables:
-        ref = refs[variable.name]
+        spec = variable.spec
+        key = (spec.dtype, spec.shape)
         if variable.source == _SOURCE_INPUT:
-            data = builder.add("Data", f"{variable.name}/initial_value", outputs=[("y", variable.spec)], attrs={"index": len(data_ops)})
-            data.unconnected = [("x", variable.spec)]
+            kind = builder.kind("initial value input", key, "Data", own=("index",))
+            data = builder.add("Data", f"{variable.name}/initial_value", outputs=[("y", spec)], attrs={"index": len(data_ops)}, kind=kind, unconnected=[("x", spec)])
             data_ops.append(data.name)
             feeds[data.name] = variable.onnx_value
             value = data.output(0)
         elif variable.source == _SOURCE_INITIALIZER:
-            value = add_const(builder, f"{variable.name}/initial_value", np.asarray(variable.initial), onnx_dtype=variable.spec.dtype)
-        elif variable.spec.is_static:
-            key = (variable.spec.dtype, variable.spec.shape)
+            value = add_const(builder, f"{variable.name}/initial_value", np.asarray(variable.initial), onnx_dtype=spec.dtype)
+        elif spec.is_static:
             if key not in zero_values:  # one tensor per shape and dtype, shared by the Const ops
-                zeros = np.zeros(tuple(variable.spec.shape), dtype=onnx_to_numpy_dtype(variable.spec.dtype))  # type: ignore[arg-type]
+                zeros = np.zeros(tuple(spec.shape), dtype=onnx_to_numpy_dtype(spec.dtype))  # type: ignore[arg-type]
                 zero_values[key] = ge_ir.AttrDef()
-                zero_values[key].t.CopyFrom(tensor_def(zeros, onnx_dtype=variable.spec.dtype))
-            spec = TensorSpec(f"{variable.name}/zeros", variable.spec.shape, variable.spec.dtype)
-            value = builder.add("Const", f"{variable.name}/zeros", outputs=[("y", spec)], attrs={"value": zero_values[key]}).output(0)
+                zero_values[key].t.CopyFrom(tensor_def(zeros, onnx_dtype=spec.dtype))
+            kind = builder.kind("zeros", key, "Const", {"value": zero_values[key]})
+            zeros_spec = TensorSpec(f"{variable.name}/zeros", spec.shape, spec.dtype)
+            value = builder.add("Const", f"{variable.name}/zeros", outputs=[("y", zeros_spec)], kind=kind).output(0)
         else:
             # Dynamic shape (950 series): zeros shaped like the parameters assigned in this graph.
             like = assigned[variable.shape_from]  # type: ignore[index]
             dims_spec = TensorSpec(f"{variable.name}/dims", (len(like.spec.shape),) if like.spec.shape is not None else (None,), onnx.TensorProto.INT64)
             dims = builder.add("Shape", f"{variable.name}/dims", [("x", like)], [("y", dims_spec)], {"dtype": ge_ir.ONNX_TO_GE_CPP_DTYPE[onnx.TensorProto.INT64]}).output(0)
-            zero = add_const(builder, f"{variable.name}/zero", np.zeros((), dtype=onnx_to_numpy_dtype(variable.spec.dtype)), onnx_dtype=variable.spec.dtype)
-            value = builder.add("Fill", f"{variable.name}/zeros", [("dims", dims), ("value", zero)], [("y", variable.spec)]).output(0)
-        assign = builder.add(
-            "Assign",
-            f"{variable.name}/assign",
-            [("ref", ref.output(0)), ("value", value)],
-            [("ref", variable.spec)],
-            {"validate_shape": variable.spec.is_static, "use_locking": False},
-        )
+            zero = add_const(builder, f"{variable.name}/zero", np.zeros((), dtype=onnx_to_numpy_dtype(spec.dtype)), onnx_dtype=spec.dtype)
+            value = builder.add("Fill", f"{variable.name}/zeros", [("dims", dims), ("value", zero)], [("y", spec)]).output(0)
+        assign_key = (key, value.spec.dtype, value.spec.shape)
+        kind = assign_kinds.get(assign_key)
+        if kind is None:
+            kind = assign_kinds[assign_key] = builder.kind("initial assign", assign_key, "Assign", {"validate_shape": spec.is_static, "use_locking": False})
+        assign = builder.add("Assign", f"{variable.name}/assign", [("ref", refs[variable.name]), ("value", value)], [("ref", spec)], kind=kind)
         assigned[variable.name] = value
         outputs.append(assign.output(0))
     builder.add("NetOutput", "NetOutput", [(f"x{k}", t) for k, t in enumerate(outputs)])
-    return builder, data_ops, feeds
+    return builder, data_ops, feeds, outputs

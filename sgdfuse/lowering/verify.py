@@ -115,10 +115,13 @@ def _overflow_inputs(fused: onnx.ModelProto, lowered: GEModel, inputs: list[onnx
     """The runtime inputs fed +inf on the overflow step (module docstring): float graph inputs that a guard
     condition computed in the graph is computed from, the one-element ones if there are any. State inputs
     are never among them (their values are chained)."""
+    guards = [v.guarded_by for v in lowered.state if v.guarded_by]
+    if not guards:  # no guarded update (the common case): no table of every node's outputs
+        return []
     runtime_floats = {i.name: i for i in inputs if i.type.tensor_type.elem_type in TOLERANCES}
     state = {v.onnx_value for v in lowered.state}
     producers = {output: node for node in fused.graph.node for output in node.output}
-    stack = [v.guarded_by for v in lowered.state if v.guarded_by and v.guarded_by in producers]
+    stack = [guard for guard in guards if guard in producers]
     seen: set[str] = set()
     while stack:
         value = stack.pop()

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
+import itertools
 import logging
 import math
+import operator
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -41,6 +44,14 @@ logger = logging.getLogger(__name__)
 
 _EPS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 """The dtypes the SGD operator keeps state in (the only candidates for an update)."""
+
+_NO_SPEC = TensorSpec("", None, 0)
+"""``GraphIndex.spec`` of a value without one (dtype 0)."""
+
+_dtype_of = operator.attrgetter("dtype")
+
+_COPY_OPS = frozenset({"Identity", "Cast", "CastLike"})
+"""The ops :func:`_skip_copies` may follow (any other producer makes a value its own copy-free value)."""
 
 
 class LazyText:
@@ -126,34 +137,38 @@ class Match:
     def with_equations(self) -> "Match":
         """This match with :attr:`parameter_equation` and :attr:`accum_equation` written (lazily) from
         :attr:`equation_forms`, in terms of its own values."""
-        w, v, p, a, g = self.parameters_out, self.accum_out, self.parameters, self.accum, self.gradient
         parameter_form, buffer_form = self.equation_forms
-        self.parameter_equation = LazyText(lambda: f"{w} = {format_form(parameter_form, [p, v, a])}")
-        self.accum_equation = LazyText(lambda: f"{v} = {format_form(buffer_form, [a, g, p])}")
+        self.parameter_equation, self.accum_equation = _equations(
+            self.parameters, self.gradient, self.accum, self.parameters_out, self.accum_out, parameter_form, buffer_form
+        )
         return self
 
     def renamed(self, names: Mapping[str, str], nodes: Mapping[int, int]) -> "Match":
         """This match for another member of its structural class (:mod:`sgdfuse.passes.classes`): every value
         name through ``names`` and node index through ``nodes`` (names and nodes not in them, shared by the
         members, stay), its equations rewritten from the renamed forms."""
-        name = lambda value: names.get(value, value)  # noqa: E731
+        name = names.get
         parameter_form, buffer_form = self.equation_forms
         # A copy of every field, then the renamed ones (what dataclasses.replace does, without its per-field
         # introspection: this runs once per renamed update, ten thousand times on a large step).
         renamed = object.__new__(type(self))
         renamed.__dict__.update(
             self.__dict__,
-            parameters=name(self.parameters),
-            gradient=name(self.gradient),
-            accum=name(self.accum),
-            parameters_out=name(self.parameters_out),
-            accum_out=name(self.accum_out),
+            parameters=name(self.parameters, self.parameters),
+            gradient=name(self.gradient, self.gradient),
+            accum=name(self.accum, self.accum),
+            parameters_out=name(self.parameters_out, self.parameters_out),
+            accum_out=name(self.accum_out, self.accum_out),
             learning_rate=_renamed_poly(self.learning_rate, names),
             momentum=_renamed_poly(self.momentum, names),
-            nodes={nodes.get(k, k) for k in self.nodes},
-            first_step=None if self.first_step is None else dataclasses.replace(self.first_step, condition=name(self.first_step.condition)),
+            nodes=set(map(nodes.get, self.nodes, self.nodes)),
+            first_step=None if self.first_step is None else dataclasses.replace(self.first_step, condition=name(self.first_step.condition, self.first_step.condition)),
             guard=None if self.guard is None else dataclasses.replace(
-                self.guard, output=name(self.guard.output), new=name(self.guard.new), old=name(self.guard.old), condition=name(self.guard.condition)
+                self.guard,
+                output=name(self.guard.output, self.guard.output),
+                new=name(self.guard.new, self.guard.new),
+                old=name(self.guard.old, self.guard.old),
+                condition=name(self.guard.condition, self.guard.condition),
             ),
             rounded=dict(self.rounded),
             equation_forms=(_renamed_form(parameter_form, names), _renamed_form(buffer_form, names)),
@@ -161,14 +176,96 @@ class Match:
         return renamed.with_equations()
 
 
+def _equations(p: str, g: str, a: str, w: str, v: str, parameter_form: Form, buffer_form: Form) -> tuple[LazyText, LazyText]:
+    """:attr:`Match.parameter_equation` and :attr:`Match.accum_equation`, written when first read."""
+    return (
+        LazyText(functools.partial(_equation, w, parameter_form, [p, v, a])),
+        LazyText(functools.partial(_equation, v, buffer_form, [a, g, p])),
+    )
+
+
+def _equation(left: str, form: Form, order: list[str]) -> str:
+    return f"{left} = {format_form(form, order)}"
+
+
+def _renamer(match: Match, values: list[str], nodes: list[int]) -> Callable[[list[str], list[int]], Match]:
+    """:meth:`Match.renamed` of ``match`` for the other members of its structural class, as a function of a
+    member's values and nodes, which correspond by position to ``values`` and ``nodes`` (the solved member's).
+
+    Each name the match holds is read once here as a position among ``values`` (or as itself, when shared by
+    the members), so that a member's names are one ``itemgetter`` away; a match with runtime coefficients, a
+    first-step rule or a guard is renamed by :meth:`Match.renamed`."""
+    parameter_form, buffer_form = match.equation_forms
+    if (
+        match.first_step is not None
+        or match.guard is not None
+        or not all(map(_is_constant, (match.learning_rate, match.momentum, *parameter_form.values(), *buffer_form.values())))
+    ):
+        return lambda member_values, member_nodes: match.renamed(dict(zip(values, member_values)), dict(zip(nodes, member_nodes)))
+    fields = (match.parameters, match.gradient, match.accum, match.parameters_out, match.accum_out)
+    names, names_staying = _positions([*fields, *parameter_form, *buffer_form], values)
+    node_positions, nodes_staying = _positions(list(match.nodes), nodes)
+    split = len(fields) + len(parameter_form)
+    parameter_coefficients, buffer_coefficients = list(parameter_form.values()), list(buffer_form.values())
+
+    def rename(member_values: list[str], member_nodes: list[int]) -> Match:
+        renamed_names = names(member_values + names_staying)
+        p, g, a, w, v = renamed_names[:5]
+        parameter_form = dict(zip(renamed_names[len(fields):split], parameter_coefficients))
+        buffer_form = dict(zip(renamed_names[split:], buffer_coefficients))
+        parameter_equation, accum_equation = _equations(p, g, a, w, v, parameter_form, buffer_form)
+        renamed = object.__new__(Match)
+        # As Match.renamed: a copy of every field, then the renamed ones (its equations written from its forms).
+        renamed.__dict__.update(
+            match.__dict__,
+            parameters=p,
+            gradient=g,
+            accum=a,
+            parameters_out=w,
+            accum_out=v,
+            nodes=set(node_positions(member_nodes + nodes_staying)),
+            rounded=dict(match.rounded),
+            equation_forms=(parameter_form, buffer_form),
+            parameter_equation=parameter_equation,
+            accum_equation=accum_equation,
+        )
+        return renamed
+
+    return rename
+
+
+def _positions(items: list, among: list) -> tuple[Callable[[list], tuple], list]:
+    """``(getter, staying)``: ``getter(member + staying)`` is ``items`` with each item of ``among`` replaced by the
+    entry of ``member`` at its position, and every other item kept (``staying`` holds those)."""
+    where = dict(zip(among, range(len(among))))
+    staying: list = []
+    positions = []
+    for item in items:
+        position = where.get(item)
+        if position is None:
+            position = len(among) + len(staying)
+            staying.append(item)
+        positions.append(position)
+    getter = operator.itemgetter(*positions) if positions else (lambda _: ())
+    if len(positions) == 1:
+        return (lambda member: (getter(member),)), staying
+    return getter, staying
+
+
+def _is_constant(poly: Poly) -> bool:
+    """:attr:`Poly.is_constant`, as a function."""
+    return poly.is_constant
+
+
 def _renamed_poly(poly: Poly, names: Mapping[str, str]) -> Poly:
-    if poly.is_constant:
-        return poly
-    return Poly({tuple(sorted((names.get(s, s), power) for s, power in monomial)): c for monomial, c in poly.terms.items()})
+    terms = poly.terms
+    if not terms or (len(terms) == 1 and () in terms):
+        return poly  # a constant (Poly.is_constant, inline: most coefficients are)
+    return Poly({tuple(sorted((names.get(s, s), power) for s, power in monomial)): c for monomial, c in terms.items()})
 
 
 def _renamed_form(form: Form, names: Mapping[str, str]) -> Form:
-    return {names.get(leaf, leaf): _renamed_poly(c, names) for leaf, c in form.items()}
+    return dict(zip(map(names.get, form, form), map(_renamed_poly, form.values(), itertools.repeat(names))))
 
 
 @dataclasses.dataclass
@@ -283,6 +380,26 @@ def _convention_flags(name: str) -> tuple[bool, bool]:
     return _BUFFER_NAME.search(name) is not None, _GRADIENT_NAME.search(name) is not None
 
 
+_DIGITS_AS_ZERO = str.maketrans("123456789", "000000000")
+"""Every ASCII digit as ``0``: the convention patterns read a digit only as a character that is no letter
+(``[^a-z]``, ``\\d``), any digit alike, so a name and its digits made ``0`` match them alike."""
+
+
+def _conventions_of(names: Sequence[str], known: dict[str, tuple[bool, bool]]) -> list[tuple[bool, bool]]:
+    """:func:`_convention_flags` of each name, asked once per name with its digits made ``0``
+    (:data:`_DIGITS_AS_ZERO`) and remembered in ``known``: the updates of a step differ in their numbers, so
+    their values' names fall on a few such forms."""
+    forms = list(map(str.translate, names, itertools.repeat(_DIGITS_AS_ZERO)))
+    found = list(map(known.get, forms))
+    for position in list(itertools.compress(range(len(found)), map(operator.is_, found, itertools.repeat(None)))):
+        form = forms[position]
+        flags = known.get(form)
+        if flags is None:
+            flags = known[form] = _convention_flags(form)
+        found[position] = flags
+    return found
+
+
 @dataclasses.dataclass(frozen=True)
 class Guard:
     """A guarded state output ``output = Where(condition, old, new)`` (or with the branches swapped).
@@ -334,17 +451,23 @@ def find_updates(
     _check_pins(index, pins)
     normaliser = normaliser or Normaliser(index)
     outputs = list(dict.fromkeys(index.graph_outputs))
-    matches, misses = _find_by_class(index, normaliser, outputs, pins, allow_rounding)
+    # Every output's copy-free value, asked here for each output and again for the fused ones (most outputs
+    # come out of no copy: they are their own).
+    canonical = dict(zip(outputs, outputs))
+    producer, facts = index.producer, index.nodes
+    for output in [o for o in outputs if (k := producer.get(o)) is not None and facts[k][0] in _COPY_OPS]:
+        canonical[output] = _skip_copies(index, output)
+    matches, misses = _find_by_class(index, normaliser, outputs, pins, allow_rounding, canonical)
     # A guarded output Where(c, old, new) that no update explains as it is (a first-step Where is one) is
     # matched through its new value; the guard pairs new with old.
-    claimed = {_skip_copies(index, name) for m in matches for name in (m.parameters_out, m.accum_out)}
-    guards = {g.new: g for g in (_guard(index, o) for o in outputs if _skip_copies(index, o) not in claimed) if g is not None}
+    claimed = {canonical[name] if name in canonical else _skip_copies(index, name) for m in matches for name in (m.parameters_out, m.accum_out)}
+    guards = {g.new: g for g in (_guard(index, o) for o in outputs if canonical[o] not in claimed) if g is not None}
     if not guards:
         return matches, misses
     guarded_pins = dataclasses.replace(pins, state={**{g.new: g.old for g in guards.values()}, **pins.state}, guarded=frozenset(guards))
     # The unguarded outputs take part too: a guard on the parameters alone must meet its bare buffer (and
     # be refused as guarded-update, not as an update without a buffer).
-    unguarded = [o for o in outputs if _skip_copies(index, o) not in claimed and o not in {g.output for g in guards.values()}]
+    unguarded = [o for o in outputs if canonical[o] not in claimed and o not in {g.output for g in guards.values()}]
     guarded_matches, guarded_misses = _find(index, normaliser, list(guards) + unguarded, guarded_pins, allow_rounding, guards)
     guarded_matches = [m for m in guarded_matches if m.guard is not None]
     guarded_misses = [miss for miss in guarded_misses if miss.candidate in guards or miss.reason == "guarded-update" or miss.candidate in {g.output for g in guards.values()}]
@@ -363,6 +486,8 @@ def _check_pins(index: GraphIndex, pins: RolePins) -> None:
         RolePinError: a ``state`` pair names an output or input the graph does not have, or a ``buffers``
             glob matches no graph input.
     """
+    if not pins.state and not pins.buffers:
+        return  # nothing to check (and no sets of every output and input to build)
     outputs, inputs = set(index.graph_outputs), set(index.state_names) | set(index.graph_inputs)
     for new, old in pins.state.items():
         if new not in outputs and new not in index.producer:
@@ -397,14 +522,29 @@ def _one_writer(matches: list[Match]) -> tuple[list[Match], list[Miss]]:
     return accepted, misses
 
 
-def _named_next(index: GraphIndex, float_outputs: list[str], pins: RolePins) -> dict[str, str]:
+def _named_next(index: GraphIndex, float_outputs: list[str], pins: RolePins, canonical: Mapping[str, str] | None = None) -> dict[str, str]:
     """Name evidence of which output is the next value of which state input (buf -> buf_out), by the
-    input: the copy-free value of the first output so named."""
+    input: the copy-free value of the first output so named (``canonical``: the outputs' copy-free values, when
+    known)."""
+    return _next_by_previous(index, _previous_of(index, float_outputs, pins), canonical)
+
+
+def _previous_of(index: GraphIndex, float_outputs: list[str], pins: RolePins) -> dict[str, str | None]:
+    """:func:`_previous_by_name` of each output."""
+    previous_of = dict.fromkeys(float_outputs)
+    # Only a pinned output or one with a state suffix or prefix can name its input (previous_by_name).
+    named = map(operator.or_, map(operator.methodcaller("endswith", _STATE_SUFFIXES), float_outputs), map(operator.methodcaller("startswith", _STATE_PREFIXES), float_outputs))
+    for output in itertools.chain(itertools.compress(float_outputs, named), pins.state.keys() & previous_of.keys()):
+        previous_of[output] = _previous_by_name(index, output, pins)
+    return previous_of
+
+
+def _next_by_previous(index: GraphIndex, previous_of: Mapping[str, str | None], canonical: Mapping[str, str] | None) -> dict[str, str]:
+    """:func:`_named_next` from the outputs' :func:`_previous_of`, in output order."""
     named_next: dict[str, str] = {}
-    for o in float_outputs:
-        previous = _previous_by_name(index, o, pins)
-        if previous is not None:
-            named_next.setdefault(previous, _skip_copies(index, o))
+    for o, previous in previous_of.items():
+        if previous is not None and previous not in named_next:
+            named_next[previous] = canonical[o] if canonical is not None and o in canonical else _skip_copies(index, o)
     return named_next
 
 
@@ -414,13 +554,15 @@ AssertionError if the per-class result differs (used by the test suite)."""
 
 
 def _find_by_class(
-    index: GraphIndex, normaliser: Normaliser, outputs: list[str], pins: RolePins, allow_rounding: bool
+    index: GraphIndex, normaliser: Normaliser, outputs: list[str], pins: RolePins, allow_rounding: bool, canonical: Mapping[str, str] | None = None
 ) -> tuple[list[Match], list[Miss]]:
     """:func:`_find` over ``outputs``, solving one member of each structural class of update clusters
-    (:mod:`sgdfuse.passes.classes`) and renaming its matches for the others."""
-    float_outputs = [o for o in outputs if index.spec(o).dtype in _EPS]
-    named_next = _named_next(index, float_outputs, pins)
-    name_facts = name_facts_of(index, pins, named_next)
+    (:mod:`sgdfuse.passes.classes`) and renaming its matches for the others (``canonical``: the outputs'
+    copy-free values, when known)."""
+    float_outputs = list(itertools.compress(outputs, map(_EPS.__contains__, map(_dtype_of, map(index.specs.get, outputs, itertools.repeat(_NO_SPEC))))))
+    previous_of = _previous_of(index, float_outputs, pins)
+    named_next = _next_by_previous(index, previous_of, canonical)
+    name_facts = name_facts_of(index, pins, named_next, previous_of)
 
     def solve(some: list[str]) -> tuple[list[Match], list[Miss]]:
         return _find(index, normaliser, some, pins, allow_rounding, {}, named_next)
@@ -428,7 +570,16 @@ def _find_by_class(
     def form_leaves(output: str) -> set[str]:
         return set(normaliser.form(output)) - {ONE}
 
-    found, refused = find_by_class(index, float_outputs, solve, lambda m, names, nodes: m.renamed(names, nodes), name_facts, form_leaves)
+    # One renamer per solved match (by identity: find_by_class keeps its templates until it returns).
+    renamers: dict[int, Callable[[list[str], list[int]], Match]] = {}
+
+    def rename(match: Match, values: list[str], nodes: list[int], member_values: list[str], member_nodes: list[int]) -> Match:
+        renamer = renamers.get(id(match))
+        if renamer is None:
+            renamer = renamers[id(match)] = _renamer(match, values, nodes)
+        return renamer(member_values, member_nodes)
+
+    found, refused = find_by_class(index, float_outputs, solve, rename, name_facts, form_leaves)
     # Clusters are solved apart: one writer per state holds within each; a state value shared by clusters (a
     # one-element input read by many updates) is claimed once over the whole graph as well.
     found, shared = _one_writer(found)
@@ -439,23 +590,33 @@ def _find_by_class(
     return result
 
 
-def name_facts_of(index: GraphIndex, pins: RolePins, named_next: Mapping[str, str]) -> Callable[[str, bool], tuple]:
+def name_facts_of(
+    index: GraphIndex, pins: RolePins, named_next: Mapping[str, str], previous_of: Mapping[str, str | None] | None = None
+) -> Callable[[Sequence[str], Sequence[bool]], list[tuple]]:
     """Everything the matcher reads from a value's name, for the structural class key
-    (:func:`sgdfuse.passes.classes.clusters_of`): ``(flags, previous, next)``.
+    (:func:`sgdfuse.passes.classes.clusters_of`): ``name_facts(values, is_output)`` gives per value ``(flags,
+    previous, next)``.
 
     ``flags`` are the buffer and gradient conventions (:data:`ROLE_EVIDENCE`), the user's buffer globs and
     whether a state pin names it; ``previous`` is the input its name (or a pin) says it replaces, asked of
-    graph outputs only (the matcher asks it of the candidate and its buffers); ``next`` is the output named as
-    its next value (``named_next``, :func:`_named_next`)."""
+    graph outputs only (the matcher asks it of the candidate and its buffers; ``previous_of`` holds it for the
+    outputs it was asked of already); ``next`` is the output named as its next value (``named_next``,
+    :func:`_named_next`). One call for many values: the classes ask it of every value of every update."""
 
-    is_buffer = pins.is_buffer if pins.buffers else lambda name: None
     state = pins.state
     next_of = named_next.get
+    known = previous_of or {}
+    is_buffer = pins.is_buffer if pins.buffers else None
+    conventions: dict[str, tuple[bool, bool]] = {}
 
-    def name_facts(value: str, is_output: bool) -> tuple:
-        buffer, gradient = _convention_flags(value)
-        flags = (buffer, gradient, is_buffer(value), value in state)
-        return flags, _previous_by_name(index, value, pins) if is_output else None, next_of(value)
+    def name_facts(values: Sequence[str], is_output: Sequence[bool]) -> list[tuple]:
+        globs = map(is_buffer, values) if is_buffer is not None else itertools.repeat(None)
+        flags = map(operator.add, _conventions_of(values, conventions), zip(globs, map(state.__contains__, values)))
+        previous: list[str | None] = [None] * len(values)
+        for position in itertools.compress(range(len(values)), is_output):
+            value = values[position]
+            previous[position] = known[value] if value in known else _previous_by_name(index, value, pins)
+        return list(zip(flags, previous, map(next_of, values)))
 
     return name_facts
 
