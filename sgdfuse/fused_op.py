@@ -507,13 +507,17 @@ def sgd_functions_for(nodes: Iterable[onnx.NodeProto], opset: int) -> list[onnx.
     Raises:
         ValueError: ``opset`` below 15, or a node calls an overload name no :class:`Specialisation` has.
     """
-    overloads = sorted({node.overload for node in nodes if is_sgd_node(node)}) or [""]
-    return [make_sgd_function(opset, Specialisation.from_overload(o) if o else None) for o in overloads]
+    return _sgd_functions({node.overload for node in nodes if is_sgd_node(node)}, opset)
 
 
-def ensure_sgd_function(model: onnx.ModelProto) -> None:
+def _sgd_functions(overloads: set[str], opset: int) -> list[onnx.FunctionProto]:
+    return [make_sgd_function(opset, Specialisation.from_overload(o) if o else None) for o in sorted(overloads) or [""]]
+
+
+def ensure_sgd_function(model: onnx.ModelProto, overloads: Iterable[str] | None = None) -> None:
     """Declare the ``ai.sgdfuse`` domain and add the SGD FunctionProtos the model's SGD nodes call (the
-    general one when there is none) to ``model`` (in place), each once.
+    general one when there is none) to ``model`` (in place), each once. ``overloads``: the overloads the
+    model's SGD nodes call, when the caller knows them (a rewrite that made the nodes); else read from them.
 
     A model with no default-domain import gets one (:data:`DEFAULT_OPSET_WHEN_ABSENT`); the IR version is
     raised to 8 if lower, the first with model-local functions, and to :data:`OVERLOAD_IR_VERSION` when a
@@ -530,7 +534,9 @@ def ensure_sgd_function(model: onnx.ModelProto) -> None:
     if not any(entry.domain == DOMAIN for entry in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, OP_VERSION))
     present = {f.overload for f in model.functions if f.domain == DOMAIN and f.name == OP_TYPE}
-    for function in sgd_functions_for(model.graph.node, default_opset(model)):
+    opset = default_opset(model)
+    functions = sgd_functions_for(model.graph.node, opset) if overloads is None else _sgd_functions(set(overloads), opset)
+    for function in functions:
         if function.overload not in present:
             model.functions.append(function)
             present.add(function.overload)

@@ -1,7 +1,8 @@
 """The node table (sgdfuse.passes.scan): the native scanner, the protobuf-API reader and protobuf itself agree.
 
-The expected table is read here through protobuf's Python API field by field (``_protobuf_rows``), which is
-the independent tool: both readers must return exactly what protobuf returns for the same bytes, including for
+The expected table (and the node names under a prefix, ``_protobuf_names``) is read here through protobuf's
+Python API field by field (``_protobuf_rows``), which is the independent tool: both readers must return exactly
+what protobuf returns for the same bytes, including for
 hand-encoded wire data that exercises protobuf's parsing rules (repeated and duplicated fields, wrong wire
 types, unknown fields and groups, enum values outside AttributeType, text that is not UTF-8).
 

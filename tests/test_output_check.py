@@ -2,9 +2,11 @@
 
 ``optimize`` never returns a model that ``onnx.checker`` (full check) rejects because of sgdfuse. The guard
 proves that from the rewritten parts when it can; these tests feed it broken rewrites (a new node no
-schema knows, a node that changes an updated value's type, a read of a value that is gone) and check that
-each is caught and refused, that a valid rewrite is accepted without the whole-model check, and that an
-input which already fails the checker is still optimised. ``onnx.checker`` itself is the oracle.
+schema knows, an attribute of the wrong type, a node that changes an updated value's type, a new value typed
+otherwise than the output declares it, a read of a value that is gone), most of them plans changed after the
+planner replayed them from a valid first plan, and check that each is caught and refused, that a valid rewrite
+is accepted without the whole-model check, and that an input which already fails the checker is still
+optimised. ``onnx.checker`` itself is the oracle.
 """
 
 from __future__ import annotations

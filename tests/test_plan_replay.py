@@ -2,7 +2,9 @@
 the matcher is planned, each other member gets that plan with its own names; the result must be, node for node
 and name for name, the plan made for it directly. Checked here on every path the replay takes (maximize's Neg,
 BFLOAT16's casts, a static and a symbolic shape, a runtime learning rate fed as it is, one shared by every
-update and one per update), and a first plan changed by its caller must not change the others."""
+update and one per update), and a first plan changed by its caller must not change the others. A replayed
+plan's nodes are made when first read: until then the rewrite writes them from the template, and the output
+must be the one the made nodes give."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import graphs  # noqa: E402
 from sgdfuse.fused_op import function_opset  # noqa: E402
 from sgdfuse.passes.index import build_index  # noqa: E402
 from sgdfuse.passes.linear import Normaliser  # noqa: E402
-from sgdfuse.passes.rewrite import Planner  # noqa: E402
+from sgdfuse.passes.rewrite import Planner, apply_plans  # noqa: E402
 from sgdfuse.passes.sgd_match import MEMO_CHECK_ENV, find_updates  # noqa: E402
 
 N = 12
@@ -104,3 +106,45 @@ def test_changing_the_first_plan_after_it_is_made_changes_no_other(monkeypatch):
     second = planner.plan(matches[1])
     assert second.sgd_node.input[2] != "something_else"
     assert {a.name for a in second.sgd_node.attribute} == {"dampening", "weight_decay", "nesterov"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_replayed_plan_whose_nodes_nobody_read_is_written_as_the_made_one(case, monkeypatch):
+    # apply_plans writes a replayed plan's nodes straight from its template while nobody has read them; the
+    # output must be the one the made nodes give, byte for byte.
+    monkeypatch.delenv(MEMO_CHECK_ENV, raising=False)
+    model = _step(**CASES[case])
+    index, matches = _matches(model)
+    unread = Planner(index, function_opset(model))
+    lazy = [unread.plan(m) for m in matches]
+    read = Planner(index, function_opset(model))
+    made = [read.plan(m) for m in matches]
+    for plan in made:
+        assert plan.nodes and plan._replay() is None  # read: the nodes are made
+    assert sum(plan._replay() is not None for plan in lazy) == N - 1, "all but the first are replays, not made"
+    # What the report and the output guard ask of a plan is answered alike either way, without making nodes.
+    for a, b in zip(lazy, made):
+        assert (a.first_outputs(), a.node_io(), a.op_types(), a.sgd_position(), a.sgd_node_name()) == (
+            b.first_outputs(), b.node_io(), b.op_types(), b.sgd_position(), b.sgd_node_name())
+    assert sum(plan._replay() is not None for plan in lazy) == N - 1
+    output = apply_plans(model, index, lazy)
+    assert output.SerializeToString() == apply_plans(model, index, made).SerializeToString()
+    # Read after the rewrite, the nodes are the ones written, and the planner's own.
+    assert [n.SerializeToString() for p in lazy for n in p.nodes] == [n.SerializeToString() for p in made for n in p.nodes]
+
+
+def test_a_replayed_plan_changed_after_it_is_read_is_written_as_changed(monkeypatch):
+    monkeypatch.delenv(MEMO_CHECK_ENV, raising=False)
+    model = _step()
+    index, matches = _matches(model)
+    planner = Planner(index, function_opset(model))
+    plans = [planner.plan(m) for m in matches]
+    plans[3].sgd_node.doc_string = "changed by the caller"
+    assert plans[3]._replay() is None
+    output = apply_plans(model, index, plans)
+    assert [n.doc_string for n in output.graph.node if n.name == plans[3].sgd_node.name] == ["changed by the caller"]
+    # Setting one of the two fields makes the nodes first: the other keeps the nodes it would have had.
+    other = plans[5]
+    assert other._replay() is not None
+    other.nodes = list(other.nodes)
+    assert other.sgd_node is other.nodes[other.sgd_position()]

@@ -30,6 +30,7 @@
 
 #include "_wire.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -814,8 +815,9 @@ PyObject* structure(PyObject*, PyObject* args) {
   if (sizes_fast != nullptr) {
     const uint8_t* base = static_cast<const uint8_t*>(view.buf);
     try {
-      // A start for the table of defined names (a graph of small nodes holds a name per 100 bytes or so); it grows.
-      Structure s(size_t(view.len) / 128);
+      // A start for the table of defined names (a graph of small nodes holds a name per 100 bytes or so, one
+      // with large constants far fewer: at most a million to start with); it grows.
+      Structure s(std::min(size_t(view.len) / 128, size_t(1) << 20));
       s.outer = outer;
       bool ready = true;
       const Py_ssize_t count = PySequence_Fast_GET_SIZE(wanted_fast);

@@ -23,7 +23,7 @@ from google.protobuf import unknown_fields
 from onnx import helper, numpy_helper
 
 from sgdfuse.contract import SgdAttributes
-from sgdfuse.fused_op import Specialisation, ensure_sgd_function, make_sgd_node
+from sgdfuse.fused_op import DOMAIN, OP_TYPE, Specialisation, ensure_sgd_function, make_sgd_node
 from sgdfuse.passes.index import OWN_PREFIX, GraphIndex, _outer_reads, _subgraphs
 from sgdfuse.passes.linear import Poly, format_poly
 from sgdfuse.passes.sgd_match import MEMO_CHECK_ENV, Match
@@ -239,6 +239,8 @@ class _Template:
     replay renames are the nodes' own, not those inside their attributes)."""
     named: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = ()
     """Per node, its non-empty input and output names (a replay renames a name to a name, never to ``""``)."""
+    sgd_overloads: tuple[str, ...] = ()
+    """The overloads the SGD nodes among the nodes call (a replay copies them)."""
 
 
 # Characters a plan's names keep from the parameters' output name (compiled once: _base_of runs per plan).
@@ -455,7 +457,8 @@ class Planner:
         op_types = tuple(node.op_type for node, _, _, _ in nodes)
         outer_reads = tuple(_reads(node) for node, _, _, _ in nodes)  # stripped: no inputs, its subgraphs' reads only
         named = tuple((tuple(n for n in inputs if n), tuple(n for n in outputs if n)) for _, _, inputs, outputs in nodes)
-        return _Template(plan, fresh, base, slots, suffixes, nodes, op_types, sgd_position, outer_reads, named)
+        sgd_overloads = tuple(node.overload for node, _, _, _ in nodes if node.op_type == OP_TYPE and node.domain == DOMAIN)
+        return _Template(plan, fresh, base, slots, suffixes, nodes, op_types, sgd_position, outer_reads, named, sgd_overloads)
 
     def _pristine(self, plan: Plan) -> Plan:
         """``plan`` with copies of its nodes, kept apart from the plans handed out."""
@@ -843,7 +846,15 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
     for plan, replay in zip(plans, replays):
         declared.add(plan, replay)
     declared.write_to(graph)
-    ensure_sgd_function(result)
+    # The overloads the output's SGD nodes call, from what is known of them (every node read again cost about
+    # as much as the rest of this tail): the kept ones by the index's facts, the new ones by their plans.
+    overloads = {old.node(i).overload for i in kept if facts[i][0] == OP_TYPE and facts[i][1] == DOMAIN}
+    for plan, replay in zip(plans, replays):
+        if replay is None:
+            overloads.update(node.overload for node in plan.nodes if node.op_type == OP_TYPE and node.domain == DOMAIN)
+        else:
+            overloads.update(replay.template.sgd_overloads)
+    ensure_sgd_function(result, overloads)
     return result
 
 
@@ -1021,34 +1032,42 @@ def _removed_nodes(
     for names in new_reads:
         new_read.update(names)
     consumers = index.consumers
+    facts = index.nodes
+    # Whether a node is removed, by position, next to the set: a byte per node stays in the CPU's caches where
+    # a set of most of a large graph's positions does not (a look-up per reader of every cone node's outputs).
+    gone = bytearray(len(facts))
+    for k in removed:
+        gone[k] = 1
 
     def is_read(name: str) -> bool:
         if name in new_read:
             return True
-        return any(r not in removed for r in consumers.get(name, ())) or any(r not in removed for r in outer.get(name, ()))
+        return any(not gone[r] for r in consumers.get(name, ())) or any(not gone[r] for r in outer.get(name, ()))
 
-    outputs = set(index.graph_outputs)
+    # Read after the rewrite whatever else: a graph output, or a value a new node reads (one set, one look-up).
+    kept_anyway = set(index.graph_outputs) | new_read
     # The loop below runs over every cone node (most of the graph in a pure optimizer step): the look-ups
     # are inlined, and the names read from the index's facts (an empty name, an omitted slot, is skipped).
-    consumers_get, facts = consumers.get, index.nodes
+    consumers_get = consumers.get
     for i in sorted(cone - removed, reverse=True):
         read = False
         for o in facts[i][3]:
             if not o:
                 continue
-            if o in outputs or o in new_read or o in outer and is_read(o):
+            if o in kept_anyway or o in outer and is_read(o):
                 read = True
                 break
             readers = consumers_get(o)
             if readers is not None:
                 for r in readers:
-                    if r not in removed:
+                    if not gone[r]:
                         read = True
                         break
                 if read:
                     break
         if not read:
             removed.add(i)
+            gone[i] = 1
     return removed, is_read
 
 
