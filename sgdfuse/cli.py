@@ -495,7 +495,7 @@ def check_command(
         if set(failed) <= set(result.uncompared):
             # Nothing disagreed: what failed was never compared (NaN everywhere, a gradient zero on every input fed).
             _err.print(f"error: {len(failed)} outputs and state writes were never compared (see the table): the models "
-                       "are not shown to agree", markup=False)
+                       "are not shown to agree", markup=False, highlight=False, soft_wrap=True)
         else:
             _err.print("error: the models disagree", markup=False)
         raise typer.Exit(1)

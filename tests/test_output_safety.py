@@ -79,3 +79,20 @@ def test_one_path_for_two_outputs_is_refused_before_any_work(tmp_path):
     assert "is named twice" in result.stderr
     assert "Verified" not in result.stdout
     assert not out.exists()
+
+
+def test_a_destination_under_a_file_says_the_file_is_not_a_directory(tmp_path):
+    # "directory a.txt/sub does not exist" sends the user to create a directory that cannot be made.
+    blocker = tmp_path / "a.txt"
+    blocker.write_text("x")
+    for destination in (blocker / "out.onnx", blocker / "sub" / "out.onnx"):
+        result = _sgdfuse("optimize", os.path.abspath(MODEL), "-o", destination, cwd=tmp_path)
+        assert result.returncode == 1
+        assert f"{blocker} is a file, not a directory" in result.stderr, result.stderr
+    assert blocker.read_text() == "x"
+
+
+def test_a_destination_in_a_missing_directory_says_so(tmp_path):
+    result = _sgdfuse("optimize", os.path.abspath(MODEL), "-o", tmp_path / "no" / "out.onnx", cwd=tmp_path)
+    assert result.returncode == 1
+    assert f"directory {tmp_path / 'no'} does not exist" in result.stderr, result.stderr
