@@ -27,7 +27,7 @@ def resolve_destination(path: str | os.PathLike) -> str:
     """The file that writing ``path`` replaces: symlinks followed, checked to be writable as a regular file.
 
     Raises:
-        OutputWriteError: the directory does not exist (or a part of its path is a file), ``path`` is a directory, or it exists and is not a
+        OutputWriteError: the directory does not exist (or a part of its path is a file) or is not writable, ``path`` is a directory, or it exists and is not a
             regular file.
     """
     shown = os.fspath(path)
@@ -37,6 +37,9 @@ def resolve_destination(path: str | os.PathLike) -> str:
         raise OutputWriteError(shown, _missing_directory(directory))
     if os.path.isdir(target):
         raise OutputWriteError(shown, "is a directory; give a file name")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        # The file is written beside its target and renamed over it: the directory must take new entries.
+        raise OutputWriteError(shown, f"directory {directory} is not writable; give a path in a directory you can write")
     if os.path.lexists(target):
         mode = os.stat(target).st_mode
         if not stat.S_ISREG(mode):
