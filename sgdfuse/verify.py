@@ -864,6 +864,7 @@ def _build_slices(
     # The original's next values named by evidence may lie outside the matched cone: add what computes them.
     cone_produced = {o for i in cone for o in graph_nodes[i].output if o}
     extra = _closure(index, [name for name in wanted_original if name not in cone_produced], cone_produced)
+    extra |= _shape_producers(index, cone | extra)
     original_indices = sorted(cone | extra)
     original_nodes = [graph_nodes[i] for i in original_indices]
     produced = {o for node in original_nodes for o in node.output if o}
@@ -1007,6 +1008,46 @@ def _closure(index: GraphIndex, wanted: Sequence[str], available: set[str]) -> s
             continue
         found.add(producer)
         stack.extend(_node_reads(index.graph.node[producer]))
+    return found
+
+
+_INTEGER_TYPES = frozenset({
+    onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT8,
+    onnx.TensorProto.UINT16, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64, onnx.TensorProto.BOOL,
+})
+
+
+def _shape_producers(index: GraphIndex, indices: set[int]) -> set[int]:
+    """Nodes to add to a slice of the nodes ``indices``: each computes only integer or bool values (a ``Shape``,
+    ``Size`` or shape arithmetic) that the slice would otherwise take as inputs, from nothing the slice does
+    not already read, produce or hold as an initializer; repeated until none is left (at most
+    :data:`_CLOSURE_LIMIT` nodes).
+
+    A slice input is fed made-up data, and an integer one zeros (:func:`_feed`): right for class labels, wrong
+    for a computed shape such as the ``Shape(p)`` of ``Expand(lr, Shape(p))``, which then makes an empty
+    tensor and the original slice fails to run. Computing such a value from what the slice reads adds no
+    input and gives both sides the value the graph gives them."""
+    nodes = index.graph.node
+    found: set[int] = set()
+    while len(found) < _CLOSURE_LIMIT:
+        members = indices | found
+        produced = {o for i in members for o in nodes[i].output if o}
+        reads = {name for i in members for name in _node_reads(nodes[i]) if name}
+        have = produced | reads
+        added = False
+        for name in sorted(reads - produced):
+            producer = index.producer.get(name)
+            if producer is None or producer in found or producer in indices:
+                continue
+            node = nodes[producer]
+            outputs = [o for o in node.output if o]
+            if not all(index.spec(o).dtype in _INTEGER_TYPES for o in outputs):
+                continue
+            if all(r in have or r in index.initializers for r in _node_reads(node) if r):
+                found.add(producer)
+                added = True
+        if not added:
+            break
     return found
 
 
