@@ -480,3 +480,55 @@ def test_commuted_buffer_add_never_fuses_the_gradient_as_the_buffer(gradient_fir
         assert fused.dampening == pytest.approx(1.0 - one_minus_dampening, abs=1e-6), fused
     for sgd in (n for n in result.model.graph.node if n.domain == "ai.sgdfuse"):
         assert sgd.input[3] == "buf", sgd
+
+
+# -- refusals that say what the buffer goes through (not "momentum is 0") ------------------------------------
+
+
+def test_a_first_step_zeroing_of_the_old_buffer_is_refused_as_first_step_unsupported():
+    # buf_eff = Where(t == 0, zeros, buf); buf_out = 0.9*buf_eff + g (onnx/onnx#3929's ConstantOfShape(Shape(p))
+    # zero buffer). The momentum is 0.9, not 0: the refusal must say where the buffer went.
+    model = make_model(
+        [
+            node("Shape", ["p"], ["ps"]),
+            node("ConstantOfShape", ["ps"], ["zeros"]),
+            node("Equal", ["t", "zero_i"], ["first"]),
+            node("Where", ["first", "zeros", "buf"], ["buf_eff"]),
+            node("Mul", ["buf_eff", "m"], ["mb"]),
+            node("Add", ["mb", "g"], ["buf_out"]),
+            *PLAIN_WEIGHTS,
+        ],
+        [*STATE, value("t", onnx.TensorProto.INT64, [])],
+        [value("p_out"), value("buf_out")],
+        [scalar("m", 0.9), scalar("lr", 0.1), scalar("zero_i", 0, onnx.TensorProto.INT64)],
+    )
+    refusal = _refusal(model)
+    assert refusal.reason == "first-step-unsupported", refusal
+    assert "momentum is 0" not in refusal.detail
+    assert _names(refusal.detail, "buf_eff") and _names(refusal.detail, "first"), refusal.detail
+
+
+def test_a_per_element_momentum_is_refused_as_a_tensor_factor():
+    # buf_out = [0.9, 0.9, 0.8]*buf + g: a momentum per element, which the operator cannot take.
+    model = _momentum_step(
+        buffer=[node("Mul", ["buf", "m"], ["buf_scaled"]), node("Add", ["buf_scaled", "g"], ["buf_out"])],
+        weights=PLAIN_WEIGHTS,
+        inputs=STATE,
+        initializers=[onnx.numpy_helper.from_array(np.array([0.9, 0.9, 0.8], np.float32), "m"), scalar("lr", 0.1)],
+    )
+    refusal = _refusal(model)
+    assert refusal.reason == "tensor-factor", refusal
+    assert "momentum is 0" not in refusal.detail and _names(refusal.detail, "m"), refusal.detail
+
+
+def test_a_buffer_read_through_a_non_linear_op_is_not_called_momentum_0():
+    # buf_out = 0.9*Relu(buf) + g: the buffer is read, by an op that is no scaling.
+    model = _momentum_step(
+        buffer=[node("Relu", ["buf"], ["buf_r"]), node("Mul", ["buf_r", "m"], ["buf_scaled"]), node("Add", ["buf_scaled", "g"], ["buf_out"])],
+        weights=PLAIN_WEIGHTS,
+        inputs=STATE,
+        initializers=[scalar("m", 0.9), scalar("lr", 0.1)],
+    )
+    refusal = _refusal(model)
+    assert refusal.reason == "no-momentum-buffer", refusal
+    assert "momentum is 0" not in refusal.detail and "Relu" in refusal.detail, refusal.detail

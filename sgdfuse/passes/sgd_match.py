@@ -1871,6 +1871,41 @@ def _why_unread(index: GraphIndex, normaliser: Normaliser, v: str, buffer: str) 
         node = index.node(leaf) if leaf != ONE else None
         if node is None or buffer not in node.input:
             continue
+        if node.op_type == "Where" and len(node.input) == 3 and buffer in node.input[1:]:
+            other = node.input[2] if node.input[1] == buffer else node.input[1]
+            if _is_zeros(index, other):
+                when = "true" if node.input[2] == buffer else "false"
+                return Miss(
+                    v,
+                    "first-step-unsupported",
+                    f"{v} reads the buffer {buffer} through {leaf} = Where({node.input[0]}, ...), which zeroes the old "
+                    f"buffer when {node.input[0]} is {when} (a first-step rule on the old buffer); sgdfuse fuses a "
+                    f"first-step rule written on the new buffer, {v} = Where(first, grad, m*{buffer} + (1-d)*grad), "
+                    "not on the old one.",
+                    score=4,
+                )
+        if node.op_type == "Mul" and len(node.input) == 2:
+            factor = node.input[1] if node.input[0] == buffer else node.input[0]
+            constant = index.constant(factor)
+            elements = constant.size if constant is not None else _elements(index.spec(factor).shape)
+            uniform = constant is not None and constant.size > 0 and bool(np.all(constant == constant.reshape(-1)[0]))
+            if factor != buffer and not uniform and (elements is None or elements > 1):
+                return Miss(
+                    v,
+                    "tensor-factor",
+                    f"{v} multiplies the buffer {buffer} by {factor}, a tensor of "
+                    f"{'unknown size' if elements is None else f'{elements} elements'} (a per-element momentum); the "
+                    "SGD operator takes one momentum for the whole tensor.",
+                    score=4,
+                )
+        if node.op_type not in _LINEAR_OPS:
+            return Miss(
+                v,
+                "no-momentum-buffer",
+                f"{v} reads the buffer {buffer} only through {node.op_type} node {node.name or '(unnamed)'} ({leaf}), "
+                "which is not linear in it, so no momentum multiplies the buffer itself; no momentum-SGD reading.",
+                score=4,
+            )
         for operand in node.input:
             constant = index.constant(operand) if operand and operand != buffer else None
             if constant is not None and constant.dtype.kind == "f" and not np.all(np.isfinite(constant.astype(np.float64))):
@@ -1882,6 +1917,33 @@ def _why_unread(index: GraphIndex, normaliser: Normaliser, v: str, buffer: str) 
                     score=4,
                 )
     return None
+
+
+_LINEAR_OPS = frozenset({"Mul", "Add", "Sub", "Neg", "Div", "Identity", "Cast"})
+"""Ops whose output the normaliser reads as linear in an operand (a leaf made by one of them that reads the
+buffer is a scaling the normaliser could not resolve, such as a non-finite constant, not another op)."""
+
+
+def _elements(shape) -> int | None:
+    """The number of elements of a static shape, None when a dimension (or the shape) is unknown."""
+    if shape is None or any(not isinstance(d, int) for d in shape):
+        return None
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _is_zeros(index: GraphIndex, value: str) -> bool:
+    """``value`` is all zeros by construction: a small constant of zeros, or ``ConstantOfShape`` whose value
+    attribute is zero or absent (ONNX: a FLOAT 0 by default)."""
+    constant = index.constant(value)
+    if constant is not None:
+        return bool(constant.size) and not np.any(constant.astype(np.float64))
+    node = index.node(value)
+    if node is None or node.op_type != "ConstantOfShape":
+        return False
+    for attribute in node.attribute:
+        if attribute.name == "value":
+            return not np.any(onnx.numpy_helper.to_array(attribute.t).astype(np.float64))
+    return True
 
 
 def _state_problem(index: GraphIndex, w: str, v: str, p: str, a: str, pins: RolePins | None = None) -> Miss | None:
