@@ -1625,6 +1625,17 @@ def _inexact_coefficients(
             "dtype, which rounds it; give it in that dtype, or allow rounding (--allow-rounding).",
             score=6,
         ), spacings
+    degenerate = _degenerate_rounding(solved.lr, lr_op, solved.m, m_op)
+    if degenerate is not None:
+        # Not a rounding of the update but another update: --allow-rounding does not cover it.
+        return Miss(
+            solved.w,
+            "hyperparameter-precision",
+            f"the op takes learning rate and momentum in {dtype_name(dtype)} (the parameters' dtype), where {degenerate}; "
+            "that is another update, not a rounding of this one, so it is refused even with --allow-rounding. Keep "
+            "the parameters in a wider dtype or change the hyper-parameter.",
+            score=6,
+        ), spacings
     have = _op_forms(normaliser, solved, g, sign, lr_op, m_op, dampening, weight_decay)
     rounded_spacings = _worst_difference(have, graph, solved, rel, exact_parameters)[0][0]
     if rounded_spacings <= SPACINGS or rel.allow_rounding:
@@ -1642,6 +1653,22 @@ def _inexact_coefficients(
         "(allow_rounding=True) if that is acceptable.",
         score=6,
     ), rounded_spacings
+
+
+def _degenerate_rounding(lr: Poly, lr_op: Poly, m: Poly, m_op: Poly) -> str | None:
+    """What rounding the constant learning rate or momentum to the op's dtype makes of the update when it is
+    no longer the same kind of update, else None: a non-zero learning rate that becomes 0 (the weights never
+    move), a non-zero momentum that becomes 0 (no momentum), or a momentum below 1 in magnitude that becomes
+    1 or more (the buffer no longer decays: FLOAT16's 0.9995 is 1)."""
+    if lr.is_constant and lr_op.is_constant and lr.constant_value != 0 and lr_op.constant_value == 0:
+        return f"the learning rate {lr.constant_value:.9g} becomes 0 and the weights would never move"
+    if m.is_constant and m_op.is_constant:
+        before, after = m.constant_value, m_op.constant_value
+        if before != 0 and after == 0:
+            return f"the momentum {before:.9g} becomes 0"
+        if abs(before) < 1 <= abs(after):
+            return f"the momentum {before:.9g} becomes {after:.9g} and the buffer would no longer decay"
+    return None
 
 
 def _relative(have: Poly, want: Poly) -> str:
