@@ -325,7 +325,7 @@ def _analyse(
     plans = [planner.plan(match) for match in matches]
     if verify and plans:
         tell("verify")
-        checks = verification.verify_plans(base, index, plans, steps=steps, seed=seed)
+        checks = verification.verify_plans(base, index, plans, steps=steps, seed=seed, pinned=pins.state if pins is not None else None)
         kept = []
         for plan, check in zip(plans, checks):
             report.verification.updates.append(dataclasses.asdict(check))

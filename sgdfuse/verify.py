@@ -139,7 +139,7 @@ from onnx import helper, numpy_helper
 
 from sgdfuse import collector
 from sgdfuse.contract import TensorSpec
-from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, Specialisation, function_opset, read_sgd_attributes, sgd_functions_for
+from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, Specialisation, function_opset, read_sgd_attributes, sgd_functions_for, sgd_functions_for_overloads
 from sgdfuse.lift import FLOAT_TYPES, lift_to_double, missing_kernels, specialise
 from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.scan import node_table
@@ -978,9 +978,10 @@ def _overload_input_problem(node: onnx.NodeProto, constants: _ConstantInputs) ->
     return ""
 
 
-def _name_evidence(outputs: Iterable[str], state_names: Iterable[str]) -> dict[str, str]:
-    """state input → the first output whose name marks it as that input's next value."""
-    evidence: dict[str, str] = {}
+def _name_evidence(outputs: Iterable[str], state_names: Iterable[str], pinned: Mapping[str, str] | None = None) -> dict[str, str]:
+    """state input → the output the user pinned as its next value (``pinned``: new → old, ``--state NEW=OLD``),
+    else the first output whose name marks it as that input's next value."""
+    evidence: dict[str, str] = {old: new for new, old in (pinned or {}).items()}
     names = set(state_names)
     for output in outputs:
         previous = previous_by_name(output, names)
@@ -1285,9 +1286,11 @@ def verify_plans(
     steps: int = 3,
     seed: int = 0,
     shared: dict[str, onnx.TensorProto] | None = None,
+    pinned: Mapping[str, str] | None = None,
 ) -> list[UpdateCheck]:
     """Run the original and the fused slices of ``plans`` in place, natively and lifted, at every size,
-    over the schedule of the module docstring; one result per plan, in order.
+    over the schedule of the module docstring; one result per plan, in order. ``pinned`` (output → the input
+    it replaces, the user's ``--state``) decides which original output is carried into a state before names.
 
     From :data:`CLASS_MIN_PLANS` plans on, plans are grouped into classes whose single-plan slices are
     identical up to value names: plans of one structural class of the matcher (``Match.structural_class``,
@@ -1317,16 +1320,16 @@ def verify_plans(
     if inconsistent:
         # onnxruntime runs the overload's body, GE the attributes: a node whose two disagree is never kept.
         rest = [plan for k, plan in enumerate(plans) if k not in inconsistent]
-        checked = iter(verify_plans(model, index, rest, steps=steps, seed=seed, shared=shared))
+        checked = iter(verify_plans(model, index, rest, steps=steps, seed=seed, shared=shared, pinned=pinned))
         return [
             UpdateCheck(plan.match.parameters_out, 0, False, float("nan"), float("nan"), inconsistent[k]) if k in inconsistent else next(checked)
             for k, plan in enumerate(plans)
         ]
     if shared is None:
         shared = {t.name: t for plan in plans for t in plan.initializers}
+    evidence = _name_evidence(index.graph_outputs, index.state_names, pinned)
     if len(plans) < CLASS_MIN_PLANS:
-        return _verify_each(model, index, plans, steps=steps, seed=seed, shared=shared)
-    evidence = _name_evidence(index.graph_outputs, index.state_names)
+        return _verify_each(model, index, plans, steps=steps, seed=seed, shared=shared, evidence=evidence)
     classes: dict[object, list[int]] = {}
     for k, plan in enumerate(plans):
         structural = getattr(plan.match, "structural_class", None)
@@ -1367,7 +1370,7 @@ CLASS_SAMPLE = 2
 
 
 def _run_chosen(model, index, plans: Sequence, chosen: Sequence[int], *, steps: int, seed: int, shared) -> dict[int, UpdateCheck]:
-    checks = _verify_each(model, index, [plans[k] for k in chosen], steps=steps, seed=seed, shared=shared) if chosen else []
+    checks = _verify_each(model, index, [plans[k] for k in chosen], steps=steps, seed=seed, shared=shared, evidence=evidence) if chosen else []
     return dict(zip(chosen, checks))
 
 
@@ -1537,6 +1540,7 @@ def _verify_each(
     steps: int,
     seed: int,
     shared: dict[str, onnx.TensorProto],
+    evidence: Mapping[str, str] | None = None,
 ) -> list[UpdateCheck]:
     """:func:`verify_plans` with every plan run itself.
 
@@ -1550,6 +1554,7 @@ def _verify_each(
         seed: seed of the random inputs.
         shared: the scalar initializers of every plan (plans share constants: the plan that made one owns
             it), so that a batch can include what its plans read.
+        evidence: :func:`_name_evidence` of the graph (computed per batch when None).
     """
     if not plans:
         return []
@@ -1558,29 +1563,29 @@ def _verify_each(
         # batches so the whole check stays linear in the number of updates.
         results: list[UpdateCheck] = []
         for start in range(0, len(plans), BATCH_UPDATES):
-            results.extend(_verify_each(model, index, plans[start : start + BATCH_UPDATES], steps=steps, seed=seed + start, shared=shared))
+            results.extend(_verify_each(model, index, plans[start : start + BATCH_UPDATES], steps=steps, seed=seed + start, shared=shared, evidence=evidence))
         return results
     try:
-        return _verify_batch(model, index, plans, steps=steps, seed=seed, shared=shared)
+        return _verify_batch(model, index, plans, steps=steps, seed=seed, shared=shared, evidence=evidence)
     except Exception as error:  # one bad slice must not sink the others: bisect
         if len(plans) == 1:
             return [UpdateCheck(plans[0].match.parameters_out, 0, False, float("nan"), float("nan"), f"could not run: {error}")]
         logger.info("batched verification failed (%s); verifying the batch in halves", error)
         half = len(plans) // 2
-        return _verify_each(model, index, plans[:half], steps=steps, seed=seed, shared=shared) + _verify_each(
-            model, index, plans[half:], steps=steps, seed=seed, shared=shared
+        return _verify_each(model, index, plans[:half], steps=steps, seed=seed, shared=shared, evidence=evidence) + _verify_each(
+            model, index, plans[half:], steps=steps, seed=seed, shared=shared, evidence=evidence
         )
 
 
-def _verify_batch(model, index, plans, *, steps: int, seed: int, shared) -> list[UpdateCheck]:
-    slices = _build_slices(model, index, plans, shared)
+def _verify_batch(model, index, plans, *, steps: int, seed: int, shared, evidence=None) -> list[UpdateCheck]:
+    slices = _build_slices(model, index, plans, shared, evidence)
     pairs, note, ops = _make_pairs(slices.original, slices.fused)
     if ops and len(plans) > 1:
         # Only the updates whose slices use an op without a DOUBLE kernel lose the lifted run.
         affected = [any(node.op_type in ops for node in _plan_nodes(index, plan)) for plan in plans]
         if any(affected) and not all(affected):
             groups = ([p for p, a in zip(plans, affected) if not a], [p for p, a in zip(plans, affected) if a])
-            checked = {id(p): c for group in groups for p, c in zip(group, _verify_each(model, index, group, steps=steps, seed=seed, shared=shared))}
+            checked = {id(p): c for group in groups for p, c in zip(group, _verify_each(model, index, group, steps=steps, seed=seed, shared=shared, evidence=evidence))}
             return [checked[id(p)] for p in plans]
     tallies = [_Tally() for _ in plans]
     if note:
@@ -1859,6 +1864,44 @@ def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Map
 
 
 
+def _function_key(function: onnx.FunctionProto) -> bytes:
+    """A FunctionProto's bytes without its doc string (which says nothing about what it computes)."""
+    copy_ = onnx.FunctionProto()
+    copy_.CopyFrom(function)
+    copy_.ClearField("doc_string")
+    return copy_.SerializeToString(deterministic=True)
+
+
+def _foreign_bodies(fused: onnx.ModelProto, overloads: set[str]) -> dict[str, str]:
+    """overload → why the fused model's ``ai.sgdfuse::SGD`` function of that overload is not the contract's
+    body (:func:`sgdfuse.fused_op.make_sgd_function` for the model's opset), for each overload the model's
+    SGD nodes call whose function differs; empty when every body is the contract's.
+
+    onnxruntime runs the model's own body, the device op computes the contract: a body edited by hand (a
+    dampening written into it, a learning rate doubled inside while the node's input is halved) would make
+    the two sides agree in onnxruntime and prove nothing about the device."""
+    if not overloads:
+        return {}
+    present = {f.overload: f for f in fused.functions if f.domain == DOMAIN and f.name == OP_TYPE}
+    try:
+        contract = {f.overload: f for f in sgd_functions_for_overloads(overloads, function_opset(fused))}
+    except ValueError as error:
+        return {o: f"the SGD nodes call {o!r}, which has no contract body: {error}" for o in overloads}
+    found: dict[str, str] = {}
+    for overload in overloads:
+        function = present.get(overload)
+        if function is None:
+            continue  # onnxruntime cannot run the model: check fails on its own
+        if _function_key(function) != _function_key(contract[overload]):
+            found[overload] = (
+                f"the model's ai.sgdfuse::SGD function body{f' (overload {overload})' if overload else ''} is not the "
+                "operator contract's: onnxruntime runs that body, the device's SGD op computes the contract, so "
+                "their agreement here says nothing about the device. Re-run sgdfuse optimize on the original to "
+                "write the contract's body."
+            )
+    return found
+
+
 def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_UpdateView], output_tallies, state_tallies) -> None:
     """Fail the outputs and state writes of every SGD node whose specialised body (its ``overload``, what
     onnxruntime runs) assumes other attributes than the node has (what the lowered GE op reads): the numbers
@@ -1866,6 +1909,7 @@ def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_Update
     nodes = [node for node in fused.graph.node if node.domain == DOMAIN and node.op_type == OP_TYPE]
     problems: dict[tuple, str] = {}  # per overload and attributes: a few hundred kinds of node at most
     constants = _ConstantInputs(fused.graph)
+    bodies = _foreign_bodies(fused, {node.overload for node in nodes})
     for node, (k, view) in zip(nodes, enumerate(views)):
         kind = (node.overload, tuple(a.SerializeToString(deterministic=True) for a in node.attribute))
         problem = problems.get(kind)
@@ -1873,7 +1917,7 @@ def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_Update
             problem = problems[kind] = _overload_problem(node)
         elif problem:
             problem = _overload_problem(node)  # the message names this node
-        problem = problem or _overload_input_problem(node, constants)
+        problem = problem or bodies.get(node.overload, "") or _overload_input_problem(node, constants)
         if not problem:
             continue
         for name in view.outputs:

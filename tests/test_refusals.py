@@ -532,3 +532,51 @@ def test_a_buffer_read_through_a_non_linear_op_is_not_called_momentum_0():
     refusal = _refusal(model)
     assert refusal.reason == "no-momentum-buffer", refusal
     assert "momentum is 0" not in refusal.detail and "Relu" in refusal.detail, refusal.detail
+
+
+# -- two outputs named after one state ----------------------------------------------------------------------
+
+
+def _two_claimants(junk: str = "buf_out", true: str = "new_buf") -> onnx.ModelProto:
+    # true = 0.9*buf + g is what p_out reads; junk = 2*true is another output whose name also says "next buf".
+    # Read with junk as the buffer, the algebra is momentum SGD too (momentum 1.8, dampening -1, lr 0.05), and
+    # an in-place run would then write 2*true into buf: a user trial found it fused from the names, with check
+    # passing.
+    return make_model(
+        [
+            node("Mul", ["buf", "m"], ["buf_scaled"]),
+            node("Add", ["buf_scaled", "g"], [true]),
+            node("Mul", [true, "lr"], ["step"]),
+            node("Sub", ["p", "step"], ["p_out"]),
+            node("Mul", [true, "two"], [junk]),
+        ],
+        STATE,
+        [value("p_out"), value("buf_out" if junk == "buf_out" else true), value(junk if junk != "buf_out" else true)],
+        [scalar("m", 0.9), scalar("lr", 0.1), scalar("two", 2.0)],
+    )
+
+
+@pytest.mark.parametrize("junk, true", [("buf_out", "new_buf"), ("new_buf", "buf_out"), ("buf_out", "buf_next")])
+def test_two_outputs_named_after_one_buffer_with_different_values_are_ambiguous(junk, true):
+    refusal = _refusal(_two_claimants(junk, true))
+    assert refusal.reason == "ambiguous-roles", refusal
+    assert _names(refusal.detail, junk) and _names(refusal.detail, true) and "--state" in refusal.detail, refusal.detail
+
+
+def test_a_pin_says_which_of_two_claimants_is_the_buffer():
+    result = api.optimize(_two_claimants("buf_out", "new_buf"), pins=api.RolePins(state={"new_buf": "buf"}))
+    [fused] = result.report.fused
+    assert (fused.accum, fused.accum_out, fused.momentum, fused.dampening) == ("buf", "new_buf", pytest.approx(0.9), 0.0)
+
+
+def test_a_copy_of_the_buffer_named_after_it_too_is_no_conflict():
+    # buf_out = Identity(new_buf): both names hold one value; nothing to choose.
+    model = make_model(
+        [*PLAIN_BUFFER[:1], node("Add", ["buf_scaled", "g"], ["new_buf"]), node("Identity", ["new_buf"], ["buf_out"]),
+         node("Mul", ["new_buf", "lr"], ["step"]), node("Sub", ["p", "step"], ["p_out"])],
+        STATE,
+        [value("p_out"), value("buf_out"), value("new_buf")],
+        [scalar("m", 0.9), scalar("lr", 0.1)],
+    )
+    result = api.optimize(model)
+    assert [f.parameters_out for f in result.report.fused] == ["p_out"], result.report.refused

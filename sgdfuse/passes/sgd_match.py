@@ -26,7 +26,7 @@ import math
 import operator
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -543,7 +543,7 @@ def _named_next(index: GraphIndex, float_outputs: list[str], pins: RolePins, can
     """Name evidence of which output is the next value of which state input (buf -> buf_out), by the
     input: the copy-free value of the first output so named (``canonical``: the outputs' copy-free values, when
     known)."""
-    return _next_by_previous(index, _previous_of(index, float_outputs, pins), canonical)
+    return _next_by_previous(index, _previous_of(index, float_outputs, pins), canonical, pins.state)
 
 
 def _previous_of(index: GraphIndex, float_outputs: list[str], pins: RolePins) -> dict[str, str | None]:
@@ -556,12 +556,36 @@ def _previous_of(index: GraphIndex, float_outputs: list[str], pins: RolePins) ->
     return previous_of
 
 
-def _next_by_previous(index: GraphIndex, previous_of: Mapping[str, str | None], canonical: Mapping[str, str] | None) -> dict[str, str]:
-    """:func:`_named_next` from the outputs' :func:`_previous_of`, in output order."""
+class _Claimed(str):
+    """A state's next value as the first output naming it gives it, when other outputs named after the same
+    state hold other values (``buf_out`` and ``new_buf``, one ``2*new_buf``): equal to that first value as a
+    string, so every other reader of the name evidence goes on as before; :func:`_in_place_problem` refuses
+    a reading that writes such a state in place (``ambiguous-roles``), since the names do not say which."""
+
+    claimants: tuple[str, ...]
+
+
+def _next_by_previous(
+    index: GraphIndex, previous_of: Mapping[str, str | None], canonical: Mapping[str, str] | None, pinned: Container[str] = ()
+) -> dict[str, str]:
+    """:func:`_named_next` from the outputs' :func:`_previous_of`, in output order. A pinned output (``pinned``:
+    the user's ``--state`` outputs) is the next value of its state whatever names say; two outputs named after
+    one state with different copy-free values make it a :class:`_Claimed`."""
     named_next: dict[str, str] = {}
+    by: dict[str, str] = {}  # state -> the output that named it first
     for o, previous in previous_of.items():
-        if previous is not None and previous not in named_next:
-            named_next[previous] = canonical[o] if canonical is not None and o in canonical else _skip_copies(index, o)
+        if previous is None:
+            continue
+        value = canonical[o] if canonical is not None and o in canonical else _skip_copies(index, o)
+        first = by.get(previous)
+        if first is None:
+            named_next[previous], by[previous] = value, o
+        elif o in pinned and first not in pinned:
+            named_next[previous], by[previous] = value, o
+        elif value != named_next[previous] and first not in pinned:
+            claimed = _Claimed(named_next[previous])
+            claimed.claimants = (*getattr(named_next[previous], "claimants", (first,)), o)
+            named_next[previous] = claimed
     return named_next
 
 
@@ -578,7 +602,7 @@ def _find_by_class(
     copy-free values, when known)."""
     float_outputs = list(itertools.compress(outputs, map(_EPS.__contains__, map(_dtype_of, map(index.specs.get, outputs, itertools.repeat(_NO_SPEC))))))
     previous_of = _previous_of(index, float_outputs, pins)
-    named_next = _next_by_previous(index, previous_of, canonical)
+    named_next = _next_by_previous(index, previous_of, canonical, pins.state)
     name_facts = name_facts_of(index, pins, named_next, previous_of)
 
     def solve(some: list[str]) -> tuple[list[Match], list[Miss]]:
@@ -893,6 +917,16 @@ def _in_place_problem(match: Match, named_next: dict[str, str], canonical: dict[
     buffer is ``buf_out``, whatever the algebra of ``delta`` allows)."""
     for role, old, new in (("parameters", match.parameters, match.parameters_out), ("momentum buffer", match.accum, match.accum_out)):
         named = named_next.get(old)
+        if isinstance(named, _Claimed):
+            claimants = " and ".join(named.claimants)
+            return Miss(
+                match.parameters_out,
+                "ambiguous-roles",
+                f"{claimants} are each named as the next value of the {role} {old} and hold different values, so the "
+                f"names do not say which one to write into {old} in place (this reading takes {new}). Say which: "
+                f"--state {named.claimants[0]}={old} (RolePins(state=...) in the API), or rename the others.",
+                score=10,
+            )
         if named is not None and named != canonical.get(new, new):
             if role == "parameters":
                 return Miss(
