@@ -124,7 +124,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import hashlib
 import heapq
 import logging
@@ -1346,7 +1345,7 @@ def verify_plans(
     for members in classes.values():
         chosen.add(members[0])
         chosen.update(sampler.sample(members[1:], min(CLASS_SAMPLE, len(members) - 1)))
-    results = _run_chosen(model, index, plans, sorted(chosen), steps=steps, seed=seed, shared=shared)
+    results = _run_chosen(model, index, plans, sorted(chosen), steps=steps, seed=seed, shared=shared, evidence=evidence)
     unrun: list[int] = []
     for members in classes.values():
         ran = [results[k] for k in members if k in results]
@@ -1357,7 +1356,7 @@ def verify_plans(
                     results[k] = dataclasses.replace(first, parameters_out=plans[k].match.parameters_out, verified_as=first.parameters_out)
         else:
             unrun.extend(k for k in members if k not in results)
-    results.update(_run_chosen(model, index, plans, sorted(unrun), steps=steps, seed=seed + 1, shared=shared))
+    results.update(_run_chosen(model, index, plans, sorted(unrun), steps=steps, seed=seed + 1, shared=shared, evidence=evidence))
     logger.info("verified %d plans in %d classes by running %d", len(plans), len(classes), len(chosen) + len(unrun))
     return [results[k] for k in range(len(plans))]
 
@@ -1369,7 +1368,7 @@ CLASS_SAMPLE = 2
 """Members run per class besides its first (seeded random choice)."""
 
 
-def _run_chosen(model, index, plans: Sequence, chosen: Sequence[int], *, steps: int, seed: int, shared) -> dict[int, UpdateCheck]:
+def _run_chosen(model, index, plans: Sequence, chosen: Sequence[int], *, steps: int, seed: int, shared, evidence=None) -> dict[int, UpdateCheck]:
     checks = _verify_each(model, index, [plans[k] for k in chosen], steps=steps, seed=seed, shared=shared, evidence=evidence) if chosen else []
     return dict(zip(chosen, checks))
 
@@ -1820,7 +1819,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         passed = all(entry["passed"] for entry in listed + in_place)
         state_pairs = {o: s for s, o in original_pairs.items()}
         classes = f"; {len(groups)} independent groups of outputs, {runner.groups_run} run" + (
-            f", the others verified as a run member of their class" if runner.groups_run < len(groups) else "")
+            ", the others verified as a run member of their class" if runner.groups_run < len(groups) else "")
         logger.info("check: %s", classes[2:])
         return ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups),
                           runner.groups_run, uncompared)
