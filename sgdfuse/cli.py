@@ -467,6 +467,9 @@ def check_command(
     steps: int = typer.Option(3, "--steps", min=1, max=10_000, help="Chained steps to run."),
     seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed of the random inputs."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help=f"One console row per output, even past {TABLE_ROWS}."),
+    state: Optional[list[str]] = typer.Option(
+        None, "--state", help="NEW=OLD: the original's output NEW is the next value of input OLD (as given to optimize; repeatable)."
+    ),
 ) -> None:
     """Run ORIGINAL and FUSED in onnxruntime on the same seeded inputs for STEPS chained steps, natively and in DOUBLE, in lockstep and in place; exit 0 only if every output and every in-place state write agrees and every fused update's gradient was non-zero on some compared step (one that stays zero on every input fed fails as never compared)."""
     from sgdfuse.verify import check_models
@@ -478,7 +481,7 @@ def check_command(
         models.append(api.load_model(path, load_external_data=True))
         _require_text_names(models[-1], path)
     try:
-        result = check_models(models[0], models[1], steps=steps, seed=seed)
+        result = check_models(models[0], models[1], steps=steps, seed=seed, pinned=_pins(state, None).state)
     except ValueError as error:
         raise SgdfuseError(f"{fused}: {error}") from error
     except SgdfuseError:

@@ -1728,7 +1728,7 @@ class ModelCheck:
             original's next value), "fused" (what the fused op writes), "max_abs_error", "max_bound_ratio",
             "passed", "message"}``.
         runs: what was run (precision and size).
-        note: what could not be run and why, or "".
+        note: what could not be run and why, and which output was carried into a state several outputs are named after; or "".
         groups: independent groups of outputs the models were cut into (:func:`check_models`).
         groups_run: how many of them were run; each other one has the results of a run member of its class,
             named by the ``verified_as`` of its entries in ``outputs`` and ``in_place`` ("" where run).
@@ -1749,13 +1749,16 @@ class ModelCheck:
     uncompared: list[str] = dataclasses.field(default_factory=list)
 
 
-def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: int = 3, seed: int = 0) -> ModelCheck:
+def check_models(
+    original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: int = 3, seed: int = 0, pinned: Mapping[str, str] | None = None
+) -> ModelCheck:
     """Run two whole models (an original and its fused form) in onnxruntime, natively and lifted to DOUBLE,
     at every size, over the schedule of the module docstring: once in lockstep (both fed the original's
     state) and once in place (each side carrying its own state).
 
-    Fused pairs come from the fused model's SGD nodes; the original's from names, then from matching the
-    original, then the fused pairing's output names. Outputs of SGD nodes are compared with the bound of
+    Fused pairs come from the fused model's SGD nodes; the original's from ``pinned`` (output → the input it
+    replaces, the user's ``--state``), then names, then matching the original, then the fused pairing's
+    output names. Outputs of SGD nodes are compared with the bound of
     this module, every other output must be identical in lockstep (NaN equal to NaN); in place, the value
     each side writes into each SGD-updated state must agree within the bound.
 
@@ -1773,7 +1776,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         index = _declarations(original)
         sides = (_Side.of(original), _Side.of(fused))
         views = _fused_views(sides[1], set(original_inputs))
-        original_pairs = _original_pairs(index, original, views)
+        original_pairs = _original_pairs(index, original, views, pinned)
         for view in views:
             view.original_state = {s: original_pairs[s] for s in view.roles if s in original_pairs}
         inputs = {spec.name: spec for spec in _check_inputs(index, original_inputs, views, sides[1])}
@@ -1785,6 +1788,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         output_tallies = {name: _Tally() for name in outputs}
         state_tallies = {(k, s): _Tally() for k, view in enumerate(views) for s in view.roles}
         runner = _GroupRunner(index, sides, views, inputs, original_pairs, output_tallies, state_tallies, steps=steps, seed=seed)
+        runner.notes.extend(_claim_notes(index.graph_outputs, {s for view in views for s in view.roles}, original_pairs, pinned))
         verified_as = _run_groups(index, sides, groups, views, inputs, original_pairs, fused_pairs, runner, seed=seed)
         _fail_inconsistent_overloads(fused, views, output_tallies, state_tallies)
         if not runner.runs and not any(not t.passed for t in output_tallies.values()):
@@ -2561,10 +2565,29 @@ def _declarations(model: onnx.ModelProto) -> GraphIndex:
     return GraphIndex(graph, {}, {}, initializers, [i.name for i in graph.input], [o.name for o in graph.output], specs, set())
 
 
-def _original_pairs(index: GraphIndex, original: onnx.ModelProto, views: Sequence[_UpdateView]) -> dict[str, str]:
-    """state input → the original's next value of it: by name, then by matching the original (for the
-    states the fused model updates), then the fused model's own output for it."""
-    pairs = _name_evidence(index.graph_outputs, [i for i in index.graph_inputs if i not in index.initializers])
+def _claim_notes(outputs: Sequence[str], states: set[str], pairs: Mapping[str, str], pinned: Mapping[str, str] | None) -> list[str]:
+    """One note per fused state that several of the original's outputs are named after (``buf_out`` and
+    ``new_buf``) and no pin decides: which one check carried into it, and how to say another."""
+    claims: dict[str, list[str]] = {}
+    for output in outputs:
+        previous = previous_by_name(output, states)
+        if previous is not None:
+            claims.setdefault(previous, []).append(output)
+    pinned_states = set((pinned or {}).values())
+    return [
+        f"{', '.join(names)} are each named as the next value of {state}; check carried {pairs.get(state, names[0])} into it "
+        f"(say another with --state NEW={state})"
+        for state, names in claims.items()
+        if len(names) > 1 and state not in pinned_states
+    ]
+
+
+def _original_pairs(
+    index: GraphIndex, original: onnx.ModelProto, views: Sequence[_UpdateView], pinned: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """state input → the original's next value of it: as pinned (``pinned``: output → input), by name, then by
+    matching the original (for the states the fused model updates), then the fused model's own output for it."""
+    pairs = _name_evidence(index.graph_outputs, [i for i in index.graph_inputs if i not in index.initializers], pinned)
     wanted = [s for view in views for s in view.roles if s not in pairs]
     if wanted:
         from sgdfuse.passes.index import build_index

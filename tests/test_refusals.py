@@ -580,3 +580,17 @@ def test_a_copy_of_the_buffer_named_after_it_too_is_no_conflict():
     )
     result = api.optimize(model)
     assert [f.parameters_out for f in result.report.fused] == ["p_out"], result.report.refused
+
+
+def test_check_takes_the_pin_optimize_took(tmp_path):
+    # Fused with --state new_buf=buf, the model writes new_buf into buf; check must carry the same output into
+    # buf on the original's side, or it compares the fused buffer with buf_out (= 2*new_buf) and fails a
+    # correct model. Without the pin, check says which output it took and how to say another.
+    from sgdfuse.verify import check_models
+
+    original = _two_claimants("buf_out", "new_buf")
+    fused = api.optimize(original, pins=api.RolePins(state={"new_buf": "buf"})).model
+    assert check_models(original, fused, steps=3, pinned={"new_buf": "buf"}).passed
+    unpinned = check_models(original, fused, steps=3)
+    assert not unpinned.passed
+    assert "buf_out, new_buf are each named as the next value of buf" in unpinned.note, unpinned.note
