@@ -594,3 +594,43 @@ def test_check_takes_the_pin_optimize_took(tmp_path):
     unpinned = check_models(original, fused, steps=3)
     assert not unpinned.passed
     assert "buf_out, new_buf are each named as the next value of buf" in unpinned.note, unpinned.note
+
+
+# -- a graph at fault is named as such ---------------------------------------------------------------------
+
+
+def _damped_step() -> onnx.ModelProto:
+    # grad = Sqrt(Relu(g)): a gradient the update computes in the graph, by two nodes.
+    return make_model(
+        [
+            node("Relu", ["g"], ["t1"], name="n_t1"),
+            node("Sqrt", ["t1"], ["t2"], name="n_t2"),
+            node("Mul", ["buf", "m"], ["buf_scaled"], name="n_bs"),
+            node("Add", ["buf_scaled", "t2"], ["buf_out"], name="n_bo"),
+            node("Mul", ["buf_out", "lr"], ["step"], name="n_st"),
+            node("Sub", ["p", "step"], ["p_out"], name="n_po"),
+        ],
+        STATE,
+        [value("p_out"), value("buf_out")],
+        [scalar("m", 0.9), scalar("lr", 0.1)],
+    )
+
+
+def test_the_step_the_faults_start_from_fuses():
+    assert [f.parameters_out for f in api.optimize(_damped_step()).report.fused] == ["p_out"]
+
+
+def test_a_read_of_a_value_nothing_defines_is_named():
+    model = _damped_step()
+    model.graph.node[0].input[0] = "does_not_exist"
+    refusal = _refusal(model)
+    assert "n_t1 reads does_not_exist, which nothing defines" in refusal.detail, refusal.detail
+
+
+def test_a_graph_out_of_topological_order_is_named():
+    model = _damped_step()
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(nodes))
+    refusal = _refusal(model)
+    assert "not in topological order" in refusal.detail, refusal.detail

@@ -2067,10 +2067,44 @@ def _previous_by_name(index: GraphIndex, output: str, pins: RolePins | None = No
     return previous_by_name(output, index.state_names)
 
 
+def _origin_problem(index: GraphIndex, value: str, limit: int = 10_000) -> str | None:
+    """Why shape inference could not type ``value``, when the graph itself is at fault: a node of its cone
+    reads a value that nothing defines (no node output, graph input or initializer), or reads a value a later
+    node computes (ONNX requires nodes in topological order). None when neither is found within ``limit``
+    nodes. Asked only of a refusal: the walk costs nothing on the way to a fusion."""
+    producer, nodes = index.producer, index.graph.node
+    stack, seen = [value], {value}
+    while stack and len(seen) < limit:
+        k = producer.get(stack.pop())
+        if k is None:
+            continue
+        node = nodes[k]
+        label = node.name or f"#{k} ({node.op_type})"
+        for name in node.input:
+            if not name or name in seen:
+                continue
+            seen.add(name)
+            j = producer.get(name)
+            if j is None and not index.is_input_name(name) and name not in index.initializers:
+                return f"node {label} reads {name}, which nothing defines (no node output, graph input or initializer of that name)."
+            if j is not None and j > k:
+                return (
+                    f"node {label} reads {name} before node {nodes[j].name or f'#{j} ({nodes[j].op_type})'} computes it: "
+                    "the graph is not in topological order, which ONNX requires (onnx.checker says so); sort its nodes."
+                )
+            stack.append(name)
+    return None
+
+
 def _typing_problem(
     index: GraphIndex, normaliser: Normaliser, w: str, v: str, p: str, a: str, g: str
 ) -> Miss | None:
     specs = {name: index.spec(name) for name in (p, g, a, w, v)}
+    for name, spec in specs.items():
+        if spec.dtype == 0 or spec.shape is None:
+            origin = _origin_problem(index, name)
+            if origin is not None:
+                return Miss(w, "dtype-mismatch" if spec.dtype == 0 else "shape-mismatch", f"{name}'s type is unknown: {origin}")
     dtype = specs[p].dtype
     for name, spec in specs.items():
         if spec.dtype != dtype:
