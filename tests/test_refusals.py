@@ -634,3 +634,14 @@ def test_a_graph_out_of_topological_order_is_named():
     model.graph.node.extend(reversed(nodes))
     refusal = _refusal(model)
     assert "not in topological order" in refusal.detail, refusal.detail
+
+
+def test_outputs_declared_without_a_shape_take_the_inferred_one():
+    # A user trial: graph outputs declared with a dtype only were refused as "w_out has shape None" although
+    # ONNX shape inference infers them (it writes an output's shape into the output, not a value info).
+    model = momentum_sgd()
+    for output in model.graph.output:
+        output.type.tensor_type.ClearField("shape")
+    result = api.optimize(model)
+    assert [f.parameters_out for f in result.report.fused] == ["p_out"], result.report.refused
+    assert all(u["passed"] for u in result.report.verification.updates)
