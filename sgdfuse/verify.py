@@ -65,10 +65,19 @@ terms that cancel: with ``k = 1 - d``, ``grad = g + wd·p`` and ``a`` the buffer
     T_v = |m·a| + |k·g| + |k·wd·p|            (the buffer's terms, accum_t = m·a + k·grad)
 
 * Coefficients: the op applies ``lr`` and ``m`` as values of the parameters' dtype and ``d``, ``wd`` as
-  FLOAT attributes; the original applies its own constants. Each coefficient may differ by
-  :data:`COEFFICIENT_ROUNDINGS` roundings of its storage type, relative to *the coefficient itself*:
-  ``ε_lr = ε_m = C·u_p`` (u_p the unit roundoff of the parameters' dtype: 2^-24 FLOAT, 2^-11 FLOAT16,
-  2^-8 BFLOAT16) and ``ε_k = ε_wd = C·2^-24``. Note ε_k is relative to ``k = 1 - d``: a dampening near 1
+  FLOAT attributes; the original applies its own constants. Each coefficient may differ, relative to *the
+  coefficient itself*, by :data:`COEFFICIENT_ROUNDINGS` FLOAT roundings (exporters fold products of
+  hyper-parameters into one rounded FLOAT constant) and, for ``lr`` and ``m`` on FLOAT16/BFLOAT16 state, one
+  rounding of the parameters' dtype (their storage in it): ``ε_lr = ε_m = C·2^-24 + u_p`` (u_p the unit
+  roundoff of the parameters' dtype: 2^-11 FLOAT16, 2^-8 BFLOAT16; ``C·2^-24`` alone for FLOAT,
+  :func:`hyperparameter_tolerance`) and ``ε_k = ε_wd = C·2^-24``. It was ``C·u_p``, four roundings of
+  BFLOAT16 (1.6 %), and a fused momentum three BFLOAT16 ulps off the original's passed; any BFLOAT16 or
+  FLOAT16 value other than a 16-bit original's own is now outside (``ulp(c) > u_p·|c|``), on the compared value
+  where that term dominates the others (the buffer for ``m``; for Nesterov's weights a learning rate shares the
+  bound with ``ε_m·|lr·m·T_v|``, so it is told apart from about 1.5 roundings on). A graph computing in a 16-bit
+  type whose exporter folded a product of hyper-parameters into one 16-bit constant (up to 4 spacings from the
+  op's product, which the matcher accepts) then fails verification and stays unfused: a false failure, not a
+  false pass. Note ε_k is relative to ``k = 1 - d``: a dampening near 1
   whose FLOAT attribute cannot express ``1 - d`` to that accuracy (the Keras step at lr 1e-6: ``1 - d`` off
   by 1.3e-2) fails, whatever the size of ``|g|``. So does any dampening above 1/2 whose ``1 - d`` is not
   exact in FLOAT: a graph constant 0.1 for ``1 - d`` gives the attribute 0.9 and ``1 - d = 0.10000002``,
@@ -162,6 +171,7 @@ __all__ = ["non_negative_inputs",
     "error_bound",
     "error_bound_values",
     "coefficient_bound",
+    "hyperparameter_tolerance",
     "unit_roundoff",
     "difference",
     "previous_by_name",
@@ -177,9 +187,10 @@ OPERATIONS = 8
 +grad, (1-stat), ·d, -, ·lr (·m, +grad for Nesterov), and the final cast)."""
 
 COEFFICIENT_ROUNDINGS = 4
-"""Roundings of its storage type by which a coefficient the fused op applies may differ from the
-original's, relative to the coefficient (module docstring, "Tolerance rule"): the rewrite rounds each
-solved value once, and exporters fold products of up to three hyper-parameters into one rounded constant.
+"""FLOAT roundings by which a coefficient the fused op applies may differ from the original's, relative to
+the coefficient (module docstring, "Tolerance rule"; the learning rate and momentum of FLOAT16/BFLOAT16 state
+one rounding of that dtype more, :func:`hyperparameter_tolerance`): the rewrite rounds each solved value
+once, and exporters fold products of up to three hyper-parameters into one rounded constant.
 The matcher accepts the same (4 spacings, sgdfuse.passes.precision), so what it fuses is not dropped here:
 a PyTorch dampening of 0.9 (the FLOAT attribute 0.9 gives 1 - d = 0.10000002, 3.7 roundings off 0.1) is one
 number; Keras's 1 - d = lr at lr 1e-3 (1.1e3 roundings off) is not."""
@@ -304,14 +315,30 @@ def error_bound(plan, p: np.ndarray, g: np.ndarray, a: np.ndarray, lr: float, dt
     return error_bound_values(m, match.dampening, match.weight_decay, match.nesterov, p, g, a, lr, dtype)
 
 
+def hyperparameter_tolerance(dtype: int) -> float:
+    """``ε_lr = ε_m``: how far, relative to itself, the learning rate or momentum the fused op applies may be
+    from the original's (module docstring, "Tolerance rule"): :data:`COEFFICIENT_ROUNDINGS` FLOAT roundings
+    (the folding of hyper-parameter products into one FLOAT constant), plus, when the parameters' ``dtype`` is
+    coarser than FLOAT, one rounding of it (the contract feeds ``lr`` and ``m`` in that dtype, so a FLOAT
+    ``0.1`` becomes ``0.10009765625`` with ``--allow-rounding``). Not four roundings of the parameters' dtype:
+    in BFLOAT16 that is 1.6 %, and a momentum three ulps off (0.91015625 for 0.8984375) passed. Every other
+    BFLOAT16 or FLOAT16 value is more than one rounding from a value of the same dtype (``ulp(c) > u·|c|``).
+
+    Args:
+        dtype: the parameters' ONNX dtype (FLOAT, FLOAT16 or BFLOAT16).
+    """
+    folding = COEFFICIENT_ROUNDINGS * _UNIT_ROUNDOFF[onnx.TensorProto.FLOAT]
+    return folding if dtype == onnx.TensorProto.FLOAT else folding + _UNIT_ROUNDOFF[dtype]
+
+
 def coefficient_bound(
     momentum: float, dampening: float, weight_decay: float, nesterov: bool, p, g, a, lr: float, dtype: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-element bounds ``(weights, buffer)`` on the difference that coefficients rounded to the op's
     storage types may cause, relative to the error-free terms (module docstring, "Tolerance rule")."""
     m, k, wd, lr = abs(momentum), abs(1.0 - dampening), abs(weight_decay), abs(lr)
-    eps_p = COEFFICIENT_ROUNDINGS * _UNIT_ROUNDOFF[dtype]
     eps_f = COEFFICIENT_ROUNDINGS * _UNIT_ROUNDOFF[onnx.TensorProto.FLOAT]
+    eps_p = hyperparameter_tolerance(dtype)
     with np.errstate(invalid="ignore", over="ignore"):
         p64, g64, a64 = (np.abs(np.asarray(x, dtype=np.float64)) for x in (p, g, a))
         ma, kg, kwp = _times(m, a64), _times(k, g64), _times(k * wd, p64)
