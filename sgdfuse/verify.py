@@ -172,6 +172,10 @@ __all__ = ["non_negative_inputs",
     "error_bound_values",
     "coefficient_bound",
     "hyperparameter_tolerance",
+    "gradient_live",
+    "finite_elements",
+    "wide_values",
+    "dead_gradient_message",
     "unit_roundoff",
     "difference",
     "previous_by_name",
@@ -218,7 +222,7 @@ buffers leave zero after the first step."""
 WIDE = "wide"
 """One more step, from the chain's state and not chained, run only when some update's gradient was zero (or not
 finite) at every compared element of every step before: every float input that is neither state nor a runtime
-learning rate or momentum is fed wide-range values (:func:`_wide`: both signs, magnitudes spread from 1/4 to
+learning rate or momentum is fed wide-range values (:func:`wide_values`: both signs, magnitudes spread from 1/4 to
 about the square root of the dtype's largest value), and the buffers random values as in :data:`RANDOM_STATE`.
 A whole model computes its gradients from what it is fed: ``Relu(x - 10)`` is zero for every standard-normal
 ``x``, so a fused model reading ``-0.5 * g`` for ``g`` passed ``check`` (a fresh trial's finding). Wide values
@@ -227,7 +231,7 @@ compared, so an overflow proves nothing either way and never fails a correct mod
 still zero everywhere fails as never compared (:func:`_fail_dead_gradients`): its gradient term was not seen."""
 
 WIDE_LOW_EXPONENT = -2
-"""The smallest magnitude of :func:`_wide` values is ``2**WIDE_LOW_EXPONENT``: well above the subnormals of every
+"""The smallest magnitude of :func:`wide_values` values is ``2**WIDE_LOW_EXPONENT``: well above the subnormals of every
 float dtype even after a learning rate (the bound's floor is four subnormal spacings), and standard-normal steps
 cover the magnitudes below 1 already."""
 
@@ -447,7 +451,7 @@ class _Tally:
             self.fail(f"{label}: shape {list(have.shape)} fused vs {list(want.shape)} original")
             return
         if finite_only and want.size:
-            want, have, kept = _finite_elements(want, have)
+            want, have, kept = finite_elements(want, have)
             if not kept:
                 return  # nothing finite on both sides: nothing compared
         if not self.compared_finite and want.size and (want.dtype.kind not in "fc" or np.isfinite(want).any()):
@@ -476,10 +480,10 @@ class _Tally:
             )
 
 
-def _finite_elements(want: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
-    """``want`` and ``have`` (same shape) with every element that is not finite in either replaced by 0 in both
-    (left out of the comparison), and whether any element is left; arrays that are not float, or finite
-    everywhere, as they are."""
+def finite_elements(want: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    """``want`` and ``have`` (same shape, any float dtype) with every element that is not finite in either
+    replaced by 0 in both (left out of the comparison on a :data:`WIDE` step), and whether any element is
+    left; arrays that are not float, or finite everywhere, as they are."""
     if want.dtype.kind != "f" and want.dtype.name != "bfloat16":
         return want, have, True
     with np.errstate(invalid="ignore"):
@@ -490,10 +494,16 @@ def _finite_elements(want: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np
     return np.where(keep, want, zero), np.where(keep, have, zero.astype(have.dtype)), bool(keep.any())
 
 
-def _gradient_live(gradient, compared: Iterable) -> bool:
+def gradient_live(gradient, compared: Iterable) -> bool:
     """Is some element of ``gradient`` finite and non-zero where every value of ``compared`` of the gradient's
     shape (an update's outputs and state writes, on either side) is finite? Then the gradient term took part
-    in a comparison (:data:`WIDE`)."""
+    in a comparison (:data:`WIDE`).
+
+    Args:
+        gradient: the gradient an update read in one step (any float dtype, BFLOAT16 included; None or a
+            non-float array is never live).
+        compared: the values compared for that update in that step; those of another shape are ignored.
+    """
     g = _float_array(gradient)
     if g is None or g.size == 0:
         return False
@@ -572,7 +582,7 @@ def _feed(spec: _Input, kind: str, step: int, size: int | None, rng: np.random.G
 def _extreme(kind: str, shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
     """The values of an input on an extreme-value step (:data:`EXTREME_KINDS`, :data:`WIDE`), in ``dtype``."""
     if kind == WIDE:
-        return _wide(shape, dtype, rng)
+        return wide_values(shape, dtype, rng)
     signs = np.where(rng.standard_normal(shape) < 0, -1.0, 1.0)
     if kind == "zero":
         return np.zeros(shape, dtype=dtype)
@@ -582,7 +592,7 @@ def _extreme(kind: str, shape: tuple[int, ...], dtype: np.dtype, rng: np.random.
     return (signs * big).astype(dtype)
 
 
-def _wide(shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
+def wide_values(shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
     """Values of :data:`WIDE` steps: ``n`` elements whose magnitudes ``2**e`` are stratified over ``[low, top]``
     (one exponent drawn uniformly in each of ``n`` equal parts, so every part of the range is hit once), with
     alternating signs from the largest down (the two largest have opposite signs), in a random order.
@@ -1244,11 +1254,11 @@ def _gradient_of(view: _UpdateView, original_feeds, original_out, fused_out):
 
 
 def _view_live(view: _UpdateView, original_feeds, original_out, fused_out) -> bool:
-    """Did ``view``'s gradient take part in this step's comparison (:func:`_gradient_live` over the update's
+    """Did ``view``'s gradient take part in this step's comparison (:func:`gradient_live` over the update's
     outputs and state writes on both sides)?"""
     names = dict.fromkeys([*view.outputs, *view.original_state.values(), *view.fused_state.values()])
     compared = [side[name] for side in (original_out, fused_out) for name in names if name in side]
-    return _gradient_live(_gradient_of(view, original_feeds, original_out, fused_out), compared)
+    return gradient_live(_gradient_of(view, original_feeds, original_out, fused_out), compared)
 
 
 def _live_views(views: Sequence[_UpdateView], steps: Sequence[tuple], known: Sequence[bool]) -> list[bool]:
@@ -1639,7 +1649,7 @@ def _verify_batch(model, index, plans, *, steps: int, seed: int, shared, evidenc
         if tally.passed and not tally.gradient_seen:
             fed = {spec.name for spec in slices.inputs}
             sources = sorted((_sources([view.gradient], slices.original.graph.node) & fed) - {view.gradient})
-            tally.fail(_dead_gradient_message(
+            tally.fail(dead_gradient_message(
                 plan.match.gradient, sources, [plan.match.parameters_out, plan.match.accum_out],
                 "the slice run for this update computes its gradient (a guard of the update reads it) from inputs "
                 "that the random data never brings to a non-zero gradient, so the update is left unfused",
@@ -1650,7 +1660,7 @@ def _verify_batch(model, index, plans, *, steps: int, seed: int, shared, evidenc
     return results
 
 
-def _dead_gradient_message(gradient: str, sources: Sequence[str], outputs: Sequence[str], advice: str) -> str:
+def dead_gradient_message(gradient: str, sources: Sequence[str], outputs: Sequence[str], advice: str) -> str:
     """Why an update whose gradient was never live (:data:`WIDE`) fails: its gradient, what it is computed
     from, the outputs whose gradient term was never compared, and ``advice`` (what can be done)."""
     computed = ""
@@ -1877,7 +1887,7 @@ def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Map
         gradient = fused.nodes[probe].input[0] if probe is not None else view.gradient
         found = fused.fed_sources(gradient, inputs, memo) - {gradient}
         sources = sorted(found, key=lambda name: (inputs[name].role in ("parameters", "accum"), order[name]))
-        message = _dead_gradient_message(
+        message = dead_gradient_message(
             gradient, sources, list(view.outputs),
             "check feeds every input random values and wide ones, and none reaches this gradient. Check a form of the "
             "step that takes the gradient as a graph input (it is then fed random values), or run sgdfuse optimize "
