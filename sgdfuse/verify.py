@@ -92,6 +92,12 @@ terms that cancel: with ``k = 1 - d``, ``grad = g + wd·p`` and ``a`` the buffer
 * State carried in place: from step 2 on the two sides read states that already differ by
   ``Δp = |p_fused - p_original|`` and ``Δa`` (measured, and each checked at the step before), which the
   update propagates: ``B_v += |m|·Δa + |k·wd|·Δp``; ``B_w += (1 + |lr·k·wd|·(1+|m|))·Δp + |lr|·(|m|+m²)·Δa``.
+  In :func:`check_models`' in-place run a gradient computed from the weights differs between the sides too
+  (each computes it from its own weights): the original's gradient is probed beside the fused one (the value
+  of the same name, which the rewrite keeps), ``g`` in every term is the larger magnitude of the two, and
+  ``B_v += |k|·Δg``, ``B_w += |lr·k|·Δg`` (Nesterov ``|lr|·(1 + |m·k|)·Δg``), with ``Δg`` measured where it is
+  finite. Not in lockstep, where both sides compute the gradient from the same state (a gradient computed
+  otherwise fails there), and 0 wherever the gradient is fed or does not read the weights.
 * Roundoff: natively, each side rounds each operation once; with at most :data:`OPERATIONS` roundings per
   side and u the unit roundoff of the parameters' dtype, ``2·OPERATIONS·u·S`` covers both, where S sums the
   magnitudes of every term either side forms (``|m·a| + (1+|d|)·(|g| + wd·|p|)`` for the buffer,
@@ -263,6 +269,7 @@ class _Terms:
     dtype: int
     dp: np.ndarray | float = 0.0
     da: np.ndarray | float = 0.0
+    dg: np.ndarray | float = 0.0
 
 
 def _times(coefficient: float, magnitude):
@@ -367,6 +374,11 @@ def _bounds(terms: _Terms, *, lifted: bool) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(invalid="ignore", over="ignore"):
         b_v = b_v + 2 * OPERATIONS * u * s_v + floor + _times(m, t.da) + _times(k * wd, t.dp)
         b_w = b_w + 2 * OPERATIONS * u * s_w + floor + (1 + lr * k * wd * (1 + m)) * t.dp + _times(lr * (m + m * m), t.da)
+        # Each side's own gradient, computed from its own weights in place (check): what their difference feeds
+        # through, k·dg into the buffer, lr·k·dg (Nesterov lr·(1 + m·k)·dg) into the weights. 0 where the gradient
+        # is fed or does not read the weights: both sides then compute it from the same feeds.
+        b_v = b_v + _times(k, t.dg)
+        b_w = b_w + _times(lr * (1 + m * k) if t.nesterov else lr * k, t.dg)
     # A NaN left in a bound comes from a NaN term the update does form: the exact value is NaN there, both
     # sides must give NaN (difference 0), and a finite value on either side fails. (An infinite bound would
     # pass any finite difference: a wrong momentum once passed where a NaN gradient had made the parameters NaN.)
@@ -832,6 +844,13 @@ class _UpdateView:
     weight_decay: float
     nesterov: bool
     dtype: int
+    original_gradient: str = ""
+    """``check``: the original's probe of the value the fused SGD node reads as its gradient, when the original
+    computes or is fed a value of that name ("" otherwise, and in ``verify_plans``, whose gradient is one
+    value for both sides). In place, each side computes its gradient from its own weights, and the bound adds
+    what their difference feeds through (:func:`_bounds`)."""
+    gradient_operand: str = ""
+    """``check``: the value the fused SGD node reads as its gradient (what :attr:`gradient` probes)."""
 
 
 @dataclasses.dataclass
@@ -1232,16 +1251,26 @@ def _state_difference(original, fused) -> np.ndarray | float:
     return difference(original, fused)
 
 
-def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out) -> _Terms:
-    """The bound's values for one update in one step (module docstring, "Values")."""
+def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out, *, carried: bool = False) -> _Terms:
+    """The bound's values for one update in one step (module docstring, "Values"). With ``carried`` (``check``'s
+    in-place run, each side carrying its own state) and the original's gradient probed, the two gradients
+    (each computed from its side's weights) give ``dg`` and ``g`` the larger magnitude of the two."""
     gradient = _gradient_of(view, original_feeds, original_out, fused_out)
     p = original_feeds[view.parameters]
     a = original_feeds[view.accum]
     dp = _state_difference(p, fused_feeds.get(view.parameters))
     da = _state_difference(a, fused_feeds.get(view.accum))
+    dg: np.ndarray | float = 0.0
+    original_gradient = original_out.get(view.original_gradient) if carried and view.original_gradient else None
+    if original_gradient is not None and gradient is not None and np.shape(original_gradient) == np.shape(gradient):
+        with np.errstate(invalid="ignore"):
+            dg = difference(original_gradient, gradient)
+            # A NaN or Inf on one side only is no allowance: the outputs it reaches then differ and fail.
+            dg = np.where(np.isfinite(dg), dg, 0.0)
+            gradient = np.maximum(np.abs(_float_array(gradient)), np.abs(_float_array(original_gradient)))
     return _Terms(
         p=p, g=gradient, a=a, lr=_scalar(fused_out[view.learning_rate]), m=_scalar(fused_out[view.momentum]),
-        d=view.dampening, wd=view.weight_decay, nesterov=view.nesterov, dtype=view.dtype, dp=dp, da=da,
+        d=view.dampening, wd=view.weight_decay, nesterov=view.nesterov, dtype=view.dtype, dp=dp, da=da, dg=dg,
     )
 
 
@@ -1268,15 +1297,16 @@ def _live_views(views: Sequence[_UpdateView], steps: Sequence[tuple], known: Seq
     return [seen or any(_view_live(view, *step) for step in steps) for view, seen in zip(views, known)]
 
 
-def _lazy_bounds(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out, *, lifted: bool) -> dict:
+def _lazy_bounds(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out, *, lifted: bool,
+                 carried: bool = False) -> dict:
     """``{"w": bound, "v": bound}`` as callables computing both bounds once, when first needed (most
-    comparisons are bit for bit equal and need none)."""
+    comparisons are bit for bit equal and need none); ``carried`` as for :func:`_view_terms`."""
     cache: list = []
 
     def get(role: str):
         def compute():
             if not cache:
-                terms = _view_terms(view, original_feeds, fused_feeds, original_out, fused_out)
+                terms = _view_terms(view, original_feeds, fused_feeds, original_out, fused_out, carried=carried)
                 cache.append(dict(zip("wv", _bounds(terms, lifted=lifted))))
             return cache[0][role]
 
@@ -1478,6 +1508,7 @@ def _describe_view(view: _UpdateView, rename) -> list:
         sorted((rename(k), v) for k, v in view.roles.items()),
         [rename(n) for n in (view.parameters, view.accum, view.gradient, view.learning_rate, view.momentum)],
         view.gradient_side, repr(view.dampening), repr(view.weight_decay), view.nesterov, view.dtype,
+        rename(view.original_gradient) if view.original_gradient else "",
     ]
 
 
@@ -1817,6 +1848,7 @@ def check_models(
         index = _declarations(original)
         sides = (_Side.of(original), _Side.of(fused))
         views = _fused_views(sides[1], set(original_inputs))
+        _probe_original_gradients(sides[0], views)
         original_pairs = _original_pairs(index, original, views, pinned)
         for view in views:
             view.original_state = {s: original_pairs[s] for s in view.roles if s in original_pairs}
@@ -2227,7 +2259,7 @@ def _check_groups(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], orig
             union(value(state), value(output))
     for view in views:
         members = [*view.outputs, *view.fused_state.values(), *view.original_state.values(), *view.roles,
-                   view.gradient, view.learning_rate, view.momentum]
+                   view.gradient, view.learning_rate, view.momentum, *([view.original_gradient] if view.original_gradient else [])]
         first = value(members[0])
         for name in members[1:]:
             union(first, value(name))
@@ -2336,7 +2368,8 @@ class _GroupRunner:
                             self.notes.append(text)
                         continue
                     for name in outputs:
-                        self.output_tallies[name].fail(f"{label}: {error}")
+                        if name in self.output_tallies:  # not a probe
+                            self.output_tallies[name].fail(f"{label}: {error}")
                     for k, view in views:
                         for state in view.roles:
                             self.state_tallies[(k, state)].fail(f"{label}: {error}")
@@ -2491,7 +2524,8 @@ def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_
 
 
 def _group_passed(group: _Group, runner: _GroupRunner) -> bool:
-    return all(runner.output_tallies[name].passed for name in group.original_outputs) and all(
+    # Only graph outputs have tallies (an original's gradient probe has none).
+    return all(runner.output_tallies[name].passed for name in group.original_outputs if name in runner.output_tallies) and all(
         runner.state_tallies[(k, s)].passed for k in group.views for s in runner.views[k].roles
     )
 
@@ -2500,6 +2534,8 @@ def _copy_results(first: _Group, member: _Group, runner: _GroupRunner, verified_
     """``member`` gets ``first``'s results, value for value through the two groups' canonical names."""
     by_name = {canonical: name for name, canonical in first.names.items()}
     for name in member.original_outputs:
+        if name not in runner.output_tallies:
+            continue  # a probe (the original's gradient): no result of its own
         source = by_name[member.names[name]]
         runner.output_tallies[name] = runner.output_tallies[source]
         verified_as[name] = source
@@ -2575,7 +2611,7 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
             _UpdateView(
                 key=node.output[0], outputs={parameters_out: "w", buffer_out: "v"}, original_state={},
                 fused_state={parameters: parameters_out, accum: buffer_out}, roles={parameters: "w", accum: "v"},
-                parameters=parameters, accum=accum, gradient=names["gradient"], gradient_side="fused",
+                parameters=parameters, accum=accum, gradient=names["gradient"], gradient_side="fused", gradient_operand=node.input[1],
                 learning_rate=names["learning_rate"], momentum=names["momentum"], dampening=attributes.dampening,
                 weight_decay=attributes.weight_decay, nesterov=attributes.nesterov,
                 dtype=dtype if dtype in _UNIT_ROUNDOFF else onnx.TensorProto.FLOAT,
@@ -2583,6 +2619,22 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
         )
     side.extend(probe.nodes, added + [node.output[0] for node in probe.nodes])
     return views
+
+
+def _probe_original_gradients(side: _Side, views: Sequence[_UpdateView]) -> None:
+    """Give each view whose fused gradient operand is also computed in the original (``side``) a probe of it on
+    the original side (:attr:`_UpdateView.original_gradient`). The rewrite keeps the nodes that compute a
+    gradient, so a gradient read as it is has the same name in both models; one read through a helper of the
+    rewrite (a ``Cast``, a scaled copy) has none, and its update gets no probe. A fed gradient needs none: both
+    sides are fed the same values, so it never differs between them."""
+    graph = side.model.graph
+    known = set(side.producer)
+    taken = set(side.producer) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    probe = _Probes(taken, shared=False)
+    for view in views:
+        if view.gradient_operand and view.gradient_operand in known:
+            view.original_gradient = probe(view.gradient_operand, "gradient")
+    side.extend(probe.nodes, [node.output[0] for node in probe.nodes])
 
 
 def _declarations(model: onnx.ModelProto) -> GraphIndex:
@@ -2770,7 +2822,7 @@ def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, o
         step_label = f"{label}, {mode} step {step + 1} ({kind})"
         _compare_check_step(views, outputs, output_tallies, state_tallies, step_label, original_in, fused_in, original_out,
                             fused_out, lifted=pair.lifted, outputs_compared=mode == "lockstep",
-                            in_place=mode != "lockstep" or kind == WIDE, finite_only=kind == WIDE)
+                            in_place=mode != "lockstep" or kind == WIDE, finite_only=kind == WIDE, carried=mode == "in place")
     for (k, view), seen in zip(views, live):
         if seen:
             for tally in _view_tallies(k, view, output_tallies, state_tallies):
@@ -2785,17 +2837,18 @@ def _view_tallies(k: int, view: _UpdateView, output_tallies: Mapping, state_tall
 
 
 def _compare_check_step(views, outputs, output_tallies, state_tallies, step_label: str, original_in, fused_in, original_out,
-                        fused_out, *, lifted: bool, outputs_compared: bool, in_place: bool, finite_only: bool) -> None:
+                        fused_out, *, lifted: bool, outputs_compared: bool, in_place: bool, finite_only: bool,
+                        carried: bool = False) -> None:
     """Compare one step of :func:`_check_schedule`: with ``outputs_compared`` (lockstep) every output (exactly,
     or within the bound for an update's), with ``in_place`` what each side writes into each state;
     ``finite_only`` (a :data:`WIDE` step) leaves out elements not finite on either side."""
     update_outputs = {name for _, view in views for name in view.outputs}
     if outputs_compared:
         for name in outputs:
-            if name not in update_outputs:
+            if name not in update_outputs and name in output_tallies:  # not a probe
                 output_tallies[name].compare(f"{step_label}", original_out[name], fused_out[name], 0.0, finite_only=finite_only)
     for k, view in views:
-        bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=lifted)
+        bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=lifted, carried=carried)
         if outputs_compared:
             for name, role in view.outputs.items():
                 if name in output_tallies:
