@@ -845,8 +845,8 @@ class _UpdateView:
     nesterov: bool
     dtype: int
     original_gradient: str = ""
-    """``check``: the original's probe of the value the fused SGD node reads as its gradient, when the original
-    computes or is fed a value of that name ("" otherwise, and in ``verify_plans``, whose gradient is one
+    """``check``: the value the fused SGD node reads as its gradient, as an output of the original, when the
+    original computes a value of that name ("" otherwise, and in ``verify_plans``, whose gradient is one
     value for both sides). In place, each side computes its gradient from its own weights, and the bound adds
     what their difference feeds through (:func:`_bounds`)."""
     gradient_operand: str = ""
@@ -2622,19 +2622,22 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
 
 
 def _probe_original_gradients(side: _Side, views: Sequence[_UpdateView]) -> None:
-    """Give each view whose fused gradient operand is also computed in the original (``side``) a probe of it on
-    the original side (:attr:`_UpdateView.original_gradient`). The rewrite keeps the nodes that compute a
-    gradient, so a gradient read as it is has the same name in both models; one read through a helper of the
-    rewrite (a ``Cast``, a scaled copy) has none, and its update gets no probe. A fed gradient needs none: both
-    sides are fed the same values, so it never differs between them."""
-    graph = side.model.graph
-    known = set(side.producer)
-    taken = set(side.producer) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    probe = _Probes(taken, shared=False)
+    """Make the value each view's fused SGD node reads as its gradient an output of the original (``side``) too,
+    where the original computes a value of that name (:attr:`_UpdateView.original_gradient`). The rewrite keeps
+    the nodes that compute a gradient, so a gradient read as it is has the same name in both models; one read
+    through a helper of the rewrite (a ``Cast``, a scaled copy) has none, and its update gets no probe. A fed
+    gradient needs none: both sides are fed the same values, so it never differs between them. The value
+    itself is the output (no ``Identity``), so the nodes of every group, and how groups are packed, stay as
+    they were."""
+    outputs = set(side.outputs)
+    added: list[str] = []
     for view in views:
-        if view.gradient_operand and view.gradient_operand in known:
-            view.original_gradient = probe(view.gradient_operand, "gradient")
-    side.extend(probe.nodes, [node.output[0] for node in probe.nodes])
+        if view.gradient_operand and view.gradient_operand in side.producer:
+            view.original_gradient = view.gradient_operand
+            if view.gradient_operand not in outputs:
+                outputs.add(view.gradient_operand)
+                added.append(view.gradient_operand)
+    side.extend([], added)
 
 
 def _declarations(model: onnx.ModelProto) -> GraphIndex:
