@@ -65,10 +65,19 @@ terms that cancel: with ``k = 1 - d``, ``grad = g + wd·p`` and ``a`` the buffer
     T_v = |m·a| + |k·g| + |k·wd·p|            (the buffer's terms, accum_t = m·a + k·grad)
 
 * Coefficients: the op applies ``lr`` and ``m`` as values of the parameters' dtype and ``d``, ``wd`` as
-  FLOAT attributes; the original applies its own constants. Each coefficient may differ by
-  :data:`COEFFICIENT_ROUNDINGS` roundings of its storage type, relative to *the coefficient itself*:
-  ``ε_lr = ε_m = C·u_p`` (u_p the unit roundoff of the parameters' dtype: 2^-24 FLOAT, 2^-11 FLOAT16,
-  2^-8 BFLOAT16) and ``ε_k = ε_wd = C·2^-24``. Note ε_k is relative to ``k = 1 - d``: a dampening near 1
+  FLOAT attributes; the original applies its own constants. Each coefficient may differ, relative to *the
+  coefficient itself*, by :data:`COEFFICIENT_ROUNDINGS` FLOAT roundings (exporters fold products of
+  hyper-parameters into one rounded FLOAT constant) and, for ``lr`` and ``m`` on FLOAT16/BFLOAT16 state, one
+  rounding of the parameters' dtype (their storage in it): ``ε_lr = ε_m = C·2^-24 + u_p`` (u_p the unit
+  roundoff of the parameters' dtype: 2^-11 FLOAT16, 2^-8 BFLOAT16; ``C·2^-24`` alone for FLOAT,
+  :func:`hyperparameter_tolerance`) and ``ε_k = ε_wd = C·2^-24``. It was ``C·u_p``, four roundings of
+  BFLOAT16 (1.6 %), and a fused momentum three BFLOAT16 ulps off the original's passed; any BFLOAT16 or
+  FLOAT16 value other than a 16-bit original's own is now outside (``ulp(c) > u_p·|c|``), on the compared value
+  where that term dominates the others (the buffer for ``m``; for Nesterov's weights a learning rate shares the
+  bound with ``ε_m·|lr·m·T_v|``, so it is told apart from about 1.5 roundings on). A graph computing in a 16-bit
+  type whose exporter folded a product of hyper-parameters into one 16-bit constant (up to 4 spacings from the
+  op's product, which the matcher accepts) then fails verification and stays unfused: a false failure, not a
+  false pass. Note ε_k is relative to ``k = 1 - d``: a dampening near 1
   whose FLOAT attribute cannot express ``1 - d`` to that accuracy (the Keras step at lr 1e-6: ``1 - d`` off
   by 1.3e-2) fails, whatever the size of ``|g|``. So does any dampening above 1/2 whose ``1 - d`` is not
   exact in FLOAT: a graph constant 0.1 for ``1 - d`` gives the attribute 0.9 and ``1 - d = 0.10000002``,
@@ -83,6 +92,12 @@ terms that cancel: with ``k = 1 - d``, ``grad = g + wd·p`` and ``a`` the buffer
 * State carried in place: from step 2 on the two sides read states that already differ by
   ``Δp = |p_fused - p_original|`` and ``Δa`` (measured, and each checked at the step before), which the
   update propagates: ``B_v += |m|·Δa + |k·wd|·Δp``; ``B_w += (1 + |lr·k·wd|·(1+|m|))·Δp + |lr|·(|m|+m²)·Δa``.
+  In :func:`check_models`' in-place run a gradient computed from the weights differs between the sides too
+  (each computes it from its own weights): the original's gradient is probed beside the fused one (the value
+  of the same name, which the rewrite keeps), ``g`` in every term is the larger magnitude of the two, and
+  ``B_v += |k|·Δg``, ``B_w += |lr·k|·Δg`` (Nesterov ``|lr|·(1 + |m·k|)·Δg``), with ``Δg`` measured where it is
+  finite. Not in lockstep, where both sides compute the gradient from the same state (a gradient computed
+  otherwise fails there), and 0 wherever the gradient is fed or does not read the weights.
 * Roundoff: natively, each side rounds each operation once; with at most :data:`OPERATIONS` roundings per
   side and u the unit roundoff of the parameters' dtype, ``2·OPERATIONS·u·S`` covers both, where S sums the
   magnitudes of every term either side forms (``|m·a| + (1+|d|)·(|g| + wd·|p|)`` for the buffer,
@@ -162,6 +177,11 @@ __all__ = ["non_negative_inputs",
     "error_bound",
     "error_bound_values",
     "coefficient_bound",
+    "hyperparameter_tolerance",
+    "gradient_live",
+    "finite_elements",
+    "wide_values",
+    "dead_gradient_message",
     "unit_roundoff",
     "difference",
     "previous_by_name",
@@ -177,9 +197,10 @@ OPERATIONS = 8
 +grad, (1-stat), ·d, -, ·lr (·m, +grad for Nesterov), and the final cast)."""
 
 COEFFICIENT_ROUNDINGS = 4
-"""Roundings of its storage type by which a coefficient the fused op applies may differ from the
-original's, relative to the coefficient (module docstring, "Tolerance rule"): the rewrite rounds each
-solved value once, and exporters fold products of up to three hyper-parameters into one rounded constant.
+"""FLOAT roundings by which a coefficient the fused op applies may differ from the original's, relative to
+the coefficient (module docstring, "Tolerance rule"; the learning rate and momentum of FLOAT16/BFLOAT16 state
+one rounding of that dtype more, :func:`hyperparameter_tolerance`): the rewrite rounds each solved value
+once, and exporters fold products of up to three hyper-parameters into one rounded constant.
 The matcher accepts the same (4 spacings, sgdfuse.passes.precision), so what it fuses is not dropped here:
 a PyTorch dampening of 0.9 (the FLOAT attribute 0.9 gives 1 - d = 0.10000002, 3.7 roundings off 0.1) is one
 number; Keras's 1 - d = lr at lr 1e-3 (1.1e3 roundings off) is not."""
@@ -207,7 +228,7 @@ buffers leave zero after the first step."""
 WIDE = "wide"
 """One more step, from the chain's state and not chained, run only when some update's gradient was zero (or not
 finite) at every compared element of every step before: every float input that is neither state nor a runtime
-learning rate or momentum is fed wide-range values (:func:`_wide`: both signs, magnitudes spread from 1/4 to
+learning rate or momentum is fed wide-range values (:func:`wide_values`: both signs, magnitudes spread from 1/4 to
 about the square root of the dtype's largest value), and the buffers random values as in :data:`RANDOM_STATE`.
 A whole model computes its gradients from what it is fed: ``Relu(x - 10)`` is zero for every standard-normal
 ``x``, so a fused model reading ``-0.5 * g`` for ``g`` passed ``check`` (a fresh trial's finding). Wide values
@@ -216,7 +237,7 @@ compared, so an overflow proves nothing either way and never fails a correct mod
 still zero everywhere fails as never compared (:func:`_fail_dead_gradients`): its gradient term was not seen."""
 
 WIDE_LOW_EXPONENT = -2
-"""The smallest magnitude of :func:`_wide` values is ``2**WIDE_LOW_EXPONENT``: well above the subnormals of every
+"""The smallest magnitude of :func:`wide_values` values is ``2**WIDE_LOW_EXPONENT``: well above the subnormals of every
 float dtype even after a learning rate (the bound's floor is four subnormal spacings), and standard-normal steps
 cover the magnitudes below 1 already."""
 
@@ -248,6 +269,7 @@ class _Terms:
     dtype: int
     dp: np.ndarray | float = 0.0
     da: np.ndarray | float = 0.0
+    dg: np.ndarray | float = 0.0
 
 
 def _times(coefficient: float, magnitude):
@@ -304,14 +326,30 @@ def error_bound(plan, p: np.ndarray, g: np.ndarray, a: np.ndarray, lr: float, dt
     return error_bound_values(m, match.dampening, match.weight_decay, match.nesterov, p, g, a, lr, dtype)
 
 
+def hyperparameter_tolerance(dtype: int) -> float:
+    """``ε_lr = ε_m``: how far, relative to itself, the learning rate or momentum the fused op applies may be
+    from the original's (module docstring, "Tolerance rule"): :data:`COEFFICIENT_ROUNDINGS` FLOAT roundings
+    (the folding of hyper-parameter products into one FLOAT constant), plus, when the parameters' ``dtype`` is
+    coarser than FLOAT, one rounding of it (the contract feeds ``lr`` and ``m`` in that dtype, so a FLOAT
+    ``0.1`` becomes ``0.10009765625`` with ``--allow-rounding``). Not four roundings of the parameters' dtype:
+    in BFLOAT16 that is 1.6 %, and a momentum three ulps off (0.91015625 for 0.8984375) passed. Every other
+    BFLOAT16 or FLOAT16 value is more than one rounding from a value of the same dtype (``ulp(c) > u·|c|``).
+
+    Args:
+        dtype: the parameters' ONNX dtype (FLOAT, FLOAT16 or BFLOAT16).
+    """
+    folding = COEFFICIENT_ROUNDINGS * _UNIT_ROUNDOFF[onnx.TensorProto.FLOAT]
+    return folding if dtype == onnx.TensorProto.FLOAT else folding + _UNIT_ROUNDOFF[dtype]
+
+
 def coefficient_bound(
     momentum: float, dampening: float, weight_decay: float, nesterov: bool, p, g, a, lr: float, dtype: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-element bounds ``(weights, buffer)`` on the difference that coefficients rounded to the op's
     storage types may cause, relative to the error-free terms (module docstring, "Tolerance rule")."""
     m, k, wd, lr = abs(momentum), abs(1.0 - dampening), abs(weight_decay), abs(lr)
-    eps_p = COEFFICIENT_ROUNDINGS * _UNIT_ROUNDOFF[dtype]
     eps_f = COEFFICIENT_ROUNDINGS * _UNIT_ROUNDOFF[onnx.TensorProto.FLOAT]
+    eps_p = hyperparameter_tolerance(dtype)
     with np.errstate(invalid="ignore", over="ignore"):
         p64, g64, a64 = (np.abs(np.asarray(x, dtype=np.float64)) for x in (p, g, a))
         ma, kg, kwp = _times(m, a64), _times(k, g64), _times(k * wd, p64)
@@ -336,6 +374,11 @@ def _bounds(terms: _Terms, *, lifted: bool) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(invalid="ignore", over="ignore"):
         b_v = b_v + 2 * OPERATIONS * u * s_v + floor + _times(m, t.da) + _times(k * wd, t.dp)
         b_w = b_w + 2 * OPERATIONS * u * s_w + floor + (1 + lr * k * wd * (1 + m)) * t.dp + _times(lr * (m + m * m), t.da)
+        # Each side's own gradient, computed from its own weights in place (check): what their difference feeds
+        # through, k·dg into the buffer, lr·k·dg (Nesterov lr·(1 + m·k)·dg) into the weights. 0 where the gradient
+        # is fed or does not read the weights: both sides then compute it from the same feeds.
+        b_v = b_v + _times(k, t.dg)
+        b_w = b_w + _times(lr * (1 + m * k) if t.nesterov else lr * k, t.dg)
     # A NaN left in a bound comes from a NaN term the update does form: the exact value is NaN there, both
     # sides must give NaN (difference 0), and a finite value on either side fails. (An infinite bound would
     # pass any finite difference: a wrong momentum once passed where a NaN gradient had made the parameters NaN.)
@@ -420,7 +463,7 @@ class _Tally:
             self.fail(f"{label}: shape {list(have.shape)} fused vs {list(want.shape)} original")
             return
         if finite_only and want.size:
-            want, have, kept = _finite_elements(want, have)
+            want, have, kept = finite_elements(want, have)
             if not kept:
                 return  # nothing finite on both sides: nothing compared
         if not self.compared_finite and want.size and (want.dtype.kind not in "fc" or np.isfinite(want).any()):
@@ -449,10 +492,10 @@ class _Tally:
             )
 
 
-def _finite_elements(want: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
-    """``want`` and ``have`` (same shape) with every element that is not finite in either replaced by 0 in both
-    (left out of the comparison), and whether any element is left; arrays that are not float, or finite
-    everywhere, as they are."""
+def finite_elements(want: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    """``want`` and ``have`` (same shape, any float dtype) with every element that is not finite in either
+    replaced by 0 in both (left out of the comparison on a :data:`WIDE` step), and whether any element is
+    left; arrays that are not float, or finite everywhere, as they are."""
     if want.dtype.kind != "f" and want.dtype.name != "bfloat16":
         return want, have, True
     with np.errstate(invalid="ignore"):
@@ -463,10 +506,16 @@ def _finite_elements(want: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np
     return np.where(keep, want, zero), np.where(keep, have, zero.astype(have.dtype)), bool(keep.any())
 
 
-def _gradient_live(gradient, compared: Iterable) -> bool:
+def gradient_live(gradient, compared: Iterable) -> bool:
     """Is some element of ``gradient`` finite and non-zero where every value of ``compared`` of the gradient's
     shape (an update's outputs and state writes, on either side) is finite? Then the gradient term took part
-    in a comparison (:data:`WIDE`)."""
+    in a comparison (:data:`WIDE`).
+
+    Args:
+        gradient: the gradient an update read in one step (any float dtype, BFLOAT16 included; None or a
+            non-float array is never live).
+        compared: the values compared for that update in that step; those of another shape are ignored.
+    """
     g = _float_array(gradient)
     if g is None or g.size == 0:
         return False
@@ -545,7 +594,7 @@ def _feed(spec: _Input, kind: str, step: int, size: int | None, rng: np.random.G
 def _extreme(kind: str, shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
     """The values of an input on an extreme-value step (:data:`EXTREME_KINDS`, :data:`WIDE`), in ``dtype``."""
     if kind == WIDE:
-        return _wide(shape, dtype, rng)
+        return wide_values(shape, dtype, rng)
     signs = np.where(rng.standard_normal(shape) < 0, -1.0, 1.0)
     if kind == "zero":
         return np.zeros(shape, dtype=dtype)
@@ -555,7 +604,7 @@ def _extreme(kind: str, shape: tuple[int, ...], dtype: np.dtype, rng: np.random.
     return (signs * big).astype(dtype)
 
 
-def _wide(shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
+def wide_values(shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
     """Values of :data:`WIDE` steps: ``n`` elements whose magnitudes ``2**e`` are stratified over ``[low, top]``
     (one exponent drawn uniformly in each of ``n`` equal parts, so every part of the range is hit once), with
     alternating signs from the largest down (the two largest have opposite signs), in a random order.
@@ -795,6 +844,13 @@ class _UpdateView:
     weight_decay: float
     nesterov: bool
     dtype: int
+    original_gradient: str = ""
+    """``check``: the value the fused SGD node reads as its gradient, as an output of the original, when the
+    original computes a value of that name ("" otherwise, and in ``verify_plans``, whose gradient is one
+    value for both sides). In place, each side computes its gradient from its own weights, and the bound adds
+    what their difference feeds through (:func:`_bounds`)."""
+    gradient_operand: str = ""
+    """``check``: the value the fused SGD node reads as its gradient (what :attr:`gradient` probes)."""
 
 
 @dataclasses.dataclass
@@ -1162,11 +1218,15 @@ def _value_info(index: GraphIndex, name: str) -> onnx.ValueInfoProto:
 
 
 class _RunError(Exception):
-    """onnxruntime failed on one side of a run (``side`` is "original" or "fused")."""
+    """onnxruntime failed on one side of a run: ``side`` says which in words ("original slice", "fused model",
+    ...), ``original`` whether it is the original's (then the run proves nothing about the rewrite and is
+    skipped where the callers say so). Callers test ``original``, never the words: a test of ``side ==
+    "original"`` never matched "original slice", so a size the original slice cannot run failed the update."""
 
     def __init__(self, side: str, error: BaseException) -> None:
         super().__init__(f"the {side} could not run: {str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}")
         self.side = side
+        self.original = side.split()[0] == "original"
 
 
 def _run_side(session, feeds: Mapping[str, np.ndarray], names: Sequence[str], side: str) -> dict[str, np.ndarray]:
@@ -1191,16 +1251,26 @@ def _state_difference(original, fused) -> np.ndarray | float:
     return difference(original, fused)
 
 
-def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out) -> _Terms:
-    """The bound's values for one update in one step (module docstring, "Values")."""
+def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out, *, carried: bool = False) -> _Terms:
+    """The bound's values for one update in one step (module docstring, "Values"). With ``carried`` (``check``'s
+    in-place run, each side carrying its own state) and the original's gradient probed, the two gradients
+    (each computed from its side's weights) give ``dg`` and ``g`` the larger magnitude of the two."""
     gradient = _gradient_of(view, original_feeds, original_out, fused_out)
     p = original_feeds[view.parameters]
     a = original_feeds[view.accum]
     dp = _state_difference(p, fused_feeds.get(view.parameters))
     da = _state_difference(a, fused_feeds.get(view.accum))
+    dg: np.ndarray | float = 0.0
+    original_gradient = original_out.get(view.original_gradient) if carried and view.original_gradient else None
+    if original_gradient is not None and gradient is not None and np.shape(original_gradient) == np.shape(gradient):
+        with np.errstate(invalid="ignore"):
+            dg = difference(original_gradient, gradient)
+            # A NaN or Inf on one side only is no allowance: the outputs it reaches then differ and fail.
+            dg = np.where(np.isfinite(dg), dg, 0.0)
+            gradient = np.maximum(np.abs(_float_array(gradient)), np.abs(_float_array(original_gradient)))
     return _Terms(
         p=p, g=gradient, a=a, lr=_scalar(fused_out[view.learning_rate]), m=_scalar(fused_out[view.momentum]),
-        d=view.dampening, wd=view.weight_decay, nesterov=view.nesterov, dtype=view.dtype, dp=dp, da=da,
+        d=view.dampening, wd=view.weight_decay, nesterov=view.nesterov, dtype=view.dtype, dp=dp, da=da, dg=dg,
     )
 
 
@@ -1213,11 +1283,11 @@ def _gradient_of(view: _UpdateView, original_feeds, original_out, fused_out):
 
 
 def _view_live(view: _UpdateView, original_feeds, original_out, fused_out) -> bool:
-    """Did ``view``'s gradient take part in this step's comparison (:func:`_gradient_live` over the update's
+    """Did ``view``'s gradient take part in this step's comparison (:func:`gradient_live` over the update's
     outputs and state writes on both sides)?"""
     names = dict.fromkeys([*view.outputs, *view.original_state.values(), *view.fused_state.values()])
     compared = [side[name] for side in (original_out, fused_out) for name in names if name in side]
-    return _gradient_live(_gradient_of(view, original_feeds, original_out, fused_out), compared)
+    return gradient_live(_gradient_of(view, original_feeds, original_out, fused_out), compared)
 
 
 def _live_views(views: Sequence[_UpdateView], steps: Sequence[tuple], known: Sequence[bool]) -> list[bool]:
@@ -1227,15 +1297,16 @@ def _live_views(views: Sequence[_UpdateView], steps: Sequence[tuple], known: Seq
     return [seen or any(_view_live(view, *step) for step in steps) for view, seen in zip(views, known)]
 
 
-def _lazy_bounds(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out, *, lifted: bool) -> dict:
+def _lazy_bounds(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out, *, lifted: bool,
+                 carried: bool = False) -> dict:
     """``{"w": bound, "v": bound}`` as callables computing both bounds once, when first needed (most
-    comparisons are bit for bit equal and need none)."""
+    comparisons are bit for bit equal and need none); ``carried`` as for :func:`_view_terms`."""
     cache: list = []
 
     def get(role: str):
         def compute():
             if not cache:
-                terms = _view_terms(view, original_feeds, fused_feeds, original_out, fused_out)
+                terms = _view_terms(view, original_feeds, fused_feeds, original_out, fused_out, carried=carried)
                 cache.append(dict(zip("wv", _bounds(terms, lifted=lifted))))
             return cache[0][role]
 
@@ -1437,6 +1508,7 @@ def _describe_view(view: _UpdateView, rename) -> list:
         sorted((rename(k), v) for k, v in view.roles.items()),
         [rename(n) for n in (view.parameters, view.accum, view.gradient, view.learning_rate, view.momentum)],
         view.gradient_side, repr(view.dampening), repr(view.weight_decay), view.nesterov, view.dtype,
+        rename(view.original_gradient) if view.original_gradient else "",
     ]
 
 
@@ -1597,7 +1669,7 @@ def _verify_batch(model, index, plans, *, steps: int, seed: int, shared, evidenc
             except _RunError as error:
                 if len(plans) > 1:
                     raise
-                if error.side == "original":
+                if error.original:
                     tallies[0].note(f"{_run_label(pair.label, size)}: {error} (the original cannot run here; skipped)")
                 else:
                     tallies[0].fail(f"{_run_label(pair.label, size)}: {error}")
@@ -1608,7 +1680,7 @@ def _verify_batch(model, index, plans, *, steps: int, seed: int, shared, evidenc
         if tally.passed and not tally.gradient_seen:
             fed = {spec.name for spec in slices.inputs}
             sources = sorted((_sources([view.gradient], slices.original.graph.node) & fed) - {view.gradient})
-            tally.fail(_dead_gradient_message(
+            tally.fail(dead_gradient_message(
                 plan.match.gradient, sources, [plan.match.parameters_out, plan.match.accum_out],
                 "the slice run for this update computes its gradient (a guard of the update reads it) from inputs "
                 "that the random data never brings to a non-zero gradient, so the update is left unfused",
@@ -1619,7 +1691,7 @@ def _verify_batch(model, index, plans, *, steps: int, seed: int, shared, evidenc
     return results
 
 
-def _dead_gradient_message(gradient: str, sources: Sequence[str], outputs: Sequence[str], advice: str) -> str:
+def dead_gradient_message(gradient: str, sources: Sequence[str], outputs: Sequence[str], advice: str) -> str:
     """Why an update whose gradient was never live (:data:`WIDE`) fails: its gradient, what it is computed
     from, the outputs whose gradient term was never compared, and ``advice`` (what can be done)."""
     computed = ""
@@ -1681,7 +1753,7 @@ def _run_schedule(pair: _Pair, slices: _Slices, tallies: Sequence[_Tally], *, st
         try:
             run_step(len(kinds) + len(EXTRA_KINDS), WIDE)
         except _RunError as error:
-            if error.side != "original slice":
+            if not error.original:
                 raise  # the fused slice fails where the original runs: a failure, as on any step
             for tally in tallies:
                 tally.note(f"{label}: the wide-range step could not run: {error} (skipped)")
@@ -1776,6 +1848,7 @@ def check_models(
         index = _declarations(original)
         sides = (_Side.of(original), _Side.of(fused))
         views = _fused_views(sides[1], set(original_inputs))
+        _probe_original_gradients(sides[0], views)
         original_pairs = _original_pairs(index, original, views, pinned)
         for view in views:
             view.original_state = {s: original_pairs[s] for s in view.roles if s in original_pairs}
@@ -1846,7 +1919,7 @@ def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Map
         gradient = fused.nodes[probe].input[0] if probe is not None else view.gradient
         found = fused.fed_sources(gradient, inputs, memo) - {gradient}
         sources = sorted(found, key=lambda name: (inputs[name].role in ("parameters", "accum"), order[name]))
-        message = _dead_gradient_message(
+        message = dead_gradient_message(
             gradient, sources, list(view.outputs),
             "check feeds every input random values and wide ones, and none reaches this gradient. Check a form of the "
             "step that takes the gradient as a graph input (it is then fed random values), or run sgdfuse optimize "
@@ -2186,7 +2259,7 @@ def _check_groups(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], orig
             union(value(state), value(output))
     for view in views:
         members = [*view.outputs, *view.fused_state.values(), *view.original_state.values(), *view.roles,
-                   view.gradient, view.learning_rate, view.momentum]
+                   view.gradient, view.learning_rate, view.momentum, *([view.original_gradient] if view.original_gradient else [])]
         first = value(members[0])
         for name in members[1:]:
             union(first, value(name))
@@ -2289,13 +2362,14 @@ class _GroupRunner:
                     if skipped and skipped not in self.notes:
                         self.notes.append(skipped)
                 except _RunError as error:
-                    if error.side == "original model":
+                    if error.original:
                         text = f"{label}: {error} (skipped)"
                         if text not in self.notes:
                             self.notes.append(text)
                         continue
                     for name in outputs:
-                        self.output_tallies[name].fail(f"{label}: {error}")
+                        if name in self.output_tallies:  # not a probe
+                            self.output_tallies[name].fail(f"{label}: {error}")
                     for k, view in views:
                         for state in view.roles:
                             self.state_tallies[(k, state)].fail(f"{label}: {error}")
@@ -2450,7 +2524,8 @@ def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_
 
 
 def _group_passed(group: _Group, runner: _GroupRunner) -> bool:
-    return all(runner.output_tallies[name].passed for name in group.original_outputs) and all(
+    # Only graph outputs have tallies (an original's gradient probe has none).
+    return all(runner.output_tallies[name].passed for name in group.original_outputs if name in runner.output_tallies) and all(
         runner.state_tallies[(k, s)].passed for k in group.views for s in runner.views[k].roles
     )
 
@@ -2459,6 +2534,8 @@ def _copy_results(first: _Group, member: _Group, runner: _GroupRunner, verified_
     """``member`` gets ``first``'s results, value for value through the two groups' canonical names."""
     by_name = {canonical: name for name, canonical in first.names.items()}
     for name in member.original_outputs:
+        if name not in runner.output_tallies:
+            continue  # a probe (the original's gradient): no result of its own
         source = by_name[member.names[name]]
         runner.output_tallies[name] = runner.output_tallies[source]
         verified_as[name] = source
@@ -2534,7 +2611,7 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
             _UpdateView(
                 key=node.output[0], outputs={parameters_out: "w", buffer_out: "v"}, original_state={},
                 fused_state={parameters: parameters_out, accum: buffer_out}, roles={parameters: "w", accum: "v"},
-                parameters=parameters, accum=accum, gradient=names["gradient"], gradient_side="fused",
+                parameters=parameters, accum=accum, gradient=names["gradient"], gradient_side="fused", gradient_operand=node.input[1],
                 learning_rate=names["learning_rate"], momentum=names["momentum"], dampening=attributes.dampening,
                 weight_decay=attributes.weight_decay, nesterov=attributes.nesterov,
                 dtype=dtype if dtype in _UNIT_ROUNDOFF else onnx.TensorProto.FLOAT,
@@ -2542,6 +2619,25 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
         )
     side.extend(probe.nodes, added + [node.output[0] for node in probe.nodes])
     return views
+
+
+def _probe_original_gradients(side: _Side, views: Sequence[_UpdateView]) -> None:
+    """Make the value each view's fused SGD node reads as its gradient an output of the original (``side``) too,
+    where the original computes a value of that name (:attr:`_UpdateView.original_gradient`). The rewrite keeps
+    the nodes that compute a gradient, so a gradient read as it is has the same name in both models; one read
+    through a helper of the rewrite (a ``Cast``, a scaled copy) has none, and its update gets no probe. A fed
+    gradient needs none: both sides are fed the same values, so it never differs between them. The value
+    itself is the output (no ``Identity``), so the nodes of every group, and how groups are packed, stay as
+    they were."""
+    outputs = set(side.outputs)
+    added: list[str] = []
+    for view in views:
+        if view.gradient_operand and view.gradient_operand in side.producer:
+            view.original_gradient = view.gradient_operand
+            if view.gradient_operand not in outputs:
+                outputs.add(view.gradient_operand)
+                added.append(view.gradient_operand)
+    side.extend([], added)
 
 
 def _declarations(model: onnx.ModelProto) -> GraphIndex:
@@ -2719,7 +2815,7 @@ def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, o
         try:
             run_step("lockstep", wide_step, WIDE, original_feeds, fused_feeds, lockstep_rng)
         except _RunError as error:
-            if error.side != "original model":
+            if not error.original:
                 raise  # the fused model fails where the original runs: a failure, as on any step
             skipped = f"{label}: the wide-range step could not run: {error} (skipped)"
         else:
@@ -2729,7 +2825,7 @@ def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, o
         step_label = f"{label}, {mode} step {step + 1} ({kind})"
         _compare_check_step(views, outputs, output_tallies, state_tallies, step_label, original_in, fused_in, original_out,
                             fused_out, lifted=pair.lifted, outputs_compared=mode == "lockstep",
-                            in_place=mode != "lockstep" or kind == WIDE, finite_only=kind == WIDE)
+                            in_place=mode != "lockstep" or kind == WIDE, finite_only=kind == WIDE, carried=mode == "in place")
     for (k, view), seen in zip(views, live):
         if seen:
             for tally in _view_tallies(k, view, output_tallies, state_tallies):
@@ -2744,17 +2840,18 @@ def _view_tallies(k: int, view: _UpdateView, output_tallies: Mapping, state_tall
 
 
 def _compare_check_step(views, outputs, output_tallies, state_tallies, step_label: str, original_in, fused_in, original_out,
-                        fused_out, *, lifted: bool, outputs_compared: bool, in_place: bool, finite_only: bool) -> None:
+                        fused_out, *, lifted: bool, outputs_compared: bool, in_place: bool, finite_only: bool,
+                        carried: bool = False) -> None:
     """Compare one step of :func:`_check_schedule`: with ``outputs_compared`` (lockstep) every output (exactly,
     or within the bound for an update's), with ``in_place`` what each side writes into each state;
     ``finite_only`` (a :data:`WIDE` step) leaves out elements not finite on either side."""
     update_outputs = {name for _, view in views for name in view.outputs}
     if outputs_compared:
         for name in outputs:
-            if name not in update_outputs:
+            if name not in update_outputs and name in output_tallies:  # not a probe
                 output_tallies[name].compare(f"{step_label}", original_out[name], fused_out[name], 0.0, finite_only=finite_only)
     for k, view in views:
-        bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=lifted)
+        bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=lifted, carried=carried)
         if outputs_compared:
             for name, role in view.outputs.items():
                 if name in output_tallies:
