@@ -55,11 +55,26 @@ def missing_kernels(error: BaseException | str) -> list[str]:
 
 
 def bfloat16_through_float(model: onnx.ModelProto, op_types: Collection[str] | None) -> tuple[onnx.ModelProto, bool]:
+    """:func:`narrow_through_float` for BFLOAT16 (the ops onnxruntime has no BFLOAT16 kernel for)."""
+    return narrow_through_float(model, op_types, TensorProto.BFLOAT16)
+
+
+def float16_through_float(model: onnx.ModelProto) -> tuple[onnx.ModelProto, bool]:
+    """:func:`narrow_through_float` for FLOAT16, every op. onnxruntime's CPU provider runs most FLOAT16 ops
+    by casting to FLOAT and drops the casts between consecutive ops, so a chain ``(a*b + c)*d - e`` rounds to
+    FLOAT16 once at its end instead of after each op as ONNX defines (22 of 64 random elements differ, seen
+    with onnxruntime 1.32; an intermediate that overflows FLOAT16 to inf stays finite). Computed through this
+    transform, every FLOAT16 op rounds its own result: FLOAT's 24-bit significand holds 2 x 11 + 2 bits, so
+    the double rounding is innocuous for ``+``, ``-``, ``*``, ``/`` and square roots (Figueroa, SIGNUM 1995)."""
+    return narrow_through_float(model, None, TensorProto.FLOAT16)
+
+
+def narrow_through_float(model: onnx.ModelProto, op_types: Collection[str] | None, narrow: int) -> tuple[onnx.ModelProto, bool]:
     """A copy of ``model`` in which every default-domain node of an op in ``op_types`` (None: of any op but
-    ``Cast``, ``CastLike`` and control flow) that reads or writes BFLOAT16 computes in FLOAT: each BFLOAT16
-    operand goes through ``Cast(to=FLOAT)`` and each BFLOAT16 result comes back through ``Cast(to=BFLOAT16)``
-    under its own name; and whether any node was changed. For onnxruntime's CPU provider, which has no
-    BFLOAT16 kernel for ``Add``, ``Sub``, ``Mul``, ``Div``, ``Neg``, ``Where``, ``Expand`` and most others (seen
+    ``Cast``, ``CastLike`` and control flow) that reads or writes ``narrow`` (BFLOAT16 or FLOAT16; BFLOAT16 in
+    what follows) computes in FLOAT: each BFLOAT16 operand goes through ``Cast(to=FLOAT)`` and each BFLOAT16
+    result comes back through ``Cast(to=BFLOAT16)`` under its own name; and whether any node was changed.
+    For onnxruntime's CPU provider, which has no BFLOAT16 kernel for ``Add``, ``Sub``, ``Mul``, ``Div``, ``Neg``, ``Where``, ``Expand`` and most others (seen
     with onnxruntime 1.32; ``Cast`` to and from BFLOAT16 it runs), nor for the ops it runs through their ONNX
     function bodies (``Softmax``, ``LessOrEqual`` at opset 18, whose error names the body's ``ReduceMax`` or
     ``Less``: ``op_types`` None widens those too).
@@ -91,7 +106,7 @@ def bfloat16_through_float(model: onnx.ModelProto, op_types: Collection[str] | N
         taken.add(name)
         return name
 
-    changed = _widen_graph(copy.graph, inferred.graph, {}, None if op_types is None else set(op_types), fresh)
+    changed = _widen_graph(copy.graph, inferred.graph, {}, None if op_types is None else set(op_types), fresh, narrow)
     return copy, changed
 
 
@@ -110,8 +125,8 @@ def _graph_types(graph: onnx.GraphProto, outer: dict[str, int]) -> dict[str, int
     return types
 
 
-def _widen_graph(graph: onnx.GraphProto, inferred: onnx.GraphProto, outer: dict[str, int], wanted: set[str] | None, fresh) -> bool:
-    """Widen ``graph``'s nodes in place (:func:`bfloat16_through_float`), reading types from ``inferred``, the
+def _widen_graph(graph: onnx.GraphProto, inferred: onnx.GraphProto, outer: dict[str, int], wanted: set[str] | None, fresh, narrow: int) -> bool:
+    """Widen ``graph``'s nodes in place (:func:`narrow_through_float`), reading types from ``inferred``, the
     same graph after shape inference, and from the enclosing scopes' ``outer``; True when any node changed."""
     types = _graph_types(inferred, outer)
     changed = False
@@ -119,13 +134,13 @@ def _widen_graph(graph: onnx.GraphProto, inferred: onnx.GraphProto, outer: dict[
     for node, typed in zip(graph.node, inferred.node):
         for attribute, inferred_attribute in zip(node.attribute, typed.attribute):
             if attribute.type == onnx.AttributeProto.GRAPH:
-                changed |= _widen_graph(attribute.g, inferred_attribute.g, types, wanted, fresh)
+                changed |= _widen_graph(attribute.g, inferred_attribute.g, types, wanted, fresh, narrow)
             elif attribute.type == onnx.AttributeProto.GRAPHS:
                 for sub, inferred_sub in zip(attribute.graphs, inferred_attribute.graphs):
-                    changed |= _widen_graph(sub, inferred_sub, types, wanted, fresh)
+                    changed |= _widen_graph(sub, inferred_sub, types, wanted, fresh, narrow)
         names = [n for n in (*node.input, *node.output) if n]
         chosen = node.op_type not in _NOT_WIDENED if wanted is None else node.op_type in wanted
-        if not chosen or node.domain not in ("", "ai.onnx") or TensorProto.BFLOAT16 not in {types.get(n) for n in names}:
+        if not chosen or node.domain not in ("", "ai.onnx") or narrow not in {types.get(n) for n in names}:
             nodes.append(node)
             continue
         if any(n not in types for n in names):
@@ -133,17 +148,17 @@ def _widen_graph(graph: onnx.GraphProto, inferred: onnx.GraphProto, outer: dict[
             continue
         widened: dict[str, str] = {}
         for k, name in enumerate(node.input):
-            if name and types[name] == TensorProto.BFLOAT16:
+            if name and types[name] == narrow:
                 if name not in widened:
                     widened[name] = fresh(f"{name}/as_float")
                     nodes.append(helper.make_node("Cast", [name], [widened[name]], to=TensorProto.FLOAT))
                 node.input[k] = widened[name]
         rounded = []
         for k, name in enumerate(node.output):
-            if name and types[name] == TensorProto.BFLOAT16:
+            if name and types[name] == narrow:
                 wide = fresh(f"{name}/in_float")
                 node.output[k] = wide
-                rounded.append(helper.make_node("Cast", [wide], [name], to=TensorProto.BFLOAT16))
+                rounded.append(helper.make_node("Cast", [wide], [name], to=narrow))
         nodes.append(node)
         nodes.extend(rounded)
         changed = True

@@ -2,7 +2,8 @@
 
 onnxruntime's Python API cannot feed or fetch BFLOAT16 as numpy arrays (seen with onnxruntime 1.32): BFLOAT16 inputs are bound as ``OrtValue``s made from ``uint16`` views through IO
 binding, and BFLOAT16 outputs are copied out of the ``OrtValue``'s CPU buffer and viewed as
-``ml_dtypes.bfloat16``.
+``ml_dtypes.bfloat16``. A model computing FLOAT16 runs with each FLOAT16 op's result rounded by an explicit
+``Cast`` (:func:`make_session`): onnxruntime's CPU provider would round a chain of them once at its end.
 
 With ``SGDFUSE_ORT_KERNEL=1`` in the environment, every session :func:`make_session` creates has sgdfuse's
 native ``ai.sgdfuse::SGD`` kernel registered (:mod:`sgdfuse.ortkernel`, built on first use), so ``check`` and
@@ -12,6 +13,7 @@ native ``ai.sgdfuse::SGD`` kernel registered (:mod:`sgdfuse.ortkernel`, built on
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import os
 import weakref
@@ -23,6 +25,8 @@ import onnx
 import onnxruntime as ort
 
 __all__ = ["ORT_KERNEL_ENV", "kernel_requested", "make_session", "run", "onnx_to_numpy_dtype", "numpy_to_onnx_dtype", "ONNXRUNTIME_ERRORS", "ReferenceSession", "REFERENCE_DOMAINS"]
+
+logger = logging.getLogger(__name__)
 
 REFERENCE_DOMAINS = frozenset({"ai.onnx.preview.training"})
 """Op domains onnxruntime does not run (ONNX's preview training ``Momentum``): a model using them runs in
@@ -126,6 +130,8 @@ def make_session(model: onnx.ModelProto | bytes) -> "ort.InferenceSession | Refe
         from sgdfuse import ortkernel  # imported only when asked for: it may build the kernel
 
         ortkernel.register(options)
+    if isinstance(model, onnx.ModelProto) and _mentions(model, onnx.TensorProto.FLOAT16):
+        model = _float16_rounded_per_op(model)
     data = model if isinstance(model, bytes) else model.SerializeToString()
     try:
         return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
@@ -134,6 +140,22 @@ def make_session(model: onnx.ModelProto | bytes) -> "ort.InferenceSession | Refe
         if session is None:
             raise
         return session
+
+
+def _float16_rounded_per_op(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every FLOAT16 op computed in FLOAT and rounded to FLOAT16 by an explicit ``Cast``
+    (:func:`sgdfuse.lift.float16_through_float`): onnxruntime's CPU provider otherwise computes a chain of
+    FLOAT16 ops in FLOAT and rounds once at its end, which is not what the graph computes (ONNX rounds after
+    each op; an intermediate that overflows to inf stays finite). ``model`` itself when the transform fails
+    (its shape inference, say): then onnxruntime runs it as it is, as before."""
+    from sgdfuse.lift import float16_through_float  # lift imports nothing of runtime
+
+    try:
+        widened, changed = float16_through_float(model)
+    except Exception as error:  # advisory: the plain model still runs
+        logger.info("FLOAT16 ops left to onnxruntime's own casts: %s", error)
+        return model
+    return widened if changed else model
 
 
 _MAX_EMULATION_ROUNDS = 32
@@ -187,8 +209,13 @@ def _reraise(error: Exception):
 
 
 def _mentions_bfloat16(model: onnx.ModelProto) -> bool:
+    """:func:`_mentions` of BFLOAT16."""
+    return _mentions(model, _ONNX_BF16)
+
+
+def _mentions(model: onnx.ModelProto, dtype: int) -> bool:
     """Whether any graph of ``model`` (subgraphs and function bodies included) declares, stores or makes a
-    BFLOAT16 value: a value info or initializer of that type, or a node attribute holding a BFLOAT16 tensor or
+    value of ``dtype`` (BFLOAT16 below): a value info or initializer of that type, or a node attribute holding a BFLOAT16 tensor or
     naming the type (``Cast``'s ``to``, a ``dtype``). Every BFLOAT16 value starts at one of these (``CastLike``
     copies its target's type), so a model without one has nothing :func:`sgdfuse.lift.bfloat16_through_float`
     could widen; this walk is much cheaper than the transform's inference on a large model."""
@@ -198,7 +225,7 @@ def _mentions_bfloat16(model: onnx.ModelProto) -> bool:
         if graphs:
             graph = graphs.pop()
             infos = (*graph.input, *graph.output, *graph.value_info)
-            if any(i.type.tensor_type.elem_type == _ONNX_BF16 for i in infos) or any(t.data_type == _ONNX_BF16 for t in graph.initializer):
+            if any(i.type.tensor_type.elem_type == dtype for i in infos) or any(t.data_type == dtype for t in graph.initializer):
                 return True
             nodes = graph.node
         else:
@@ -206,9 +233,9 @@ def _mentions_bfloat16(model: onnx.ModelProto) -> bool:
         for node in nodes:
             for attribute in node.attribute:
                 kind = attribute.type
-                if kind == onnx.AttributeProto.INT and attribute.name in ("to", "dtype") and attribute.i == _ONNX_BF16:
+                if kind == onnx.AttributeProto.INT and attribute.name in ("to", "dtype") and attribute.i == dtype:
                     return True
-                if kind == onnx.AttributeProto.TENSOR and attribute.t.data_type == _ONNX_BF16:
+                if kind == onnx.AttributeProto.TENSOR and attribute.t.data_type == dtype:
                     return True
                 if kind == onnx.AttributeProto.GRAPH:
                     graphs.append(attribute.g)
