@@ -751,6 +751,8 @@ class _Probes:
         self.base = base
         self.shared = shared
         self.nodes: list[onnx.NodeProto] = []
+        self.copies: list[tuple[str, str]] = []
+        """Per node of ``nodes``: ``(the value it copies, its output)``."""
         self._made: dict[str, str] = {}
         self._next: dict[str, int] = {}
 
@@ -765,6 +767,7 @@ class _Probes:
         self._next[base] = counter
         self.taken.add(name)
         self.nodes.append(helper.make_node("Identity", [value], [name]))
+        self.copies.append((value, name))
         self._made[value] = name
         return name
 
@@ -919,14 +922,22 @@ class _ConstantInputs:
 
     _KEEP = frozenset({"Identity", "Cast", "CastLike", "Expand", "Reshape"})
 
-    def __init__(self, graph: onnx.GraphProto) -> None:
+    def __init__(self, graph: onnx.GraphProto, producers: Mapping[str, onnx.NodeProto] | None = None) -> None:
+        """``producers``: value name → the node of ``graph`` that outputs it (the last one, as a dict built over
+        ``graph.node`` has it), when the caller has that table; else it is built on first use."""
         self._graph = graph
-        self._producers: dict[str, onnx.NodeProto] | None = None
+        self._producers: Mapping[str, onnx.NodeProto] | None = producers
         self._initializers: dict[str, onnx.TensorProto] | None = None
+        self._values: dict[object, np.ndarray] = {}
+        """Values read: per initializer name, and per serialised ``value`` tensor (equal bytes, equal value;
+        each SGD node's ``stat`` is a ``ConstantOfShape`` of its own, all of the same value). Never mutated."""
 
     def value(self, name: str) -> np.ndarray | None:
-        if self._producers is None:
-            self._producers = {o: node for node in self._graph.node for o in node.output if o}
+        """The constant value of ``name`` as a float64 array (shared between calls: read it, do not change it),
+        or None."""
+        if self._initializers is None:
+            if self._producers is None:
+                self._producers = {o: node for node in self._graph.node for o in node.output if o}
             inputs = {i.name for i in self._graph.input}
             self._initializers = {t.name: t for t in self._graph.initializer if t.name not in inputs}
         for _ in range(16):  # a short chain of copies at most
@@ -934,7 +945,10 @@ class _ConstantInputs:
                 tensor = self._initializers[name]
                 if tensor.data_location == onnx.TensorProto.EXTERNAL:
                     return None  # never loaded here
-                return numpy_helper.to_array(tensor).astype(np.float64)
+                key = ("initializer", name)
+                if key not in self._values:
+                    self._values[key] = numpy_helper.to_array(tensor).astype(np.float64)
+                return self._values[key]
             node = self._producers.get(name)
             if node is None or node.domain not in ("", "ai.onnx"):
                 return None
@@ -942,11 +956,40 @@ class _ConstantInputs:
                 value = next((a.t for a in node.attribute if a.name == "value"), None)
                 if value is None:
                     return np.zeros(1) if node.op_type == "ConstantOfShape" else None
-                return numpy_helper.to_array(value).astype(np.float64)
+                key = value.SerializeToString()
+                if key not in self._values:
+                    self._values[key] = numpy_helper.to_array(value).astype(np.float64)
+                return self._values[key]
             if node.op_type not in self._KEEP or not node.input:
                 return None
             name = node.input[0]
         return None
+
+
+@functools.lru_cache(maxsize=256)
+def _specialisation(overload: str) -> Specialisation | None:
+    """``Specialisation.from_overload(overload)`` (a frozen value, shared), None for a name it refuses."""
+    try:
+        return Specialisation.from_overload(overload)
+    except ValueError:
+        return None
+
+
+_POSITIVE_ZERO: dict[tuple, bool] = {}
+"""(dtype, shape, bytes) of a value → is it non-empty and +0 in every element (few distinct values: a bench of
+50,000 updates has one)."""
+
+
+def _all_positive_zero(value: np.ndarray) -> bool:
+    """``value`` has an element and every element is +0 (not -0, not NaN): ``value.size`` and neither
+    ``value != 0`` nor ``signbit`` anywhere."""
+    key = (value.dtype.str, value.shape, value.tobytes())
+    known = _POSITIVE_ZERO.get(key)
+    if known is None:
+        known = bool(value.size) and not np.any(value != 0) and not np.any(np.signbit(value))
+        if len(_POSITIVE_ZERO) < 1024:
+            _POSITIVE_ZERO[key] = known
+    return known
 
 
 def _overload_input_problem(node: onnx.NodeProto, constants: _ConstantInputs) -> str:
@@ -955,23 +998,25 @@ def _overload_input_problem(node: onnx.NodeProto, constants: _ConstantInputs) ->
     provably do. The body then computes another function than the device op, which reads those inputs:
     onnxruntime's numbers prove nothing about the device (a stat of 1 fed to a ``stat0`` body passed check,
     and the lowered graph skipped dampening)."""
-    if not node.overload:
+    overload = node.overload
+    if not overload:
         return ""
-    try:
-        spec = Specialisation.from_overload(node.overload)
-    except ValueError:
+    spec = _specialisation(overload)
+    if spec is None:
         return ""  # _overload_problem reports it
-    subject = node.name or "SGD node"
+    inputs = node.input
     if spec.stat_zero:
-        stat = node.input[5] if len(node.input) > 5 else ""
+        stat = inputs[5] if len(inputs) > 5 else ""
         value = constants.value(stat) if stat else None
-        if value is None or value.size == 0 or np.any(value != 0) or np.any(np.signbit(value)):
-            return (f"{subject}: its body {node.overload} assumes stat is +0 in every element, but {stat or 'its stat'} is not "
+        if value is None or not _all_positive_zero(value):
+            subject = node.name or "SGD node"
+            return (f"{subject}: its body {overload} assumes stat is +0 in every element, but {stat or 'its stat'} is not "
                     "a constant +0; the device op reads stat and onnxruntime's body does not, so these numbers prove nothing")
     if spec.momentum_nonzero:
-        momentum = node.input[4] if len(node.input) > 4 else ""
+        momentum = inputs[4] if len(inputs) > 4 else ""
         value = constants.value(momentum) if momentum else None
         if value is None or value.size == 0 or np.any(value == 0):
+            subject = node.name or "SGD node"
             return (f"{subject}: its body {node.overload} assumes momentum is a constant other than 0, but {momentum or 'its momentum'} "
                     "is not one; the device op decides on momentum at run time, so these numbers prove nothing")
     return ""
@@ -1718,8 +1763,10 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         ValueError: the two models do not have the same graph inputs and outputs, or an input's shape is
             unknown so no test data can be made, or the original cannot run at any size.
     """
-    original_inputs = [i.name for i in original.graph.input if i.name not in {t.name for t in original.graph.initializer}]
-    fused_inputs = [i.name for i in fused.graph.input if i.name not in {t.name for t in fused.graph.initializer}]
+    original_initializers = {t.name for t in original.graph.initializer}  # once, not per input
+    fused_initializers = {t.name for t in fused.graph.initializer}
+    original_inputs = [i.name for i in original.graph.input if i.name not in original_initializers]
+    fused_inputs = [i.name for i in fused.graph.input if i.name not in fused_initializers]
     outputs = [o.name for o in original.graph.output]
     if original_inputs != fused_inputs or outputs != [o.name for o in fused.graph.output]:
         raise ValueError("the two models differ in their graph inputs or outputs; they are not an original and its fused form")
@@ -1741,7 +1788,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         state_tallies = {(k, s): _Tally() for k, view in enumerate(views) for s in view.roles}
         runner = _GroupRunner(index, sides, views, inputs, original_pairs, output_tallies, state_tallies, steps=steps, seed=seed)
         verified_as = _run_groups(index, sides, groups, views, inputs, original_pairs, fused_pairs, runner, seed=seed)
-        _fail_inconsistent_overloads(fused, views, output_tallies, state_tallies)
+        _fail_inconsistent_overloads(fused, views, output_tallies, state_tallies, side=sides[1])
         if not runner.runs and not any(not t.passed for t in output_tallies.values()):
             raise ValueError("the original model cannot run at any size tried: " + "; ".join(runner.notes))
 
@@ -1818,13 +1865,19 @@ def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Map
 
 
 
-def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_UpdateView], output_tallies, state_tallies) -> None:
+def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_UpdateView], output_tallies, state_tallies,
+                                 *, side: "_Side | None" = None) -> None:
     """Fail the outputs and state writes of every SGD node whose specialised body (its ``overload``, what
     onnxruntime runs) assumes other attributes than the node has (what the lowered GE op reads): the numbers
-    of such a node prove nothing about the device."""
-    nodes = [node for node in fused.graph.node if node.domain == DOMAIN and node.op_type == OP_TYPE]
+    of such a node prove nothing about the device. ``side``: the fused model's :class:`_Side` (its op types,
+    domains and producers are then not read again)."""
+    if side is None:
+        nodes = [node for node in fused.graph.node if node.domain == DOMAIN and node.op_type == OP_TYPE]
+        constants = _ConstantInputs(fused.graph)
+    else:
+        nodes = [side.nodes[k] for k in _sgd_positions(side)]
+        constants = _ConstantInputs(fused.graph, _Producers(side))
     problems: dict[tuple, str] = {}  # per overload and attributes: a few hundred kinds of node at most
-    constants = _ConstantInputs(fused.graph)
     for node, (k, view) in zip(nodes, enumerate(views)):
         kind = (node.overload, tuple(a.SerializeToString(deterministic=True) for a in node.attribute))
         problem = problems.get(kind)
@@ -1892,6 +1945,10 @@ class _Side:
     outputs: list[str]
     subgraph: list[bool]
     """Per node: an attribute of it is of type ``GRAPH`` or ``GRAPHS``."""
+    op_types: list[str] = dataclasses.field(default_factory=list)
+    """Per node: ``NodeProto.op_type`` (read once, from the node table)."""
+    domains: list[str] = dataclasses.field(default_factory=list)
+    """Per node: ``NodeProto.domain``."""
 
     @classmethod
     def of(cls, model: onnx.ModelProto) -> "_Side":
@@ -1912,7 +1969,7 @@ class _Side:
         return cls(
             model, nodes, reads, writes, {o: k for k, names in enumerate(writes) for o in names},
             initializers, {i.name: i for i in graph.input if i.name not in initializers}, [o.name for o in graph.output],
-            subgraph,
+            subgraph, list(table.op_types), list(table.domains),
         )
 
     def sources(self, values: Iterable[str]) -> set[str]:
@@ -1955,14 +2012,34 @@ class _Side:
             memo[current] = found.union(*(memo.get(name, empty) for name in reads[k])) if k is not None else found
         return memo[value]
 
-    def extend(self, nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> None:
-        """Add ``nodes`` (after every other) and ``outputs`` (values to compute) to this side."""
+    def extend(self, nodes: Sequence[onnx.NodeProto], outputs: Sequence[str], *,
+               copies: Sequence[tuple[str, str]] | None = None) -> None:
+        """Add ``nodes`` (after every other) and ``outputs`` (values to compute) to this side. ``copies``: when
+        every node is an ``Identity`` made here (:class:`_Probes`), per node ``(its input, its output)``, which
+        are then not read back from the nodes."""
+        if copies is not None:
+            producer, reads, writes = self.producer, self.reads, self.writes
+            position = len(self.nodes)
+            for node, (value, name) in zip(nodes, copies, strict=True):
+                if name:
+                    producer[name] = position
+                position += 1
+                reads.append([value] if value else [])
+                writes.append([name] if name else [])
+            self.nodes.extend(nodes)
+            self.subgraph.extend([False] * len(nodes))
+            self.op_types.extend(["Identity"] * len(nodes))
+            self.domains.extend([""] * len(nodes))
+            self.outputs.extend(outputs)
+            return
         for node in nodes:
             self.producer.update((o, len(self.nodes)) for o in node.output if o)
             self.nodes.append(node)
             self.reads.append(_node_reads(node))
             self.writes.append([o for o in node.output if o])
             self.subgraph.append(_holds_subgraph(node))
+            self.op_types.append(node.op_type)
+            self.domains.append(node.domain)
         self.outputs.extend(outputs)
 
     def cone(self, outputs: Iterable[str]) -> list[int]:
@@ -2400,6 +2477,11 @@ class _Producers(Mapping):
         return len(self.side.producer)
 
 
+def _sgd_positions(side: _Side) -> list[int]:
+    """Positions of ``side``'s ``ai.sgdfuse::SGD`` nodes, in graph order (from its op types and domains)."""
+    return [k for k, (op_type, domain) in enumerate(zip(side.op_types, side.domains)) if op_type == OP_TYPE and domain == DOMAIN]
+
+
 def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
     """One view per SGD node of the fused model's ``side``, which gets the probes of the SGD nodes' inputs
     as nodes and outputs, and their outputs that the graph does not declare (the model is not copied)."""
@@ -2407,8 +2489,11 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
     producers = _Producers(side)
     # Readers of the SGD nodes' outputs and of what their readers output (a runtime momentum's If, a guard)
     # are all that is looked up: two sweeps, no table of every value's readers.
-    wanted = {o for node in side.nodes if node.domain == DOMAIN and node.op_type == OP_TYPE for o in node.output if o}
-    wanted.update(o for node, reads in zip(side.nodes, side.reads) if not wanted.isdisjoint(reads) for o in node.output if o)
+    sgd = _sgd_positions(side)
+    writes = side.writes  # each node's outputs but ""
+    wanted = {o for k in sgd for o in writes[k]}
+    # (The set grows as the generator runs, as it always did: a reader of a reader found earlier is found too.)
+    wanted.update(o for k, reads in enumerate(side.reads) if not wanted.isdisjoint(reads) for o in writes[k])
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node, reads in zip(side.nodes, side.reads):
         for name in reads:
@@ -2416,14 +2501,20 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
                 readers.setdefault(name, []).append(node)
     taken = set(side.producer) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
     declared = set(side.outputs)
-    input_types = {i.name: i.type.tensor_type.elem_type for i in graph.input}
+    fed = side.inputs  # the graph inputs that are no initializer, by name (the last of a name, as below)
+
+    def input_type(name: str) -> int:
+        # What {i.name: i.type.tensor_type.elem_type for i in graph.input}.get(name, FLOAT) gives, without
+        # reading every input's type: the parameters are fed inputs (checked below), so the last of the name.
+        info = fed.get(name)
+        if info is None:
+            info = next((i for i in reversed(graph.input) if i.name == name), None)
+        return info.type.tensor_type.elem_type if info is not None else onnx.TensorProto.FLOAT
     # One probe per SGD node, not per value: a probe read by every update would make one group of them all.
     probe = _Probes(taken, shared=False)
     views: list[_UpdateView] = []
     added: list[str] = []
-    for node in list(side.nodes):
-        if not (node.domain == DOMAIN and node.op_type == OP_TYPE):
-            continue
+    for node in [side.nodes[k] for k in sgd]:
         parameters = _trace_to_state(node.input[0], producers)
         accum = _trace_to_state(node.input[3], producers)
         for role, target in (("parameters", parameters), ("accum", accum)):
@@ -2441,7 +2532,7 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
                 added.append(value)
                 declared.add(value)
         names = {tag: probe(node.input[k], tag) for k, tag in ((1, "gradient"), (2, "learning_rate"), (4, "momentum"))}
-        dtype = input_types.get(parameters, onnx.TensorProto.FLOAT)
+        dtype = input_type(parameters)
         views.append(
             _UpdateView(
                 key=node.output[0], outputs={parameters_out: "w", buffer_out: "v"}, original_state={},
@@ -2452,7 +2543,7 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
                 dtype=dtype if dtype in _UNIT_ROUNDOFF else onnx.TensorProto.FLOAT,
             )
         )
-    side.extend(probe.nodes, added + [node.output[0] for node in probe.nodes])
+    side.extend(probe.nodes, added + [name for _, name in probe.copies], copies=probe.copies)
     return views
 
 
@@ -2512,7 +2603,7 @@ def _check_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_Upda
     roles = {s: ("parameters" if role == "w" else "accum") for view in views for s, role in view.roles.items()}
     gradient_sources = side.sources([view.gradient for view in views])
     coefficient_sources = side.sources([v for view in views for v in (view.learning_rate, view.momentum)])
-    non_negative = non_negative_inputs(side.nodes)
+    non_negative = non_negative_inputs(side.nodes, op_types=side.op_types)
     inputs = []
     for name in names:
         spec = index.spec(name)
@@ -2530,14 +2621,15 @@ _NON_NEGATIVE_OPS = frozenset(op for op, _ in _NON_NEGATIVE_OPERANDS)
 _COPY_OPS = frozenset({"Identity", "Cast"})
 
 
-def non_negative_inputs(nodes: Sequence[onnx.NodeProto]) -> set[str]:
+def non_negative_inputs(nodes: Sequence[onnx.NodeProto], *, op_types: Sequence[str] | None = None) -> set[str]:
     """Values read (directly or through ``Identity``/``Cast``) where only non-negative values are defined
     (:data:`_NON_NEGATIVE_OPERANDS`): a check feeds them |x|, as a model's own data would be (a frozen
-    BatchNormalization's running variance)."""
+    BatchNormalization's running variance). ``op_types``: each node's ``op_type``, when the caller has them
+    (then only the nodes that matter are read)."""
     copies: dict[str, str] = {}
     readers: list[onnx.NodeProto] = []
-    for node in nodes:  # one read of each node's op type; inputs only of the few nodes that matter
-        op_type = node.op_type
+    for node, op_type in zip(nodes, op_types, strict=True) if op_types is not None else ((node, node.op_type) for node in nodes):
+        # one read of each node's op type; inputs only of the few nodes that matter
         if op_type in _COPY_OPS:
             if node.input and node.output:
                 copies[node.output[0]] = node.input[0]
