@@ -142,7 +142,7 @@ from sgdfuse.contract import TensorSpec
 from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, Specialisation, function_opset, read_sgd_attributes, sgd_functions_for
 from sgdfuse.lift import FLOAT_TYPES, lift_to_double, missing_kernels, specialise
 from sgdfuse.passes.index import GraphIndex
-from sgdfuse.passes.scan import node_table
+from sgdfuse.passes.scan import NodeTable, node_table
 from sgdfuse.passes.sgd_match import previous_by_name
 from sgdfuse.runtime import ORT_KERNEL_ENV, make_session, onnx_to_numpy_dtype, run
 
@@ -1823,8 +1823,12 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         classes = f"; {len(groups)} independent groups of outputs, {runner.groups_run} run" + (
             f", the others verified as a run member of their class" if runner.groups_run < len(groups) else "")
         logger.info("check: %s", classes[2:])
-        return ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups),
-                          runner.groups_run, uncompared)
+        result = ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups),
+                            runner.groups_run, uncompared)
+        # Free the check's own millions of objects while the collector is paused: once it runs again, its first
+        # collection walks every object made meanwhile that is still alive (about a second at 50,000 updates).
+        del index, sides, views, groups, runner, output_tallies, state_tallies, inputs, verified_as, fused_pairs, update_outputs
+    return result
 
 
 def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Mapping[str, _Input], output_tallies: dict,
@@ -1949,6 +1953,8 @@ class _Side:
     """Per node: ``NodeProto.op_type`` (read once, from the node table)."""
     domains: list[str] = dataclasses.field(default_factory=list)
     """Per node: ``NodeProto.domain``."""
+    table: NodeTable | None = None
+    """The node table of ``model``'s graph nodes (``len(table)`` of them; nodes added by :meth:`extend` come after)."""
 
     @classmethod
     def of(cls, model: onnx.ModelProto) -> "_Side":
@@ -1969,7 +1975,7 @@ class _Side:
         return cls(
             model, nodes, reads, writes, {o: k for k, names in enumerate(writes) for o in names},
             initializers, {i.name: i for i in graph.input if i.name not in initializers}, [o.name for o in graph.output],
-            subgraph, list(table.op_types), list(table.domains),
+            subgraph, list(table.op_types), list(table.domains), table,
         )
 
     def sources(self, values: Iterable[str]) -> set[str]:
@@ -2236,6 +2242,7 @@ class _GroupRunner:
         self.notes: list[str] = []
         self.groups_run = 0
         self._chunks = 0
+        self._pair_order: dict[str, int] | None = None
 
     def run(self, groups: Sequence[_Group]) -> None:
         """Run ``groups``, packed into models of about :data:`CHECK_CHUNK_NODES` nodes."""
@@ -2261,7 +2268,11 @@ class _GroupRunner:
         (original, original_fed), (fused, fused_fed) = self._model(0, chunk), self._model(1, chunk)
         views = [(k, self.views[k]) for group in chunk for k in group.views]
         states = {s for group in chunk for s in group.states}
-        original_pairs = {s: o for s, o in self.original_pairs.items() if s in states}
+        # The chunk's pairs in the order of the whole model's (not a pass over all of them per chunk).
+        order = self._pair_order
+        if order is None:
+            order = self._pair_order = {s: position for position, s in enumerate(self.original_pairs)}
+        original_pairs = {s: self.original_pairs[s] for s in sorted((s for s in states if s in order), key=order.__getitem__)}
         inputs = [self.inputs[name] for name in dict.fromkeys(original_fed + fused_fed)]
         outputs = [name for group in chunk for name in group.original_outputs]
         fused_names = [name for group in chunk for name in group.fused_outputs]
@@ -2404,6 +2415,26 @@ class ModelParts:
         return _describe_parts(self._side.parts(self._side.cone(outputs), outputs, None), spec_of, names, cache)
 
 
+def _describe_plain_nodes(side: _Side, cache: dict) -> None:
+    """Put into ``cache`` (:func:`_describe_parts`' own, keyed by node id: ``side`` must outlive it) the description
+    of each of ``side``'s graph nodes that has no attribute, from its node table: ``(op_type, domain, overload,
+    ())`` interned, and its inputs, ``""`` and outputs, exactly what :func:`_describe_parts` would read of the
+    node (no attribute: no subgraph either). Only ``overload`` is read from the node."""
+    table = side.table
+    if table is None:
+        return
+    intern = cache.setdefault("interned", {})
+    setdefault = intern.setdefault
+    nodes = side.nodes
+    for k, (op_type, domain, inputs, outputs, attributed) in enumerate(
+            zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_attributes)):
+        if attributed:
+            continue
+        node = nodes[k]
+        what = (op_type, domain, node.overload, ())
+        cache[id(node)] = (setdefault(what, len(intern)), inputs + ("",) + outputs)
+
+
 def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_pairs, fused_pairs, runner: _GroupRunner, *, seed: int) -> dict:
     """Run every group, or from :data:`CLASS_MIN_PLANS` groups on, per class of groups equal up to value
     names (:func:`_group_key`) its first member and a seeded sample of :data:`CLASS_SAMPLE` others; a class
@@ -2414,6 +2445,8 @@ def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_
         return {}
     classes: dict[object, list[int]] = {}
     cache: dict = {}  # the sides' protos outlive it
+    for side in sides:
+        _describe_plain_nodes(side, cache)
     for g, group in enumerate(groups):
         key = _group_key(index, sides, group, views, inputs, original_pairs, fused_pairs, cache)
         classes.setdefault(("own", g) if key is None else key, []).append(g)
