@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 
+os.environ["COLUMNS"] = "200"  # the console's width, so that the output digests of separate invocations compare
 _PACKAGE = "sgdfuse"
 _MODULES = ["sgdfuse", "sgdfuse.api", "sgdfuse.verify", "sgdfuse.runtime", "sgdfuse.lift", "sgdfuse.cli"]
 

@@ -1749,7 +1749,8 @@ class ModelCheck:
     uncompared: list[str] = dataclasses.field(default_factory=list)
 
 
-def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: int = 3, seed: int = 0) -> ModelCheck:
+def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: int = 3, seed: int = 0,
+                 node_tables: tuple[NodeTable, NodeTable] | None = None) -> ModelCheck:
     """Run two whole models (an original and its fused form) in onnxruntime, natively and lifted to DOUBLE,
     at every size, over the schedule of the module docstring: once in lockstep (both fed the original's
     state) and once in place (each side carrying its own state).
@@ -1758,6 +1759,9 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
     original, then the fused pairing's output names. Outputs of SGD nodes are compared with the bound of
     this module, every other output must be identical in lockstep (NaN equal to NaN); in place, the value
     each side writes into each SGD-updated state must agree within the bound.
+
+    ``node_tables``: ``(node_table(original), node_table(fused))`` (:func:`sgdfuse.passes.scan.node_table`), when
+    the caller has read them (``sgdfuse check`` does, for the names' check); else they are read here.
 
     Raises:
         ValueError: the two models do not have the same graph inputs and outputs, or an input's shape is
@@ -1773,7 +1777,8 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
 
     with collector.paused():  # millions of small containers, no cycles among them
         index = _declarations(original)
-        sides = (_Side.of(original), _Side.of(fused))
+        tables = node_tables or (None, None)
+        sides = (_Side.of(original, tables[0]), _Side.of(fused, tables[1]))
         views = _fused_views(sides[1], set(original_inputs))
         original_pairs = _original_pairs(index, original, views)
         for view in views:
@@ -1955,15 +1960,20 @@ class _Side:
     """Per node: ``NodeProto.domain``."""
     table: NodeTable | None = None
     """The node table of ``model``'s graph nodes (``len(table)`` of them; nodes added by :meth:`extend` come after)."""
+    _opsets: list[onnx.OperatorSetIdProto] | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
-    def of(cls, model: onnx.ModelProto) -> "_Side":
+    def of(cls, model: onnx.ModelProto, table: NodeTable | None = None) -> "_Side":
+        """The side of ``model``; ``table``: its :func:`node_table`, when the caller has it."""
         graph = model.graph
         nodes = list(graph.node)
         initializers = {t.name: t for t in graph.initializer}
         # Inputs and outputs from the node table (read once from the serialised graph, no Python object per
         # field read); a node holding a subgraph also reads what its subgraphs read from outside.
-        table = node_table(model)
+        if table is None:
+            table = node_table(model)
+        if len(table) != len(nodes):
+            raise ValueError(f"a node table of {len(table)} nodes for a graph of {len(nodes)}")
         reads = [
             _node_reads(node) if flagged else [name for name in names if name]
             for node, names, flagged in zip(nodes, table.inputs, table.has_subgraph)
@@ -2063,19 +2073,22 @@ class _Side:
     def parts(self, cone: Sequence[int], outputs: list[str], function_opset: int | None) -> _Parts:
         """The :class:`_Parts` of a model of the nodes ``cone`` with ``outputs``: its inputs are the fed
         graph inputs they read, its initializers the graph's they read."""
-        produced = {o for k in cone for o in self.writes[k]}
+        reads, writes, nodes = self.reads, self.writes, self.nodes
+        produced = {o for k in cone for o in writes[k]}
         initializers: list[onnx.TensorProto] = []
         inputs: list[str] = []
-        listed: set[str] = set()
-        for name in [n for k in cone for n in self.reads[k]] + outputs:
-            if name in produced or name in listed:
+        graph_initializers, fed = self.initializers, self.inputs
+        # Every name read (then the outputs) once, in the order of its first reading.
+        for name in dict.fromkeys([n for k in cone for n in reads[k]] + outputs):
+            if name in produced:
                 continue
-            listed.add(name)
-            if name in self.initializers:
-                initializers.append(self.initializers[name])
-            elif name in self.inputs:
+            if name in graph_initializers:
+                initializers.append(graph_initializers[name])
+            elif name in fed:
                 inputs.append(name)
-        return _Parts([self.nodes[k] for k in cone], [], outputs, list(self.model.opset_import), function_opset, initializers, inputs)
+        if self._opsets is None:
+            self._opsets = list(self.model.opset_import)
+        return _Parts([nodes[k] for k in cone], [], outputs, list(self._opsets), function_opset, initializers, inputs)
 
 
 @dataclasses.dataclass
@@ -2417,21 +2430,24 @@ class ModelParts:
 
 def _describe_plain_nodes(side: _Side, cache: dict) -> None:
     """Put into ``cache`` (:func:`_describe_parts`' own, keyed by node id: ``side`` must outlive it) the description
-    of each of ``side``'s graph nodes that has no attribute, from its node table: ``(op_type, domain, overload,
-    ())`` interned, and its inputs, ``""`` and outputs, exactly what :func:`_describe_parts` would read of the
-    node (no attribute: no subgraph either). Only ``overload`` is read from the node."""
+    of each of ``side``'s graph nodes that holds no subgraph, from its node table: ``(op_type, domain, overload,
+    the attributes' bytes)`` interned, and its inputs, ``""`` and outputs, exactly what :func:`_describe_parts`
+    would read of the node. Only ``overload`` and the attributes are read from the node. A node the table flags
+    as holding a subgraph (an attribute typed ``GRAPH`` or ``GRAPHS``, or one holding a graph) is left to
+    :func:`_describe_parts`, which decides on it as before."""
     table = side.table
     if table is None:
         return
     intern = cache.setdefault("interned", {})
     setdefault = intern.setdefault
     nodes = side.nodes
-    for k, (op_type, domain, inputs, outputs, attributed) in enumerate(
-            zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_attributes)):
-        if attributed:
+    for k, (op_type, domain, inputs, outputs, attributed, subgraph) in enumerate(
+            zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_attributes, table.has_subgraph)):
+        if subgraph:
             continue
         node = nodes[k]
-        what = (op_type, domain, node.overload, ())
+        what = (op_type, domain, node.overload,
+                tuple([a.SerializeToString(deterministic=True) for a in node.attribute]) if attributed else ())
         cache[id(node)] = (setdefault(what, len(intern)), inputs + ("",) + outputs)
 
 
@@ -2462,9 +2478,11 @@ def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_
     for members in classes.values():
         ran = [groups[g] for g in members if g in chosen]
         if all(_group_passed(group, runner) for group in ran):
+            first = groups[members[0]]
+            by_name = {canonical: name for name, canonical in first.names.items()}  # once per class
             for g in members:
                 if g not in chosen:
-                    _copy_results(groups[members[0]], groups[g], runner, verified_as)
+                    _copy_results(first, groups[g], runner, verified_as, by_name)
         else:
             unrun.extend(g for g in members if g not in chosen)
     runner.run([groups[g] for g in sorted(unrun)])
@@ -2477,17 +2495,21 @@ def _group_passed(group: _Group, runner: _GroupRunner) -> bool:
     )
 
 
-def _copy_results(first: _Group, member: _Group, runner: _GroupRunner, verified_as: dict) -> None:
-    """``member`` gets ``first``'s results, value for value through the two groups' canonical names."""
-    by_name = {canonical: name for name, canonical in first.names.items()}
+def _copy_results(first: _Group, member: _Group, runner: _GroupRunner, verified_as: dict,
+                  by_name: Mapping[int, str] | None = None) -> None:
+    """``member`` gets ``first``'s results, value for value through the two groups' canonical names.
+    ``by_name``: ``first``'s canonical number → name (its ``names`` inverted), when the caller keeps it."""
+    if by_name is None:
+        by_name = {canonical: name for name, canonical in first.names.items()}
+    names, output_tallies, state_tallies, views = member.names, runner.output_tallies, runner.state_tallies, runner.views
     for name in member.original_outputs:
-        source = by_name[member.names[name]]
-        runner.output_tallies[name] = runner.output_tallies[source]
+        source = by_name[names[name]]
+        output_tallies[name] = output_tallies[source]
         verified_as[name] = source
     for k, j in zip(member.views, first.views):
-        for state in runner.views[k].roles:
-            source = by_name[member.names[state]]
-            runner.state_tallies[(k, state)] = runner.state_tallies[(j, source)]
+        for state in views[k].roles:
+            source = by_name[names[state]]
+            state_tallies[(k, state)] = state_tallies[(j, source)]
             verified_as[(k, state)] = source
 
 
@@ -2580,21 +2602,38 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
     return views
 
 
+def _declared_type(type_proto: onnx.TypeProto) -> tuple | None:
+    """``(shape, elem_type)`` of a tensor type (shape None when absent; a dimension is its ``dim_value``, its
+    ``dim_param`` or None), None for a type that is no tensor type."""
+    if not type_proto.HasField("tensor_type"):
+        return None
+    tensor_type = type_proto.tensor_type
+    shape = None
+    if tensor_type.HasField("shape"):
+        shape = tuple(int(d.dim_value) if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param") else None
+                      for d in tensor_type.shape.dim)
+    return shape, tensor_type.elem_type
+
+
 def _declarations(model: onnx.ModelProto) -> GraphIndex:
     """A :class:`GraphIndex` of ``model``'s declarations alone: inputs, outputs, initializers and the specs
     they declare (no producers or consumers: :func:`check_models` walks nodes in its :class:`_Side` s, and
     builds a full index only when the matcher has to pair the original's state)."""
     graph = model.graph
     specs: dict[str, TensorSpec] = {}
+    # Per distinct type (its bytes: equal bytes parse to equal messages), its (shape, elem_type), or None when it
+    # is no tensor type: a step has a few dozen types for 100,000s of inputs and outputs.
+    read: dict[bytes, tuple | None] = {}
     for info in list(graph.input) + list(graph.output):
-        tensor_type = info.type.tensor_type
-        if not info.type.HasField("tensor_type") or info.name in specs:
+        name = info.name
+        if name in specs:
             continue
-        shape = None
-        if tensor_type.HasField("shape"):
-            shape = tuple(int(d.dim_value) if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param") else None
-                          for d in tensor_type.shape.dim)
-        specs[info.name] = TensorSpec(info.name, shape, tensor_type.elem_type)
+        serialised = info.type.SerializeToString()
+        if serialised not in read:
+            read[serialised] = _declared_type(onnx.TypeProto.FromString(serialised))
+        declared = read[serialised]
+        if declared is not None:
+            specs[name] = TensorSpec(name, *declared)
     initializers = {t.name: t for t in graph.initializer}
     for name, tensor in initializers.items():
         specs[name] = TensorSpec(name, tuple(int(d) for d in tensor.dims), tensor.data_type)
