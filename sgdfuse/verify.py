@@ -2061,13 +2061,19 @@ class _Side:
     def cone(self, outputs: Iterable[str]) -> list[int]:
         """Indices (in graph order) of the nodes that compute ``outputs``."""
         found: set[int] = set()
-        stack = [self.producer[o] for o in outputs if o in self.producer]
+        producer, reads = self.producer, self.reads
+        get = producer.get
+        stack = [producer[o] for o in outputs if o in producer]
+        push, pop, add = stack.append, stack.pop, found.add
         while stack:
-            k = stack.pop()
+            k = pop()
             if k in found:
                 continue
-            found.add(k)
-            stack.extend(j for name in self.reads[k] if (j := self.producer.get(name)) is not None and j not in found)
+            add(k)
+            for name in reads[k]:
+                j = get(name)
+                if j is not None and j not in found:
+                    push(j)
         return sorted(found)
 
     def parts(self, cone: Sequence[int], outputs: list[str], function_opset: int | None) -> _Parts:
@@ -2199,15 +2205,23 @@ def _check_groups(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], orig
         for name in members[1:]:
             union(first, value(name))
     groups: dict[int, _Group] = {}
+
+    def group_of(name: str) -> _Group:  # groups.setdefault(root, _Group()), without a _Group made per call
+        root = find(value(name))
+        group = groups.get(root)
+        if group is None:
+            group = groups[root] = _Group()
+        return group
+
     for name in sides[0].outputs:
-        groups.setdefault(find(value(name)), _Group()).original_outputs.append(name)
+        group_of(name).original_outputs.append(name)
     for name in sides[1].outputs:
-        groups.setdefault(find(value(name)), _Group()).fused_outputs.append(name)
+        group_of(name).fused_outputs.append(name)
     for k, view in enumerate(views):
-        groups.setdefault(find(value(view.parameters)), _Group()).views.append(k)
+        group_of(view.parameters).views.append(k)
     for name in inputs:  # graph input order
         if name in carried:
-            groups.setdefault(find(value(name)), _Group()).states.append(name)
+            group_of(name).states.append(name)
     result = list(groups.values())
     for group in result:
         group.cones = (sides[0].cone(group.original_outputs), sides[1].cone(group.fused_outputs))
@@ -2554,7 +2568,8 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
         for name in reads:
             if name in wanted:
                 readers.setdefault(name, []).append(node)
-    taken = set(side.producer) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    # Every name defined: node outputs, graph inputs (the fed ones and those that are initializers too), initializers.
+    taken = set(side.producer) | set(side.inputs) | set(side.initializers)
     declared = set(side.outputs)
     fed = side.inputs  # the graph inputs that are no initializer, by name (the last of a name, as below)
 
