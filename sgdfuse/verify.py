@@ -1961,6 +1961,9 @@ class _Side:
     table: NodeTable | None = None
     """The node table of ``model``'s graph nodes (``len(table)`` of them; nodes added by :meth:`extend` come after)."""
     _opsets: list[onnx.OperatorSetIdProto] | None = dataclasses.field(default=None, repr=False)
+    copies: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """When every node after the table's is an ``Identity`` made here (:meth:`extend` with ``copies``): per node,
+    ``(its input, its output)``; else empty."""
 
     @classmethod
     def of(cls, model: onnx.ModelProto, table: NodeTable | None = None) -> "_Side":
@@ -2033,6 +2036,10 @@ class _Side:
         """Add ``nodes`` (after every other) and ``outputs`` (values to compute) to this side. ``copies``: when
         every node is an ``Identity`` made here (:class:`_Probes`), per node ``(its input, its output)``, which
         are then not read back from the nodes."""
+        if copies is not None and len(self.nodes) == len(self.copies) + (len(self.table) if self.table is not None else -1):
+            self.copies.extend(copies)
+        else:
+            self.copies = []  # other nodes after the table's: none is described from this list
         if copies is not None:
             producer, reads, writes = self.producer, self.reads, self.writes
             position = len(self.nodes)
@@ -2184,16 +2191,24 @@ def _check_groups(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], orig
         for k, (reads, writes) in enumerate(zip(side.reads, side.writes)):
             if shared[k]:
                 continue
-            here = offset + k
+            # union(offset + k, x) for each x below, the reader's root found once and kept as the root of
+            # what it joins (which root a union keeps does not change the partition).
+            here = find(offset + k)
             for name in reads:
                 j = producer(name)
                 if j is not None and not shared[j]:
-                    union(here, offset + j)
+                    other = find(offset + j)
                 elif name in carried:
-                    union(here, value(name))
+                    other = find(value(name))
+                else:
+                    continue
+                if other != here:
+                    parent[other] = here
             for name in writes:
                 if name in outputs:
-                    union(here, value(name))
+                    other = find(value(name))
+                    if other != here:
+                        parent[other] = here
         offset += len(side.nodes)
     for pairs in (original_pairs, fused_pairs):
         for state, output in pairs.items():
@@ -2455,6 +2470,10 @@ def _describe_plain_nodes(side: _Side, cache: dict) -> None:
     intern = cache.setdefault("interned", {})
     setdefault = intern.setdefault
     nodes = side.nodes
+    if side.copies:  # the probes :meth:`_Side.extend` added: Identity(value) -> name, made by helper.make_node
+        copy_what = setdefault(("Identity", "", "", ()), len(intern))
+        for node, (value, name) in zip(nodes[len(table):], side.copies, strict=True):
+            cache[id(node)] = (copy_what, (value, "", name))
     for k, (op_type, domain, inputs, outputs, attributed, subgraph) in enumerate(
             zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_attributes, table.has_subgraph)):
         if subgraph:

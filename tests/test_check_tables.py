@@ -95,9 +95,15 @@ def _content(cache: dict, entry):
 
 
 def test_descriptions_from_the_table_are_the_nodes_own(cases):
-    checked = attributed = 0
+    checked = attributed = probes = 0
     for label, model in cases:
         side = verify._Side.of(model)
+        graph_inputs = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
+        try:
+            verify._fused_views(side, graph_inputs)  # adds the probes (Identity nodes) of a fused model
+        except ValueError:
+            pass
+        probes += len(side.copies)
         ahead: dict = {}
         verify._describe_plain_nodes(side, ahead)
         for node in side.nodes:
@@ -111,7 +117,7 @@ def test_descriptions_from_the_table_are_the_nodes_own(cases):
             assert _content(ahead, ahead[id(node)]) == _content(read, read[id(node)]), (label, node.name, node.op_type)
             checked += 1
             attributed += bool(node.attribute)
-    assert checked > 1000 and attributed > 100
+    assert checked > 1000 and attributed > 100 and probes > 100
 
 
 def test_a_node_holding_a_subgraph_is_left_to_describe(cases):
@@ -213,3 +219,18 @@ def test_declared_types_of_every_kind():
     index = verify._declarations(model)
     assert {name: (spec.shape, spec.dtype) for name, spec in index.specs.items()} == _declared_by_field(model)
     assert index.specs["a"].shape == (2, "n", None) and "d" not in index.specs and "e" not in index.specs
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_check_names_a_node_name_that_is_not_utf8(native, tmp_path, monkeypatch):
+    # check reads the nodes' names from the node table now (made with the prefix ""): the same refusal as the
+    # names read through protobuf gave, with the native scanner and without it.
+    import test_model_names_utf8 as names
+
+    monkeypatch.setenv("SGDFUSE_NATIVE_SCAN", native)
+    model = names._update_model()
+    model.graph.node.append(helper.make_node("Identity", ["p"], ["p_copy"], name="NODENAME"))
+    model.graph.output.append(helper.make_tensor_value_info("p_copy", onnx.TensorProto.FLOAT, [4, 3]))
+    path = names._with_bytes(model, b"NODENAME", tmp_path / "bad_node.onnx")
+    code, err = names._run(["check", path, path])
+    assert code == 1 and err.startswith(f"error: {path}: a node (b'\\xff\\xfe") and "not valid UTF-8" in err, err

@@ -314,7 +314,8 @@ def require_text_names(model: onnx.ModelProto, *, table: NodeTable | None = None
     that read a model without indexing it first (``check``, ``lower`` of a fused model); :func:`build_index`
     checks the same names as it reads them.
 
-    ``table``: ``node_table(model)``, when the caller has it (it is then not read again).
+    ``table``: ``node_table(model)``, when the caller has it (it is then not read again; made with
+    ``name_prefix=""``, its names are those of the nodes).
 
     Raises:
         ModelNameError: the first such name, with what carries it.
@@ -331,8 +332,11 @@ def require_text_names(model: onnx.ModelProto, *, table: NodeTable | None = None
                 label = graph.node[k].name if type(graph.node[k].name) is str and graph.node[k].name else f"#{k} ({table.op_types[k]})"
                 raise ModelNameError(next(name for name in names if type(name) is not str), f"{role} of node {label}")
     for values, role in ((graph.input, "a graph input"), (graph.output, "a graph output"), (graph.initializer, "an initializer"),
-                         (graph.value_info, "a value info"), (graph.node, "a node")):
+                         (graph.value_info, "a value info")):
         _require_text([value.name for value in values], role)
+    listed = table.prefixed_names
+    # The table lists every node's name when it lists as many as there are nodes (made with the prefix "").
+    _require_text(listed if listed is not None and len(listed) == len(table) else [node.name for node in graph.node], "a node")
     for k, attributed in enumerate(table.has_attributes):
         if attributed:  # onnxruntime decodes every attribute name (it failed with four lines of its own first)
             _require_text([a.name for a in graph.node[k].attribute], f"an attribute of node #{k} ({table.op_types[k]})")
