@@ -992,6 +992,21 @@ def _all_positive_zero(value: np.ndarray) -> bool:
     return known
 
 
+_NONZERO: dict[tuple, bool] = {}
+"""(dtype, shape, bytes) of a value → is it non-empty with no element equal to 0 (a momentum: a few values)."""
+
+
+def _all_nonzero(value: np.ndarray) -> bool:
+    """``value`` has an element and none equals 0 (NaN does not): ``value.size`` and not ``value == 0`` anywhere."""
+    key = (value.dtype.str, value.shape, value.tobytes())
+    known = _NONZERO.get(key)
+    if known is None:
+        known = bool(value.size) and not np.any(value == 0)
+        if len(_NONZERO) < 1024:
+            _NONZERO[key] = known
+    return known
+
+
 def _overload_input_problem(node: onnx.NodeProto, constants: _ConstantInputs) -> str:
     """Why an SGD node's inputs do not meet what its specialised body assumes of them (``stat`` +0 in every
     element, a constant non-zero ``momentum``: :class:`~sgdfuse.fused_op.Specialisation`), or "" when they
@@ -1015,7 +1030,7 @@ def _overload_input_problem(node: onnx.NodeProto, constants: _ConstantInputs) ->
     if spec.momentum_nonzero:
         momentum = inputs[4] if len(inputs) > 4 else ""
         value = constants.value(momentum) if momentum else None
-        if value is None or value.size == 0 or np.any(value == 0):
+        if value is None or not _all_nonzero(value):
             subject = node.name or "SGD node"
             return (f"{subject}: its body {node.overload} assumes momentum is a constant other than 0, but {momentum or 'its momentum'} "
                     "is not one; the device op decides on momentum at run time, so these numbers prove nothing")
@@ -2709,7 +2724,11 @@ def _check_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_Upda
     roles = {s: ("parameters" if role == "w" else "accum") for view in views for s, role in view.roles.items()}
     gradient_sources = side.sources([view.gradient for view in views])
     coefficient_sources = side.sources([v for view in views for v in (view.learning_rate, view.momentum)])
-    non_negative = non_negative_inputs(side.nodes, op_types=side.op_types)
+    if side.copies:  # the nodes after the table's are the probes, Identity(value) -> name
+        known = len(side.nodes) - len(side.copies)
+        non_negative = non_negative_inputs(side.nodes[:known], op_types=side.op_types[:known], identities=side.copies)
+    else:
+        non_negative = non_negative_inputs(side.nodes, op_types=side.op_types)
     inputs = []
     for name in names:
         spec = index.spec(name)
@@ -2727,11 +2746,13 @@ _NON_NEGATIVE_OPS = frozenset(op for op, _ in _NON_NEGATIVE_OPERANDS)
 _COPY_OPS = frozenset({"Identity", "Cast"})
 
 
-def non_negative_inputs(nodes: Sequence[onnx.NodeProto], *, op_types: Sequence[str] | None = None) -> set[str]:
+def non_negative_inputs(nodes: Sequence[onnx.NodeProto], *, op_types: Sequence[str] | None = None,
+                        identities: Sequence[tuple[str, str]] = ()) -> set[str]:
     """Values read (directly or through ``Identity``/``Cast``) where only non-negative values are defined
     (:data:`_NON_NEGATIVE_OPERANDS`): a check feeds them |x|, as a model's own data would be (a frozen
     BatchNormalization's running variance). ``op_types``: each node's ``op_type``, when the caller has them
-    (then only the nodes that matter are read)."""
+    (then only the nodes that matter are read). ``identities``: ``(input, output)`` of further ``Identity``
+    nodes of one input and one output after ``nodes`` (as if they were listed there)."""
     copies: dict[str, str] = {}
     readers: list[onnx.NodeProto] = []
     for node, op_type in zip(nodes, op_types, strict=True) if op_types is not None else ((node, node.op_type) for node in nodes):
@@ -2741,6 +2762,8 @@ def non_negative_inputs(nodes: Sequence[onnx.NodeProto], *, op_types: Sequence[s
                 copies[node.output[0]] = node.input[0]
         elif op_type in _NON_NEGATIVE_OPS:
             readers.append(node)
+    for value, output in identities:
+        copies[output] = value
     found: set[str] = set()
     for node in readers:
         for position, name in enumerate(node.input):

@@ -234,3 +234,29 @@ def test_check_names_a_node_name_that_is_not_utf8(native, tmp_path, monkeypatch)
     path = names._with_bytes(model, b"NODENAME", tmp_path / "bad_node.onnx")
     code, err = names._run(["check", path, path])
     assert code == 1 and err.startswith(f"error: {path}: a node (b'\\xff\\xfe") and "not valid UTF-8" in err, err
+
+
+def test_nonzero_is_what_numpy_says():
+    for value in (np.array([0.9]), np.zeros(1), np.array([-0.0]), np.array([np.nan]), np.zeros(0), np.array([1.0, 0.0]),
+                  np.array([[0.5, -0.5]])):
+        wanted = value.size != 0 and not np.any(value == 0)
+        assert verify._all_nonzero(value) == wanted, value
+        assert verify._all_nonzero(value.copy()) == wanted, value  # from the memo
+
+
+def test_non_negative_inputs_through_the_probes_as_through_their_nodes(cases):
+    for label, model in cases:
+        side = verify._Side.of(model)
+        graph_inputs = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
+        try:
+            verify._fused_views(side, graph_inputs)
+        except ValueError:
+            continue
+        known = len(side.nodes) - len(side.copies)
+        through_copies = verify.non_negative_inputs(side.nodes[:known], op_types=side.op_types[:known], identities=side.copies)
+        assert through_copies == verify.non_negative_inputs(side.nodes), label
+    # A chain through Identity and Cast to a BatchNormalization's variance, and an Identity probe of it.
+    nodes = [helper.make_node("Identity", ["v"], ["v1"]), helper.make_node("Cast", ["v1"], ["v2"], to=onnx.TensorProto.FLOAT),
+             helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v2"], ["y"])]
+    assert verify.non_negative_inputs(nodes) == {"v2", "v1", "v"}
+    assert verify.non_negative_inputs(nodes[1:], identities=[("v", "v1")]) == {"v2", "v1", "v"}
