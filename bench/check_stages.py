@@ -43,6 +43,7 @@ STAGES = [
     ("original pairs", 1, "sgdfuse.verify", "_original_pairs"),
     ("check inputs", 1, "sgdfuse.verify", "_check_inputs"),
     ("groups (_check_groups)", 1, "sgdfuse.verify", "_check_groups"),
+    ("nodes described ahead (_describe_plain_nodes)", 1, "sgdfuse.verify", "_describe_plain_nodes"),
     ("class keys (_group_key)", 1, "sgdfuse.verify", "_group_key"),
     ("running the groups (_GroupRunner.run)", 1, "sgdfuse.verify", "_GroupRunner.run"),
     ("packed models (_GroupRunner._model)", 2, "sgdfuse.verify", "_GroupRunner._model"),

@@ -2208,15 +2208,20 @@ def _check_groups(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], orig
                 continue
             # union(offset + k, x) for each x below, the reader's root found once and kept as the root of
             # what it joins (which root a union keeps does not change the partition).
-            here = find(offset + k)
+            here = offset + k
+            if parent[here] != here:
+                here = find(here)
             for name in reads:
                 j = producer(name)
                 if j is not None and not shared[j]:
-                    other = find(offset + j)
+                    other = offset + j
                 elif name in carried:
-                    other = find(value(name))
+                    other = value(name)
                 else:
                     continue
+                above = parent[other]  # find(other), its two commonest cases inline: a root, a root's child
+                if above != other:
+                    other = above if parent[above] == above else find(above)
                 if other != here:
                     parent[other] = here
             for name in writes:
@@ -2236,8 +2241,13 @@ def _check_groups(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], orig
             union(first, value(name))
     groups: dict[int, _Group] = {}
 
-    def group_of(name: str) -> _Group:  # groups.setdefault(root, _Group()), without a _Group made per call
-        root = find(value(name))
+    def group_of(name: str) -> _Group:  # groups.setdefault(find(value(name)), _Group()), no _Group made per call
+        root = value_ids.get(name)
+        if root is None:
+            root = value(name)
+        above = parent[root]
+        if above != root:
+            root = above if parent[above] == above else find(above)
         group = groups.get(root)
         if group is None:
             group = groups[root] = _Group()
@@ -2489,14 +2499,13 @@ def _describe_plain_nodes(side: _Side, cache: dict) -> None:
         copy_what = setdefault(("Identity", "", "", ()), len(intern))
         for node, (value, name) in zip(nodes[len(table):], side.copies, strict=True):
             cache[id(node)] = (copy_what, (value, "", name))
-    for k, (op_type, domain, inputs, outputs, attributed, subgraph) in enumerate(
-            zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_attributes, table.has_subgraph)):
+    serialise = functools.partial(onnx.AttributeProto.SerializeToString, deterministic=True)
+    for node, op_type, domain, inputs, outputs, attributed, subgraph in zip(
+            nodes, table.op_types, table.domains, table.inputs, table.outputs, table.has_attributes, table.has_subgraph):
         if subgraph:
             continue
-        node = nodes[k]
-        what = (op_type, domain, node.overload,
-                tuple([a.SerializeToString(deterministic=True) for a in node.attribute]) if attributed else ())
-        cache[id(node)] = (setdefault(what, len(intern)), inputs + ("",) + outputs)
+        what = (op_type, domain, node.overload, tuple(map(serialise, node.attribute)) if attributed else ())
+        cache[id(node)] = (setdefault(what, len(intern)), (*inputs, "", *outputs))
 
 
 def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_pairs, fused_pairs, runner: _GroupRunner, *, seed: int) -> dict:
