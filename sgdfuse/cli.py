@@ -475,7 +475,7 @@ def check_command(
     tables = []  # read once, for the names' check and for the check itself
     for path in (original, fused):
         models.append(api.load_model(path, load_external_data=True))
-        tables.append(node_table(models[-1], name_prefix=""))  # every node's name too, for the names' check
+        tables.append(node_table(models[-1]))
         _require_text_names(models[-1], path, tables[-1])
     try:
         result = check_models(models[0], models[1], steps=steps, seed=seed, node_tables=(tables[0], tables[1]))

@@ -223,8 +223,8 @@ def test_declared_types_of_every_kind():
 
 @pytest.mark.parametrize("native", ["1", "0"])
 def test_check_names_a_node_name_that_is_not_utf8(native, tmp_path, monkeypatch):
-    # check reads the nodes' names from the node table now (made with the prefix ""): the same refusal as the
-    # names read through protobuf gave, with the native scanner and without it.
+    # check hands its node tables to the names' check: the same refusal as before, with the native scanner and
+    # without it; and a table listing every node's name (made with the prefix "") is read as those names.
     import test_model_names_utf8 as names
 
     monkeypatch.setenv("SGDFUSE_NATIVE_SCAN", native)
@@ -260,3 +260,12 @@ def test_non_negative_inputs_through_the_probes_as_through_their_nodes(cases):
              helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v2"], ["y"])]
     assert verify.non_negative_inputs(nodes) == {"v2", "v1", "v"}
     assert verify.non_negative_inputs(nodes[1:], identities=[("v", "v1")]) == {"v2", "v1", "v"}
+    from sgdfuse.errors import ModelNameError
+    from sgdfuse.passes.index import require_text_names
+    from sgdfuse.passes.scan import node_table
+
+    loaded = onnx.load(str(path))
+    for table in (node_table(loaded), node_table(loaded, name_prefix=""), node_table(loaded, name_prefix="sgdfuse/")):
+        with pytest.raises(ModelNameError) as raised:
+            require_text_names(loaded, table=table)
+        assert raised.value.args == pytest.raises(ModelNameError, require_text_names, loaded).value.args
