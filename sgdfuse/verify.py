@@ -931,6 +931,28 @@ class _ConstantInputs:
         self._values: dict[object, np.ndarray] = {}
         """Values read: per initializer name, and per serialised ``value`` tensor (equal bytes, equal value;
         each SGD node's ``stat`` is a ``ConstantOfShape`` of its own, all of the same value). Never mutated."""
+        self._facts: dict[tuple, object] = {}
+        """Per test and value (dtype, shape, bytes), and per overload name: what :meth:`holds` and
+        :meth:`specialisation` found (a step has a few distinct values and overloads)."""
+
+    def holds(self, test, value: np.ndarray) -> bool:
+        """``test(value)``, asked once per distinct value (``test`` a pure function of the array's dtype, shape and
+        elements)."""
+        key = (test, value.dtype.str, value.shape, value.tobytes())
+        known = self._facts.get(key)
+        if known is None:
+            known = self._facts[key] = bool(test(value))
+        return known
+
+    def specialisation(self, overload: str) -> Specialisation | None:
+        """``Specialisation.from_overload(overload)`` (a frozen value), None for a name it refuses; once per name."""
+        key = ("overload", overload)
+        if key not in self._facts:
+            try:
+                self._facts[key] = Specialisation.from_overload(overload)
+            except ValueError:
+                self._facts[key] = None
+        return self._facts[key]
 
     def value(self, name: str) -> np.ndarray | None:
         """The constant value of ``name`` as a float64 array (shared between calls: read it, do not change it),
@@ -966,45 +988,15 @@ class _ConstantInputs:
         return None
 
 
-@functools.lru_cache(maxsize=256)
-def _specialisation(overload: str) -> Specialisation | None:
-    """``Specialisation.from_overload(overload)`` (a frozen value, shared), None for a name it refuses."""
-    try:
-        return Specialisation.from_overload(overload)
-    except ValueError:
-        return None
-
-
-_POSITIVE_ZERO: dict[tuple, bool] = {}
-"""(dtype, shape, bytes) of a value → is it non-empty and +0 in every element (few distinct values: a bench of
-50,000 updates has one)."""
-
-
 def _all_positive_zero(value: np.ndarray) -> bool:
     """``value`` has an element and every element is +0 (not -0, not NaN): ``value.size`` and neither
     ``value != 0`` nor ``signbit`` anywhere."""
-    key = (value.dtype.str, value.shape, value.tobytes())
-    known = _POSITIVE_ZERO.get(key)
-    if known is None:
-        known = bool(value.size) and not np.any(value != 0) and not np.any(np.signbit(value))
-        if len(_POSITIVE_ZERO) < 1024:
-            _POSITIVE_ZERO[key] = known
-    return known
-
-
-_NONZERO: dict[tuple, bool] = {}
-"""(dtype, shape, bytes) of a value → is it non-empty with no element equal to 0 (a momentum: a few values)."""
+    return bool(value.size) and not np.any(value != 0) and not np.any(np.signbit(value))
 
 
 def _all_nonzero(value: np.ndarray) -> bool:
     """``value`` has an element and none equals 0 (NaN does not): ``value.size`` and not ``value == 0`` anywhere."""
-    key = (value.dtype.str, value.shape, value.tobytes())
-    known = _NONZERO.get(key)
-    if known is None:
-        known = bool(value.size) and not np.any(value == 0)
-        if len(_NONZERO) < 1024:
-            _NONZERO[key] = known
-    return known
+    return bool(value.size) and not np.any(value == 0)
 
 
 def _overload_input_problem(node: onnx.NodeProto, constants: _ConstantInputs) -> str:
@@ -1016,21 +1008,21 @@ def _overload_input_problem(node: onnx.NodeProto, constants: _ConstantInputs) ->
     overload = node.overload
     if not overload:
         return ""
-    spec = _specialisation(overload)
+    spec = constants.specialisation(overload)
     if spec is None:
         return ""  # _overload_problem reports it
     inputs = node.input
     if spec.stat_zero:
         stat = inputs[5] if len(inputs) > 5 else ""
         value = constants.value(stat) if stat else None
-        if value is None or not _all_positive_zero(value):
+        if value is None or not constants.holds(_all_positive_zero, value):
             subject = node.name or "SGD node"
             return (f"{subject}: its body {overload} assumes stat is +0 in every element, but {stat or 'its stat'} is not "
                     "a constant +0; the device op reads stat and onnxruntime's body does not, so these numbers prove nothing")
     if spec.momentum_nonzero:
         momentum = inputs[4] if len(inputs) > 4 else ""
         value = constants.value(momentum) if momentum else None
-        if value is None or not _all_nonzero(value):
+        if value is None or not constants.holds(_all_nonzero, value):
             subject = node.name or "SGD node"
             return (f"{subject}: its body {node.overload} assumes momentum is a constant other than 0, but {momentum or 'its momentum'} "
                     "is not one; the device op decides on momentum at run time, so these numbers prove nothing")

@@ -175,8 +175,10 @@ def test_positive_zero_is_what_numpy_says():
     for value in (np.zeros(1), np.zeros(3), np.array([-0.0]), np.array([0.0, -0.0]), np.array([np.nan]), np.zeros(0),
                   np.array([1e-300]), np.zeros((2, 2)), np.array([0.0, 1.0])):
         wanted = value.size != 0 and not np.any(value != 0) and not np.any(np.signbit(value))
+        constants = verify._ConstantInputs(onnx.GraphProto())
         assert verify._all_positive_zero(value) == wanted, value
-        assert verify._all_positive_zero(value.copy()) == wanted, value  # from the memo
+        assert constants.holds(verify._all_positive_zero, value) == wanted, value
+        assert constants.holds(verify._all_positive_zero, value.copy()) == wanted, value  # from the memo
 
 
 def _declared_by_field(model: onnx.ModelProto) -> dict:
@@ -234,14 +236,26 @@ def test_check_names_a_node_name_that_is_not_utf8(native, tmp_path, monkeypatch)
     path = names._with_bytes(model, b"NODENAME", tmp_path / "bad_node.onnx")
     code, err = names._run(["check", path, path])
     assert code == 1 and err.startswith(f"error: {path}: a node (b'\\xff\\xfe") and "not valid UTF-8" in err, err
+    from sgdfuse.errors import ModelNameError
+    from sgdfuse.passes.index import require_text_names
+    from sgdfuse.passes.scan import node_table
+
+    loaded = onnx.load(str(path))
+    for table in (node_table(loaded), node_table(loaded, name_prefix=""), node_table(loaded, name_prefix="sgdfuse/")):
+        with pytest.raises(ModelNameError) as raised:
+            require_text_names(loaded, table=table)
+        assert raised.value.args == pytest.raises(ModelNameError, require_text_names, loaded).value.args
 
 
 def test_nonzero_is_what_numpy_says():
     for value in (np.array([0.9]), np.zeros(1), np.array([-0.0]), np.array([np.nan]), np.zeros(0), np.array([1.0, 0.0]),
                   np.array([[0.5, -0.5]])):
         wanted = value.size != 0 and not np.any(value == 0)
+        constants = verify._ConstantInputs(onnx.GraphProto())
         assert verify._all_nonzero(value) == wanted, value
-        assert verify._all_nonzero(value.copy()) == wanted, value  # from the memo
+        assert constants.holds(verify._all_nonzero, value) == wanted, value
+        assert constants.holds(verify._all_positive_zero, value.copy()) == (value.size != 0 and not np.any(value != 0)
+                                                                            and not np.any(np.signbit(value))), value
 
 
 def test_non_negative_inputs_through_the_probes_as_through_their_nodes(cases):
@@ -260,12 +274,3 @@ def test_non_negative_inputs_through_the_probes_as_through_their_nodes(cases):
              helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v2"], ["y"])]
     assert verify.non_negative_inputs(nodes) == {"v2", "v1", "v"}
     assert verify.non_negative_inputs(nodes[1:], identities=[("v", "v1")]) == {"v2", "v1", "v"}
-    from sgdfuse.errors import ModelNameError
-    from sgdfuse.passes.index import require_text_names
-    from sgdfuse.passes.scan import node_table
-
-    loaded = onnx.load(str(path))
-    for table in (node_table(loaded), node_table(loaded, name_prefix=""), node_table(loaded, name_prefix="sgdfuse/")):
-        with pytest.raises(ModelNameError) as raised:
-            require_text_names(loaded, table=table)
-        assert raised.value.args == pytest.raises(ModelNameError, require_text_names, loaded).value.args
