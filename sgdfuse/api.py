@@ -325,7 +325,7 @@ def _analyse(
     plans = [planner.plan(match) for match in matches]
     if verify and plans:
         tell("verify")
-        checks = verification.verify_plans(base, index, plans, steps=steps, seed=seed)
+        checks = verification.verify_plans(base, index, plans, steps=steps, seed=seed, pinned=pins.state if pins is not None else None)
         kept = []
         for plan, check in zip(plans, checks):
             report.verification.updates.append(dataclasses.asdict(check))
@@ -561,8 +561,8 @@ _UNKNOWN = object()
 def _tolerance_text() -> str:
     return (
         f"per element and step, natively and lifted to DOUBLE, state carried in place: each coefficient within "
-        f"{verification.COEFFICIENT_ROUNDINGS} roundings of its storage type relative to itself, applied to the "
-        "error-free terms of the update; plus the propagation of state differences already checked; plus, natively, "
+        f"{verification.COEFFICIENT_ROUNDINGS} FLOAT roundings relative to itself (the learning rate and momentum of "
+        "FLOAT16/BFLOAT16 state one rounding of that dtype more), applied to the error-free terms of the update; plus the propagation of state differences already checked; plus, natively, "
         f"2*{verification.OPERATIONS}*u*S (u the unit roundoff of the parameters' dtype, S the magnitudes of the terms "
         "either side forms) (see sgdfuse.verify)"
     )

@@ -184,7 +184,11 @@ def _print_fused(report: Report, verbose: bool = False) -> None:
         for key, members in sorted(groups.items(), key=lambda item: -len(item[1])):
             example = members[0]
             table.add_row(str(len(members)), *key, f"{example.parameters} / {example.gradient} / {example.accum}")
-    narrow = sorted({f.dtype for f in report.fused if f.dtype in ("FLOAT16", "BFLOAT16")})
+    # The legend explains "0.1 (FLOAT16 = 0.099975586)": only when a cell is written that way.
+    narrow = sorted({
+        f.dtype for f in report.fused
+        if f.dtype in ("FLOAT16", "BFLOAT16") and any(f"({f.dtype} = " in v for v in _fused_columns(f)[0])
+    })
     _out.print(table)
     if any(f.roles_from == "plausibility" for f in report.fused):
         _out.print(
@@ -464,6 +468,9 @@ def check_command(
     steps: int = typer.Option(3, "--steps", min=1, max=10_000, help="Chained steps to run."),
     seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed of the random inputs."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help=f"One console row per output, even past {TABLE_ROWS}."),
+    state: Optional[list[str]] = typer.Option(
+        None, "--state", help="NEW=OLD: the original's output NEW is the next value of input OLD (as given to optimize; repeatable)."
+    ),
 ) -> None:
     """Run ORIGINAL and FUSED in onnxruntime on the same seeded inputs for STEPS chained steps, natively and in DOUBLE, in lockstep and in place; exit 0 only if every output and every in-place state write agrees and every fused update's gradient was non-zero on some compared step (one that stays zero on every input fed fails as never compared)."""
     from sgdfuse.passes.scan import node_table
@@ -478,7 +485,8 @@ def check_command(
         tables.append(node_table(models[-1]))
         _require_text_names(models[-1], path, tables[-1])
     try:
-        result = check_models(models[0], models[1], steps=steps, seed=seed, node_tables=(tables[0], tables[1]))
+        result = check_models(models[0], models[1], steps=steps, seed=seed, pinned=_pins(state, None).state,
+                              node_tables=(tables[0], tables[1]))
     except ValueError as error:
         raise SgdfuseError(f"{fused}: {error}") from error
     except SgdfuseError:
@@ -499,7 +507,7 @@ def check_command(
         if set(failed) <= set(result.uncompared):
             # Nothing disagreed: what failed was never compared (NaN everywhere, a gradient zero on every input fed).
             _err.print(f"error: {len(failed)} outputs and state writes were never compared (see the table): the models "
-                       "are not shown to agree", markup=False)
+                       "are not shown to agree", markup=False, highlight=False, soft_wrap=True)
         else:
             _err.print("error: the models disagree", markup=False)
         raise typer.Exit(1)

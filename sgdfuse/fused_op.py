@@ -49,6 +49,7 @@ __all__ = [
     "Specialisation",
     "OVERLOAD_IR_VERSION",
     "sgd_functions_for",
+    "sgd_functions_for_overloads",
     "is_sgd_node",
     "read_sgd_attributes",
     "default_opset",
@@ -508,6 +509,16 @@ def sgd_functions_for(nodes: Iterable[onnx.NodeProto], opset: int) -> list[onnx.
         ValueError: ``opset`` below 15, or a node calls an overload name no :class:`Specialisation` has.
     """
     return _sgd_functions({node.overload for node in nodes if is_sgd_node(node)}, opset)
+
+
+def sgd_functions_for_overloads(overloads: Iterable[str], opset: int) -> list[onnx.FunctionProto]:
+    """One FunctionProto per overload name in ``overloads`` (``""``: the general body), sorted by name; the
+    general body alone when ``overloads`` is empty.
+
+    Raises:
+        ValueError: ``opset`` below 15, or an overload name no :class:`Specialisation` has.
+    """
+    return _sgd_functions(set(overloads), opset)
 
 
 def _sgd_functions(overloads: set[str], opset: int) -> list[onnx.FunctionProto]:

@@ -27,21 +27,37 @@ def resolve_destination(path: str | os.PathLike) -> str:
     """The file that writing ``path`` replaces: symlinks followed, checked to be writable as a regular file.
 
     Raises:
-        OutputWriteError: the directory does not exist, ``path`` is a directory, or it exists and is not a
+        OutputWriteError: the directory does not exist (or a part of its path is a file) or is not writable, ``path`` is a directory, or it exists and is not a
             regular file.
     """
     shown = os.fspath(path)
     target = os.path.realpath(shown)
     directory = os.path.dirname(target)
     if not os.path.isdir(directory):
-        raise OutputWriteError(shown, f"directory {directory} does not exist")
+        raise OutputWriteError(shown, _missing_directory(directory))
     if os.path.isdir(target):
         raise OutputWriteError(shown, "is a directory; give a file name")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        # The file is written beside its target and renamed over it: the directory must take new entries.
+        raise OutputWriteError(shown, f"directory {directory} is not writable; give a path in a directory you can write")
     if os.path.lexists(target):
         mode = os.stat(target).st_mode
         if not stat.S_ISREG(mode):
             raise OutputWriteError(shown, "exists and is not a regular file (a device, pipe or socket); give a file path")
     return target
+
+
+def _missing_directory(directory: str) -> str:
+    """Why ``directory`` cannot hold a file: the nearest existing ancestor is a file, or it does not exist."""
+    ancestor = directory
+    while ancestor and not os.path.lexists(ancestor):
+        parent = os.path.dirname(ancestor)
+        if parent == ancestor:
+            break
+        ancestor = parent
+    if ancestor and os.path.lexists(ancestor) and not os.path.isdir(ancestor):
+        return f"{ancestor} is a file, not a directory; give a path in a directory"
+    return f"directory {directory} does not exist; create it first"
 
 
 def _default_mode() -> int:

@@ -65,10 +65,19 @@ terms that cancel: with ``k = 1 - d``, ``grad = g + wd·p`` and ``a`` the buffer
     T_v = |m·a| + |k·g| + |k·wd·p|            (the buffer's terms, accum_t = m·a + k·grad)
 
 * Coefficients: the op applies ``lr`` and ``m`` as values of the parameters' dtype and ``d``, ``wd`` as
-  FLOAT attributes; the original applies its own constants. Each coefficient may differ by
-  :data:`COEFFICIENT_ROUNDINGS` roundings of its storage type, relative to *the coefficient itself*:
-  ``ε_lr = ε_m = C·u_p`` (u_p the unit roundoff of the parameters' dtype: 2^-24 FLOAT, 2^-11 FLOAT16,
-  2^-8 BFLOAT16) and ``ε_k = ε_wd = C·2^-24``. Note ε_k is relative to ``k = 1 - d``: a dampening near 1
+  FLOAT attributes; the original applies its own constants. Each coefficient may differ, relative to *the
+  coefficient itself*, by :data:`COEFFICIENT_ROUNDINGS` FLOAT roundings (exporters fold products of
+  hyper-parameters into one rounded FLOAT constant) and, for ``lr`` and ``m`` on FLOAT16/BFLOAT16 state, one
+  rounding of the parameters' dtype (their storage in it): ``ε_lr = ε_m = C·2^-24 + u_p`` (u_p the unit
+  roundoff of the parameters' dtype: 2^-11 FLOAT16, 2^-8 BFLOAT16; ``C·2^-24`` alone for FLOAT,
+  :func:`hyperparameter_tolerance`) and ``ε_k = ε_wd = C·2^-24``. It was ``C·u_p``, four roundings of
+  BFLOAT16 (1.6 %), and a fused momentum three BFLOAT16 ulps off the original's passed; any BFLOAT16 or
+  FLOAT16 value other than a 16-bit original's own is now outside (``ulp(c) > u_p·|c|``), on the compared value
+  where that term dominates the others (the buffer for ``m``; for Nesterov's weights a learning rate shares the
+  bound with ``ε_m·|lr·m·T_v|``, so it is told apart from about 1.5 roundings on). A graph computing in a 16-bit
+  type whose exporter folded a product of hyper-parameters into one 16-bit constant (up to 4 spacings from the
+  op's product, which the matcher accepts) then fails verification and stays unfused: a false failure, not a
+  false pass. Note ε_k is relative to ``k = 1 - d``: a dampening near 1
   whose FLOAT attribute cannot express ``1 - d`` to that accuracy (the Keras step at lr 1e-6: ``1 - d`` off
   by 1.3e-2) fails, whatever the size of ``|g|``. So does any dampening above 1/2 whose ``1 - d`` is not
   exact in FLOAT: a graph constant 0.1 for ``1 - d`` gives the attribute 0.9 and ``1 - d = 0.10000002``,
@@ -83,6 +92,12 @@ terms that cancel: with ``k = 1 - d``, ``grad = g + wd·p`` and ``a`` the buffer
 * State carried in place: from step 2 on the two sides read states that already differ by
   ``Δp = |p_fused - p_original|`` and ``Δa`` (measured, and each checked at the step before), which the
   update propagates: ``B_v += |m|·Δa + |k·wd|·Δp``; ``B_w += (1 + |lr·k·wd|·(1+|m|))·Δp + |lr|·(|m|+m²)·Δa``.
+  In :func:`check_models`' in-place run a gradient computed from the weights differs between the sides too
+  (each computes it from its own weights): the original's gradient is probed beside the fused one (the value
+  of the same name, which the rewrite keeps), ``g`` in every term is the larger magnitude of the two, and
+  ``B_v += |k|·Δg``, ``B_w += |lr·k|·Δg`` (Nesterov ``|lr|·(1 + |m·k|)·Δg``), with ``Δg`` measured where it is
+  finite. Not in lockstep, where both sides compute the gradient from the same state (a gradient computed
+  otherwise fails there), and 0 wherever the gradient is fed or does not read the weights.
 * Roundoff: natively, each side rounds each operation once; with at most :data:`OPERATIONS` roundings per
   side and u the unit roundoff of the parameters' dtype, ``2·OPERATIONS·u·S`` covers both, where S sums the
   magnitudes of every term either side forms (``|m·a| + (1+|d|)·(|g| + wd·|p|)`` for the buffer,
@@ -139,7 +154,7 @@ from onnx import helper, numpy_helper
 
 from sgdfuse import collector
 from sgdfuse.contract import TensorSpec
-from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, Specialisation, function_opset, read_sgd_attributes, sgd_functions_for
+from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, Specialisation, function_opset, read_sgd_attributes, sgd_functions_for, sgd_functions_for_overloads
 from sgdfuse.lift import FLOAT_TYPES, lift_to_double, missing_kernels, specialise
 from sgdfuse.passes.index import GraphIndex
 from sgdfuse.passes.scan import NodeTable, node_table
@@ -163,6 +178,11 @@ __all__ = ["non_negative_inputs",
     "error_bound",
     "error_bound_values",
     "coefficient_bound",
+    "hyperparameter_tolerance",
+    "gradient_live",
+    "finite_elements",
+    "wide_values",
+    "dead_gradient_message",
     "unit_roundoff",
     "difference",
     "previous_by_name",
@@ -178,9 +198,10 @@ OPERATIONS = 8
 +grad, (1-stat), ·d, -, ·lr (·m, +grad for Nesterov), and the final cast)."""
 
 COEFFICIENT_ROUNDINGS = 4
-"""Roundings of its storage type by which a coefficient the fused op applies may differ from the
-original's, relative to the coefficient (module docstring, "Tolerance rule"): the rewrite rounds each
-solved value once, and exporters fold products of up to three hyper-parameters into one rounded constant.
+"""FLOAT roundings by which a coefficient the fused op applies may differ from the original's, relative to
+the coefficient (module docstring, "Tolerance rule"; the learning rate and momentum of FLOAT16/BFLOAT16 state
+one rounding of that dtype more, :func:`hyperparameter_tolerance`): the rewrite rounds each solved value
+once, and exporters fold products of up to three hyper-parameters into one rounded constant.
 The matcher accepts the same (4 spacings, sgdfuse.passes.precision), so what it fuses is not dropped here:
 a PyTorch dampening of 0.9 (the FLOAT attribute 0.9 gives 1 - d = 0.10000002, 3.7 roundings off 0.1) is one
 number; Keras's 1 - d = lr at lr 1e-3 (1.1e3 roundings off) is not."""
@@ -208,7 +229,7 @@ buffers leave zero after the first step."""
 WIDE = "wide"
 """One more step, from the chain's state and not chained, run only when some update's gradient was zero (or not
 finite) at every compared element of every step before: every float input that is neither state nor a runtime
-learning rate or momentum is fed wide-range values (:func:`_wide`: both signs, magnitudes spread from 1/4 to
+learning rate or momentum is fed wide-range values (:func:`wide_values`: both signs, magnitudes spread from 1/4 to
 about the square root of the dtype's largest value), and the buffers random values as in :data:`RANDOM_STATE`.
 A whole model computes its gradients from what it is fed: ``Relu(x - 10)`` is zero for every standard-normal
 ``x``, so a fused model reading ``-0.5 * g`` for ``g`` passed ``check`` (a fresh trial's finding). Wide values
@@ -217,7 +238,7 @@ compared, so an overflow proves nothing either way and never fails a correct mod
 still zero everywhere fails as never compared (:func:`_fail_dead_gradients`): its gradient term was not seen."""
 
 WIDE_LOW_EXPONENT = -2
-"""The smallest magnitude of :func:`_wide` values is ``2**WIDE_LOW_EXPONENT``: well above the subnormals of every
+"""The smallest magnitude of :func:`wide_values` values is ``2**WIDE_LOW_EXPONENT``: well above the subnormals of every
 float dtype even after a learning rate (the bound's floor is four subnormal spacings), and standard-normal steps
 cover the magnitudes below 1 already."""
 
@@ -249,6 +270,7 @@ class _Terms:
     dtype: int
     dp: np.ndarray | float = 0.0
     da: np.ndarray | float = 0.0
+    dg: np.ndarray | float = 0.0
 
 
 def _times(coefficient: float, magnitude):
@@ -305,14 +327,30 @@ def error_bound(plan, p: np.ndarray, g: np.ndarray, a: np.ndarray, lr: float, dt
     return error_bound_values(m, match.dampening, match.weight_decay, match.nesterov, p, g, a, lr, dtype)
 
 
+def hyperparameter_tolerance(dtype: int) -> float:
+    """``ε_lr = ε_m``: how far, relative to itself, the learning rate or momentum the fused op applies may be
+    from the original's (module docstring, "Tolerance rule"): :data:`COEFFICIENT_ROUNDINGS` FLOAT roundings
+    (the folding of hyper-parameter products into one FLOAT constant), plus, when the parameters' ``dtype`` is
+    coarser than FLOAT, one rounding of it (the contract feeds ``lr`` and ``m`` in that dtype, so a FLOAT
+    ``0.1`` becomes ``0.10009765625`` with ``--allow-rounding``). Not four roundings of the parameters' dtype:
+    in BFLOAT16 that is 1.6 %, and a momentum three ulps off (0.91015625 for 0.8984375) passed. Every other
+    BFLOAT16 or FLOAT16 value is more than one rounding from a value of the same dtype (``ulp(c) > u·|c|``).
+
+    Args:
+        dtype: the parameters' ONNX dtype (FLOAT, FLOAT16 or BFLOAT16).
+    """
+    folding = COEFFICIENT_ROUNDINGS * _UNIT_ROUNDOFF[onnx.TensorProto.FLOAT]
+    return folding if dtype == onnx.TensorProto.FLOAT else folding + _UNIT_ROUNDOFF[dtype]
+
+
 def coefficient_bound(
     momentum: float, dampening: float, weight_decay: float, nesterov: bool, p, g, a, lr: float, dtype: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-element bounds ``(weights, buffer)`` on the difference that coefficients rounded to the op's
     storage types may cause, relative to the error-free terms (module docstring, "Tolerance rule")."""
     m, k, wd, lr = abs(momentum), abs(1.0 - dampening), abs(weight_decay), abs(lr)
-    eps_p = COEFFICIENT_ROUNDINGS * _UNIT_ROUNDOFF[dtype]
     eps_f = COEFFICIENT_ROUNDINGS * _UNIT_ROUNDOFF[onnx.TensorProto.FLOAT]
+    eps_p = hyperparameter_tolerance(dtype)
     with np.errstate(invalid="ignore", over="ignore"):
         p64, g64, a64 = (np.abs(np.asarray(x, dtype=np.float64)) for x in (p, g, a))
         ma, kg, kwp = _times(m, a64), _times(k, g64), _times(k * wd, p64)
@@ -337,6 +375,11 @@ def _bounds(terms: _Terms, *, lifted: bool) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(invalid="ignore", over="ignore"):
         b_v = b_v + 2 * OPERATIONS * u * s_v + floor + _times(m, t.da) + _times(k * wd, t.dp)
         b_w = b_w + 2 * OPERATIONS * u * s_w + floor + (1 + lr * k * wd * (1 + m)) * t.dp + _times(lr * (m + m * m), t.da)
+        # Each side's own gradient, computed from its own weights in place (check): what their difference feeds
+        # through, k·dg into the buffer, lr·k·dg (Nesterov lr·(1 + m·k)·dg) into the weights. 0 where the gradient
+        # is fed or does not read the weights: both sides then compute it from the same feeds.
+        b_v = b_v + _times(k, t.dg)
+        b_w = b_w + _times(lr * (1 + m * k) if t.nesterov else lr * k, t.dg)
     # A NaN left in a bound comes from a NaN term the update does form: the exact value is NaN there, both
     # sides must give NaN (difference 0), and a finite value on either side fails. (An infinite bound would
     # pass any finite difference: a wrong momentum once passed where a NaN gradient had made the parameters NaN.)
@@ -421,7 +464,7 @@ class _Tally:
             self.fail(f"{label}: shape {list(have.shape)} fused vs {list(want.shape)} original")
             return
         if finite_only and want.size:
-            want, have, kept = _finite_elements(want, have)
+            want, have, kept = finite_elements(want, have)
             if not kept:
                 return  # nothing finite on both sides: nothing compared
         if not self.compared_finite and want.size and (want.dtype.kind not in "fc" or np.isfinite(want).any()):
@@ -450,10 +493,10 @@ class _Tally:
             )
 
 
-def _finite_elements(want: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
-    """``want`` and ``have`` (same shape) with every element that is not finite in either replaced by 0 in both
-    (left out of the comparison), and whether any element is left; arrays that are not float, or finite
-    everywhere, as they are."""
+def finite_elements(want: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    """``want`` and ``have`` (same shape, any float dtype) with every element that is not finite in either
+    replaced by 0 in both (left out of the comparison on a :data:`WIDE` step), and whether any element is
+    left; arrays that are not float, or finite everywhere, as they are."""
     if want.dtype.kind != "f" and want.dtype.name != "bfloat16":
         return want, have, True
     with np.errstate(invalid="ignore"):
@@ -464,10 +507,16 @@ def _finite_elements(want: np.ndarray, have: np.ndarray) -> tuple[np.ndarray, np
     return np.where(keep, want, zero), np.where(keep, have, zero.astype(have.dtype)), bool(keep.any())
 
 
-def _gradient_live(gradient, compared: Iterable) -> bool:
+def gradient_live(gradient, compared: Iterable) -> bool:
     """Is some element of ``gradient`` finite and non-zero where every value of ``compared`` of the gradient's
     shape (an update's outputs and state writes, on either side) is finite? Then the gradient term took part
-    in a comparison (:data:`WIDE`)."""
+    in a comparison (:data:`WIDE`).
+
+    Args:
+        gradient: the gradient an update read in one step (any float dtype, BFLOAT16 included; None or a
+            non-float array is never live).
+        compared: the values compared for that update in that step; those of another shape are ignored.
+    """
     g = _float_array(gradient)
     if g is None or g.size == 0:
         return False
@@ -546,7 +595,7 @@ def _feed(spec: _Input, kind: str, step: int, size: int | None, rng: np.random.G
 def _extreme(kind: str, shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
     """The values of an input on an extreme-value step (:data:`EXTREME_KINDS`, :data:`WIDE`), in ``dtype``."""
     if kind == WIDE:
-        return _wide(shape, dtype, rng)
+        return wide_values(shape, dtype, rng)
     signs = np.where(rng.standard_normal(shape) < 0, -1.0, 1.0)
     if kind == "zero":
         return np.zeros(shape, dtype=dtype)
@@ -556,7 +605,7 @@ def _extreme(kind: str, shape: tuple[int, ...], dtype: np.dtype, rng: np.random.
     return (signs * big).astype(dtype)
 
 
-def _wide(shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
+def wide_values(shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator) -> np.ndarray:
     """Values of :data:`WIDE` steps: ``n`` elements whose magnitudes ``2**e`` are stratified over ``[low, top]``
     (one exponent drawn uniformly in each of ``n`` equal parts, so every part of the range is hit once), with
     alternating signs from the largest down (the two largest have opposite signs), in a random order.
@@ -799,6 +848,13 @@ class _UpdateView:
     weight_decay: float
     nesterov: bool
     dtype: int
+    original_gradient: str = ""
+    """``check``: the value the fused SGD node reads as its gradient, as an output of the original, when the
+    original computes a value of that name ("" otherwise, and in ``verify_plans``, whose gradient is one
+    value for both sides). In place, each side computes its gradient from its own weights, and the bound adds
+    what their difference feeds through (:func:`_bounds`)."""
+    gradient_operand: str = ""
+    """``check``: the value the fused SGD node reads as its gradient (what :attr:`gradient` probes)."""
 
 
 @dataclasses.dataclass
@@ -867,6 +923,7 @@ def _build_slices(
     # The original's next values named by evidence may lie outside the matched cone: add what computes them.
     cone_produced = {o for i in cone for o in graph_nodes[i].output if o}
     extra = _closure(index, [name for name in wanted_original if name not in cone_produced], cone_produced)
+    extra |= _shape_producers(index, cone | extra)
     original_indices = sorted(cone | extra)
     original_nodes = [graph_nodes[i] for i in original_indices]
     produced = {o for node in original_nodes for o in node.output if o}
@@ -1029,9 +1086,10 @@ def _overload_input_problem(node: onnx.NodeProto, constants: _ConstantInputs) ->
     return ""
 
 
-def _name_evidence(outputs: Iterable[str], state_names: Iterable[str]) -> dict[str, str]:
-    """state input → the first output whose name marks it as that input's next value."""
-    evidence: dict[str, str] = {}
+def _name_evidence(outputs: Iterable[str], state_names: Iterable[str], pinned: Mapping[str, str] | None = None) -> dict[str, str]:
+    """state input → the output the user pinned as its next value (``pinned``: new → old, ``--state NEW=OLD``),
+    else the first output whose name marks it as that input's next value."""
+    evidence: dict[str, str] = {old: new for new, old in (pinned or {}).items()}
     names = set(state_names)
     for output in outputs:
         previous = previous_by_name(output, names)
@@ -1059,6 +1117,46 @@ def _closure(index: GraphIndex, wanted: Sequence[str], available: set[str]) -> s
             continue
         found.add(producer)
         stack.extend(_node_reads(index.graph.node[producer]))
+    return found
+
+
+_INTEGER_TYPES = frozenset({
+    onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32, onnx.TensorProto.INT64, onnx.TensorProto.UINT8,
+    onnx.TensorProto.UINT16, onnx.TensorProto.UINT32, onnx.TensorProto.UINT64, onnx.TensorProto.BOOL,
+})
+
+
+def _shape_producers(index: GraphIndex, indices: set[int]) -> set[int]:
+    """Nodes to add to a slice of the nodes ``indices``: each computes only integer or bool values (a ``Shape``,
+    ``Size`` or shape arithmetic) that the slice would otherwise take as inputs, from nothing the slice does
+    not already read, produce or hold as an initializer; repeated until none is left (at most
+    :data:`_CLOSURE_LIMIT` nodes).
+
+    A slice input is fed made-up data, and an integer one zeros (:func:`_feed`): right for class labels, wrong
+    for a computed shape such as the ``Shape(p)`` of ``Expand(lr, Shape(p))``, which then makes an empty
+    tensor and the original slice fails to run. Computing such a value from what the slice reads adds no
+    input and gives both sides the value the graph gives them."""
+    nodes = index.graph.node
+    found: set[int] = set()
+    while len(found) < _CLOSURE_LIMIT:
+        members = indices | found
+        produced = {o for i in members for o in nodes[i].output if o}
+        reads = {name for i in members for name in _node_reads(nodes[i]) if name}
+        have = produced | reads
+        added = False
+        for name in sorted(reads - produced):
+            producer = index.producer.get(name)
+            if producer is None or producer in found or producer in indices:
+                continue
+            node = nodes[producer]
+            outputs = [o for o in node.output if o]
+            if not all(index.spec(o).dtype in _INTEGER_TYPES for o in outputs):
+                continue
+            if all(r in have or r in index.initializers for r in _node_reads(node) if r):
+                found.add(producer)
+                added = True
+        if not added:
+            break
     return found
 
 
@@ -1173,11 +1271,15 @@ def _value_info(index: GraphIndex, name: str) -> onnx.ValueInfoProto:
 
 
 class _RunError(Exception):
-    """onnxruntime failed on one side of a run (``side`` is "original" or "fused")."""
+    """onnxruntime failed on one side of a run: ``side`` says which in words ("original slice", "fused model",
+    ...), ``original`` whether it is the original's (then the run proves nothing about the rewrite and is
+    skipped where the callers say so). Callers test ``original``, never the words: a test of ``side ==
+    "original"`` never matched "original slice", so a size the original slice cannot run failed the update."""
 
     def __init__(self, side: str, error: BaseException) -> None:
         super().__init__(f"the {side} could not run: {str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}")
         self.side = side
+        self.original = side.split()[0] == "original"
 
 
 def _run_side(session, feeds: Mapping[str, np.ndarray], names: Sequence[str], side: str) -> dict[str, np.ndarray]:
@@ -1202,16 +1304,26 @@ def _state_difference(original, fused) -> np.ndarray | float:
     return difference(original, fused)
 
 
-def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out) -> _Terms:
-    """The bound's values for one update in one step (module docstring, "Values")."""
+def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out, *, carried: bool = False) -> _Terms:
+    """The bound's values for one update in one step (module docstring, "Values"). With ``carried`` (``check``'s
+    in-place run, each side carrying its own state) and the original's gradient probed, the two gradients
+    (each computed from its side's weights) give ``dg`` and ``g`` the larger magnitude of the two."""
     gradient = _gradient_of(view, original_feeds, original_out, fused_out)
     p = original_feeds[view.parameters]
     a = original_feeds[view.accum]
     dp = _state_difference(p, fused_feeds.get(view.parameters))
     da = _state_difference(a, fused_feeds.get(view.accum))
+    dg: np.ndarray | float = 0.0
+    original_gradient = original_out.get(view.original_gradient) if carried and view.original_gradient else None
+    if original_gradient is not None and gradient is not None and np.shape(original_gradient) == np.shape(gradient):
+        with np.errstate(invalid="ignore"):
+            dg = difference(original_gradient, gradient)
+            # A NaN or Inf on one side only is no allowance: the outputs it reaches then differ and fail.
+            dg = np.where(np.isfinite(dg), dg, 0.0)
+            gradient = np.maximum(np.abs(_float_array(gradient)), np.abs(_float_array(original_gradient)))
     return _Terms(
         p=p, g=gradient, a=a, lr=_scalar(fused_out[view.learning_rate]), m=_scalar(fused_out[view.momentum]),
-        d=view.dampening, wd=view.weight_decay, nesterov=view.nesterov, dtype=view.dtype, dp=dp, da=da,
+        d=view.dampening, wd=view.weight_decay, nesterov=view.nesterov, dtype=view.dtype, dp=dp, da=da, dg=dg,
     )
 
 
@@ -1224,11 +1336,11 @@ def _gradient_of(view: _UpdateView, original_feeds, original_out, fused_out):
 
 
 def _view_live(view: _UpdateView, original_feeds, original_out, fused_out) -> bool:
-    """Did ``view``'s gradient take part in this step's comparison (:func:`_gradient_live` over the update's
+    """Did ``view``'s gradient take part in this step's comparison (:func:`gradient_live` over the update's
     outputs and state writes on both sides)?"""
     names = dict.fromkeys([*view.outputs, *view.original_state.values(), *view.fused_state.values()])
     compared = [side[name] for side in (original_out, fused_out) for name in names if name in side]
-    return _gradient_live(_gradient_of(view, original_feeds, original_out, fused_out), compared)
+    return gradient_live(_gradient_of(view, original_feeds, original_out, fused_out), compared)
 
 
 def _live_views(views: Sequence[_UpdateView], steps: Sequence[tuple], known: Sequence[bool]) -> list[bool]:
@@ -1238,15 +1350,16 @@ def _live_views(views: Sequence[_UpdateView], steps: Sequence[tuple], known: Seq
     return [seen or any(_view_live(view, *step) for step in steps) for view, seen in zip(views, known)]
 
 
-def _lazy_bounds(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out, *, lifted: bool) -> dict:
+def _lazy_bounds(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out, *, lifted: bool,
+                 carried: bool = False) -> dict:
     """``{"w": bound, "v": bound}`` as callables computing both bounds once, when first needed (most
-    comparisons are bit for bit equal and need none)."""
+    comparisons are bit for bit equal and need none); ``carried`` as for :func:`_view_terms`."""
     cache: list = []
 
     def get(role: str):
         def compute():
             if not cache:
-                terms = _view_terms(view, original_feeds, fused_feeds, original_out, fused_out)
+                terms = _view_terms(view, original_feeds, fused_feeds, original_out, fused_out, carried=carried)
                 cache.append(dict(zip("wv", _bounds(terms, lifted=lifted))))
             return cache[0][role]
 
@@ -1296,9 +1409,11 @@ def verify_plans(
     steps: int = 3,
     seed: int = 0,
     shared: dict[str, onnx.TensorProto] | None = None,
+    pinned: Mapping[str, str] | None = None,
 ) -> list[UpdateCheck]:
     """Run the original and the fused slices of ``plans`` in place, natively and lifted, at every size,
-    over the schedule of the module docstring; one result per plan, in order.
+    over the schedule of the module docstring; one result per plan, in order. ``pinned`` (output → the input
+    it replaces, the user's ``--state``) decides which original output is carried into a state before names.
 
     From :data:`CLASS_MIN_PLANS` plans on, plans are grouped into classes whose single-plan slices are
     identical up to value names: plans of one structural class of the matcher (``Match.structural_class``,
@@ -1328,16 +1443,16 @@ def verify_plans(
     if inconsistent:
         # onnxruntime runs the overload's body, GE the attributes: a node whose two disagree is never kept.
         rest = [plan for k, plan in enumerate(plans) if k not in inconsistent]
-        checked = iter(verify_plans(model, index, rest, steps=steps, seed=seed, shared=shared))
+        checked = iter(verify_plans(model, index, rest, steps=steps, seed=seed, shared=shared, pinned=pinned))
         return [
             UpdateCheck(plan.match.parameters_out, 0, False, float("nan"), float("nan"), inconsistent[k]) if k in inconsistent else next(checked)
             for k, plan in enumerate(plans)
         ]
     if shared is None:
         shared = {t.name: t for plan in plans for t in plan.initializers}
+    evidence = _name_evidence(index.graph_outputs, index.state_names, pinned)
     if len(plans) < CLASS_MIN_PLANS:
-        return _verify_each(model, index, plans, steps=steps, seed=seed, shared=shared)
-    evidence = _name_evidence(index.graph_outputs, index.state_names)
+        return _verify_each(model, index, plans, steps=steps, seed=seed, shared=shared, evidence=evidence)
     classes: dict[object, list[int]] = {}
     for k, plan in enumerate(plans):
         structural = getattr(plan.match, "structural_class", None)
@@ -1354,7 +1469,7 @@ def verify_plans(
     for members in classes.values():
         chosen.add(members[0])
         chosen.update(sampler.sample(members[1:], min(CLASS_SAMPLE, len(members) - 1)))
-    results = _run_chosen(model, index, plans, sorted(chosen), steps=steps, seed=seed, shared=shared)
+    results = _run_chosen(model, index, plans, sorted(chosen), steps=steps, seed=seed, shared=shared, evidence=evidence)
     unrun: list[int] = []
     for members in classes.values():
         ran = [results[k] for k in members if k in results]
@@ -1365,7 +1480,7 @@ def verify_plans(
                     results[k] = dataclasses.replace(first, parameters_out=plans[k].match.parameters_out, verified_as=first.parameters_out)
         else:
             unrun.extend(k for k in members if k not in results)
-    results.update(_run_chosen(model, index, plans, sorted(unrun), steps=steps, seed=seed + 1, shared=shared))
+    results.update(_run_chosen(model, index, plans, sorted(unrun), steps=steps, seed=seed + 1, shared=shared, evidence=evidence))
     logger.info("verified %d plans in %d classes by running %d", len(plans), len(classes), len(chosen) + len(unrun))
     return [results[k] for k in range(len(plans))]
 
@@ -1377,8 +1492,8 @@ CLASS_SAMPLE = 2
 """Members run per class besides its first (seeded random choice)."""
 
 
-def _run_chosen(model, index, plans: Sequence, chosen: Sequence[int], *, steps: int, seed: int, shared) -> dict[int, UpdateCheck]:
-    checks = _verify_each(model, index, [plans[k] for k in chosen], steps=steps, seed=seed, shared=shared) if chosen else []
+def _run_chosen(model, index, plans: Sequence, chosen: Sequence[int], *, steps: int, seed: int, shared, evidence=None) -> dict[int, UpdateCheck]:
+    checks = _verify_each(model, index, [plans[k] for k in chosen], steps=steps, seed=seed, shared=shared, evidence=evidence) if chosen else []
     return dict(zip(chosen, checks))
 
 
@@ -1446,6 +1561,7 @@ def _describe_view(view: _UpdateView, rename) -> list:
         sorted((rename(k), v) for k, v in view.roles.items()),
         [rename(n) for n in (view.parameters, view.accum, view.gradient, view.learning_rate, view.momentum)],
         view.gradient_side, repr(view.dampening), repr(view.weight_decay), view.nesterov, view.dtype,
+        rename(view.original_gradient) if view.original_gradient else "",
     ]
 
 
@@ -1548,6 +1664,7 @@ def _verify_each(
     steps: int,
     seed: int,
     shared: dict[str, onnx.TensorProto],
+    evidence: Mapping[str, str] | None = None,
 ) -> list[UpdateCheck]:
     """:func:`verify_plans` with every plan run itself.
 
@@ -1561,6 +1678,7 @@ def _verify_each(
         seed: seed of the random inputs.
         shared: the scalar initializers of every plan (plans share constants: the plan that made one owns
             it), so that a batch can include what its plans read.
+        evidence: :func:`_name_evidence` of the graph (computed per batch when None).
     """
     if not plans:
         return []
@@ -1569,29 +1687,29 @@ def _verify_each(
         # batches so the whole check stays linear in the number of updates.
         results: list[UpdateCheck] = []
         for start in range(0, len(plans), BATCH_UPDATES):
-            results.extend(_verify_each(model, index, plans[start : start + BATCH_UPDATES], steps=steps, seed=seed + start, shared=shared))
+            results.extend(_verify_each(model, index, plans[start : start + BATCH_UPDATES], steps=steps, seed=seed + start, shared=shared, evidence=evidence))
         return results
     try:
-        return _verify_batch(model, index, plans, steps=steps, seed=seed, shared=shared)
+        return _verify_batch(model, index, plans, steps=steps, seed=seed, shared=shared, evidence=evidence)
     except Exception as error:  # one bad slice must not sink the others: bisect
         if len(plans) == 1:
             return [UpdateCheck(plans[0].match.parameters_out, 0, False, float("nan"), float("nan"), f"could not run: {error}")]
         logger.info("batched verification failed (%s); verifying the batch in halves", error)
         half = len(plans) // 2
-        return _verify_each(model, index, plans[:half], steps=steps, seed=seed, shared=shared) + _verify_each(
-            model, index, plans[half:], steps=steps, seed=seed, shared=shared
+        return _verify_each(model, index, plans[:half], steps=steps, seed=seed, shared=shared, evidence=evidence) + _verify_each(
+            model, index, plans[half:], steps=steps, seed=seed, shared=shared, evidence=evidence
         )
 
 
-def _verify_batch(model, index, plans, *, steps: int, seed: int, shared) -> list[UpdateCheck]:
-    slices = _build_slices(model, index, plans, shared)
+def _verify_batch(model, index, plans, *, steps: int, seed: int, shared, evidence=None) -> list[UpdateCheck]:
+    slices = _build_slices(model, index, plans, shared, evidence)
     pairs, note, ops = _make_pairs(slices.original, slices.fused)
     if ops and len(plans) > 1:
         # Only the updates whose slices use an op without a DOUBLE kernel lose the lifted run.
         affected = [any(node.op_type in ops for node in _plan_nodes(index, plan)) for plan in plans]
         if any(affected) and not all(affected):
             groups = ([p for p, a in zip(plans, affected) if not a], [p for p, a in zip(plans, affected) if a])
-            checked = {id(p): c for group in groups for p, c in zip(group, _verify_each(model, index, group, steps=steps, seed=seed, shared=shared))}
+            checked = {id(p): c for group in groups for p, c in zip(group, _verify_each(model, index, group, steps=steps, seed=seed, shared=shared, evidence=evidence))}
             return [checked[id(p)] for p in plans]
     tallies = [_Tally() for _ in plans]
     if note:
@@ -1604,7 +1722,7 @@ def _verify_batch(model, index, plans, *, steps: int, seed: int, shared) -> list
             except _RunError as error:
                 if len(plans) > 1:
                     raise
-                if error.side == "original":
+                if error.original:
                     tallies[0].note(f"{_run_label(pair.label, size)}: {error} (the original cannot run here; skipped)")
                 else:
                     tallies[0].fail(f"{_run_label(pair.label, size)}: {error}")
@@ -1615,7 +1733,7 @@ def _verify_batch(model, index, plans, *, steps: int, seed: int, shared) -> list
         if tally.passed and not tally.gradient_seen:
             fed = {spec.name for spec in slices.inputs}
             sources = sorted((_sources([view.gradient], slices.original.graph.node) & fed) - {view.gradient})
-            tally.fail(_dead_gradient_message(
+            tally.fail(dead_gradient_message(
                 plan.match.gradient, sources, [plan.match.parameters_out, plan.match.accum_out],
                 "the slice run for this update computes its gradient (a guard of the update reads it) from inputs "
                 "that the random data never brings to a non-zero gradient, so the update is left unfused",
@@ -1626,7 +1744,7 @@ def _verify_batch(model, index, plans, *, steps: int, seed: int, shared) -> list
     return results
 
 
-def _dead_gradient_message(gradient: str, sources: Sequence[str], outputs: Sequence[str], advice: str) -> str:
+def dead_gradient_message(gradient: str, sources: Sequence[str], outputs: Sequence[str], advice: str) -> str:
     """Why an update whose gradient was never live (:data:`WIDE`) fails: its gradient, what it is computed
     from, the outputs whose gradient term was never compared, and ``advice`` (what can be done)."""
     computed = ""
@@ -1688,7 +1806,7 @@ def _run_schedule(pair: _Pair, slices: _Slices, tallies: Sequence[_Tally], *, st
         try:
             run_step(len(kinds) + len(EXTRA_KINDS), WIDE)
         except _RunError as error:
-            if error.side != "original slice":
+            if not error.original:
                 raise  # the fused slice fails where the original runs: a failure, as on any step
             for tally in tallies:
                 tally.note(f"{label}: the wide-range step could not run: {error} (skipped)")
@@ -1735,7 +1853,7 @@ class ModelCheck:
             original's next value), "fused" (what the fused op writes), "max_abs_error", "max_bound_ratio",
             "passed", "message"}``.
         runs: what was run (precision and size).
-        note: what could not be run and why, or "".
+        note: what could not be run and why, and which output was carried into a state several outputs are named after; or "".
         groups: independent groups of outputs the models were cut into (:func:`check_models`).
         groups_run: how many of them were run; each other one has the results of a run member of its class,
             named by the ``verified_as`` of its entries in ``outputs`` and ``in_place`` ("" where run).
@@ -1756,14 +1874,17 @@ class ModelCheck:
     uncompared: list[str] = dataclasses.field(default_factory=list)
 
 
-def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: int = 3, seed: int = 0,
-                 node_tables: tuple[NodeTable, NodeTable] | None = None) -> ModelCheck:
+def check_models(
+    original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: int = 3, seed: int = 0, pinned: Mapping[str, str] | None = None,
+    node_tables: tuple[NodeTable, NodeTable] | None = None,
+) -> ModelCheck:
     """Run two whole models (an original and its fused form) in onnxruntime, natively and lifted to DOUBLE,
     at every size, over the schedule of the module docstring: once in lockstep (both fed the original's
     state) and once in place (each side carrying its own state).
 
-    Fused pairs come from the fused model's SGD nodes; the original's from names, then from matching the
-    original, then the fused pairing's output names. Outputs of SGD nodes are compared with the bound of
+    Fused pairs come from the fused model's SGD nodes; the original's from ``pinned`` (output → the input it
+    replaces, the user's ``--state``), then names, then matching the original, then the fused pairing's
+    output names. Outputs of SGD nodes are compared with the bound of
     this module, every other output must be identical in lockstep (NaN equal to NaN); in place, the value
     each side writes into each SGD-updated state must agree within the bound.
 
@@ -1787,7 +1908,8 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         tables = node_tables or (None, None)
         sides = (_Side.of(original, tables[0]), _Side.of(fused, tables[1]))
         views = _fused_views(sides[1], set(original_inputs))
-        original_pairs = _original_pairs(index, original, views)
+        _probe_original_gradients(sides[0], views)
+        original_pairs = _original_pairs(index, original, views, pinned)
         for view in views:
             view.original_state = {s: original_pairs[s] for s in view.roles if s in original_pairs}
         inputs = {spec.name: spec for spec in _check_inputs(index, original_inputs, views, sides[1])}
@@ -1799,6 +1921,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         output_tallies = {name: _Tally() for name in outputs}
         state_tallies = {(k, s): _Tally() for k, view in enumerate(views) for s in view.roles}
         runner = _GroupRunner(index, sides, views, inputs, original_pairs, output_tallies, state_tallies, steps=steps, seed=seed)
+        runner.notes.extend(_claim_notes(index.graph_outputs, {s for view in views for s in view.roles}, original_pairs, pinned))
         verified_as = _run_groups(index, sides, groups, views, inputs, original_pairs, fused_pairs, runner, seed=seed)
         _fail_inconsistent_overloads(fused, views, output_tallies, state_tallies, side=sides[1])
         if not runner.runs and not any(not t.passed for t in output_tallies.values()):
@@ -1833,7 +1956,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         passed = all(entry["passed"] for entry in listed + in_place)
         state_pairs = {o: s for s, o in original_pairs.items()}
         classes = f"; {len(groups)} independent groups of outputs, {runner.groups_run} run" + (
-            f", the others verified as a run member of their class" if runner.groups_run < len(groups) else "")
+            ", the others verified as a run member of their class" if runner.groups_run < len(groups) else "")
         logger.info("check: %s", classes[2:])
         result = ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups),
                             runner.groups_run, uncompared)
@@ -1860,7 +1983,7 @@ def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Map
         gradient = fused.nodes[probe].input[0] if probe is not None else view.gradient
         found = fused.fed_sources(gradient, inputs, memo) - {gradient}
         sources = sorted(found, key=lambda name: (inputs[name].role in ("parameters", "accum"), order[name]))
-        message = _dead_gradient_message(
+        message = dead_gradient_message(
             gradient, sources, list(view.outputs),
             "check feeds every input random values and wide ones, and none reaches this gradient. Check a form of the "
             "step that takes the gradient as a graph input (it is then fed random values), or run sgdfuse optimize "
@@ -1881,6 +2004,44 @@ def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Map
 
 
 
+def _function_key(function: onnx.FunctionProto) -> bytes:
+    """A FunctionProto's bytes without its doc string (which says nothing about what it computes)."""
+    copy_ = onnx.FunctionProto()
+    copy_.CopyFrom(function)
+    copy_.ClearField("doc_string")
+    return copy_.SerializeToString(deterministic=True)
+
+
+def _foreign_bodies(fused: onnx.ModelProto, overloads: set[str]) -> dict[str, str]:
+    """overload → why the fused model's ``ai.sgdfuse::SGD`` function of that overload is not the contract's
+    body (:func:`sgdfuse.fused_op.make_sgd_function` for the model's opset), for each overload the model's
+    SGD nodes call whose function differs; empty when every body is the contract's.
+
+    onnxruntime runs the model's own body, the device op computes the contract: a body edited by hand (a
+    dampening written into it, a learning rate doubled inside while the node's input is halved) would make
+    the two sides agree in onnxruntime and prove nothing about the device."""
+    if not overloads:
+        return {}
+    present = {f.overload: f for f in fused.functions if f.domain == DOMAIN and f.name == OP_TYPE}
+    try:
+        contract = {f.overload: f for f in sgd_functions_for_overloads(overloads, function_opset(fused))}
+    except ValueError as error:
+        return {o: f"the SGD nodes call {o!r}, which has no contract body: {error}" for o in overloads}
+    found: dict[str, str] = {}
+    for overload in overloads:
+        function = present.get(overload)
+        if function is None:
+            continue  # onnxruntime cannot run the model: check fails on its own
+        if _function_key(function) != _function_key(contract[overload]):
+            found[overload] = (
+                f"the model's ai.sgdfuse::SGD function body{f' (overload {overload})' if overload else ''} is not the "
+                "operator contract's: onnxruntime runs that body, the device's SGD op computes the contract, so "
+                "their agreement here says nothing about the device. Re-run sgdfuse optimize on the original to "
+                "write the contract's body."
+            )
+    return found
+
+
 def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_UpdateView], output_tallies, state_tallies,
                                  *, side: "_Side | None" = None) -> None:
     """Fail the outputs and state writes of every SGD node whose specialised body (its ``overload``, what
@@ -1894,6 +2055,7 @@ def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_Update
         nodes = [side.nodes[k] for k in _sgd_positions(side)]
         constants = _ConstantInputs(fused.graph, _Producers(side))
     problems: dict[tuple, str] = {}  # per overload and attributes: a few hundred kinds of node at most
+    bodies = _foreign_bodies(fused, {node.overload for node in nodes})
     for node, (k, view) in zip(nodes, enumerate(views)):
         kind = (node.overload, tuple(a.SerializeToString(deterministic=True) for a in node.attribute))
         problem = problems.get(kind)
@@ -1901,7 +2063,7 @@ def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_Update
             problem = problems[kind] = _overload_problem(node)
         elif problem:
             problem = _overload_problem(node)  # the message names this node
-        problem = problem or _overload_input_problem(node, constants)
+        problem = problem or bodies.get(node.overload, "") or _overload_input_problem(node, constants)
         if not problem:
             continue
         for name in view.outputs:
@@ -2045,7 +2207,7 @@ class _Side:
         are then not read back from the nodes."""
         if copies is not None and len(self.nodes) == len(self.copies) + (len(self.table) if self.table is not None else -1):
             self.copies.extend(copies)
-        else:
+        elif nodes:
             self.copies = []  # other nodes after the table's: none is described from this list
         if copies is not None:
             producer, reads, writes = self.producer, self.reads, self.writes
@@ -2227,7 +2389,7 @@ def _check_groups(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], orig
             union(value(state), value(output))
     for view in views:
         members = [*view.outputs, *view.fused_state.values(), *view.original_state.values(), *view.roles,
-                   view.gradient, view.learning_rate, view.momentum]
+                   view.gradient, view.learning_rate, view.momentum, *([view.original_gradient] if view.original_gradient else [])]
         first = value(members[0])
         for name in members[1:]:
             union(first, value(name))
@@ -2348,13 +2510,14 @@ class _GroupRunner:
                     if skipped and skipped not in self.notes:
                         self.notes.append(skipped)
                 except _RunError as error:
-                    if error.side == "original model":
+                    if error.original:
                         text = f"{label}: {error} (skipped)"
                         if text not in self.notes:
                             self.notes.append(text)
                         continue
                     for name in outputs:
-                        self.output_tallies[name].fail(f"{label}: {error}")
+                        if name in self.output_tallies:  # not a probe
+                            self.output_tallies[name].fail(f"{label}: {error}")
                     for k, view in views:
                         for state in view.roles:
                             self.state_tallies[(k, state)].fail(f"{label}: {error}")
@@ -2539,7 +2702,8 @@ def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_
 
 
 def _group_passed(group: _Group, runner: _GroupRunner) -> bool:
-    return all(runner.output_tallies[name].passed for name in group.original_outputs) and all(
+    # Only graph outputs have tallies (an original's gradient probe has none).
+    return all(runner.output_tallies[name].passed for name in group.original_outputs if name in runner.output_tallies) and all(
         runner.state_tallies[(k, s)].passed for k in group.views for s in runner.views[k].roles
     )
 
@@ -2552,6 +2716,8 @@ def _copy_results(first: _Group, member: _Group, runner: _GroupRunner, verified_
         by_name = {canonical: name for name, canonical in first.names.items()}
     names, output_tallies, state_tallies, views = member.names, runner.output_tallies, runner.state_tallies, runner.views
     for name in member.original_outputs:
+        if name not in output_tallies:
+            continue  # a probe (the original's gradient): no result of its own
         source = by_name[names[name]]
         output_tallies[name] = output_tallies[source]
         verified_as[name] = source
@@ -2642,7 +2808,7 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
             _UpdateView(
                 key=node.output[0], outputs={parameters_out: "w", buffer_out: "v"}, original_state={},
                 fused_state={parameters: parameters_out, accum: buffer_out}, roles={parameters: "w", accum: "v"},
-                parameters=parameters, accum=accum, gradient=names["gradient"], gradient_side="fused",
+                parameters=parameters, accum=accum, gradient=names["gradient"], gradient_side="fused", gradient_operand=node.input[1],
                 learning_rate=names["learning_rate"], momentum=names["momentum"], dampening=attributes.dampening,
                 weight_decay=attributes.weight_decay, nesterov=attributes.nesterov,
                 dtype=dtype if dtype in _UNIT_ROUNDOFF else onnx.TensorProto.FLOAT,
@@ -2650,6 +2816,25 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
         )
     side.extend(probe.nodes, added + [name for _, name in probe.copies], copies=probe.copies)
     return views
+
+
+def _probe_original_gradients(side: _Side, views: Sequence[_UpdateView]) -> None:
+    """Make the value each view's fused SGD node reads as its gradient an output of the original (``side``) too,
+    where the original computes a value of that name (:attr:`_UpdateView.original_gradient`). The rewrite keeps
+    the nodes that compute a gradient, so a gradient read as it is has the same name in both models; one read
+    through a helper of the rewrite (a ``Cast``, a scaled copy) has none, and its update gets no probe. A fed
+    gradient needs none: both sides are fed the same values, so it never differs between them. The value
+    itself is the output (no ``Identity``), so the nodes of every group, and how groups are packed, stay as
+    they were."""
+    outputs = set(side.outputs)
+    added: list[str] = []
+    for view in views:
+        if view.gradient_operand and view.gradient_operand in side.producer:
+            view.original_gradient = view.gradient_operand
+            if view.gradient_operand not in outputs:
+                outputs.add(view.gradient_operand)
+                added.append(view.gradient_operand)
+    side.extend([], added)
 
 
 def _declared_type(type_proto: onnx.TypeProto) -> tuple | None:
@@ -2690,10 +2875,29 @@ def _declarations(model: onnx.ModelProto) -> GraphIndex:
     return GraphIndex(graph, {}, {}, initializers, [i.name for i in graph.input], [o.name for o in graph.output], specs, set())
 
 
-def _original_pairs(index: GraphIndex, original: onnx.ModelProto, views: Sequence[_UpdateView]) -> dict[str, str]:
-    """state input → the original's next value of it: by name, then by matching the original (for the
-    states the fused model updates), then the fused model's own output for it."""
-    pairs = _name_evidence(index.graph_outputs, [i for i in index.graph_inputs if i not in index.initializers])
+def _claim_notes(outputs: Sequence[str], states: set[str], pairs: Mapping[str, str], pinned: Mapping[str, str] | None) -> list[str]:
+    """One note per fused state that several of the original's outputs are named after (``buf_out`` and
+    ``new_buf``) and no pin decides: which one check carried into it, and how to say another."""
+    claims: dict[str, list[str]] = {}
+    for output in outputs:
+        previous = previous_by_name(output, states)
+        if previous is not None:
+            claims.setdefault(previous, []).append(output)
+    pinned_states = set((pinned or {}).values())
+    return [
+        f"{', '.join(names)} are each named as the next value of {state}; check carried {pairs.get(state, names[0])} into it "
+        f"(say another with --state NEW={state})"
+        for state, names in claims.items()
+        if len(names) > 1 and state not in pinned_states
+    ]
+
+
+def _original_pairs(
+    index: GraphIndex, original: onnx.ModelProto, views: Sequence[_UpdateView], pinned: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """state input → the original's next value of it: as pinned (``pinned``: output → input), by name, then by
+    matching the original (for the states the fused model updates), then the fused model's own output for it."""
+    pairs = _name_evidence(index.graph_outputs, [i for i in index.graph_inputs if i not in index.initializers], pinned)
     wanted = [s for view in views for s in view.roles if s not in pairs]
     if wanted:
         from sgdfuse.passes.index import build_index
@@ -2834,7 +3038,7 @@ def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, o
         try:
             run_step("lockstep", wide_step, WIDE, original_feeds, fused_feeds, lockstep_rng)
         except _RunError as error:
-            if error.side != "original model":
+            if not error.original:
                 raise  # the fused model fails where the original runs: a failure, as on any step
             skipped = f"{label}: the wide-range step could not run: {error} (skipped)"
         else:
@@ -2844,7 +3048,7 @@ def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, o
         step_label = f"{label}, {mode} step {step + 1} ({kind})"
         _compare_check_step(views, outputs, output_tallies, state_tallies, step_label, original_in, fused_in, original_out,
                             fused_out, lifted=pair.lifted, outputs_compared=mode == "lockstep",
-                            in_place=mode != "lockstep" or kind == WIDE, finite_only=kind == WIDE)
+                            in_place=mode != "lockstep" or kind == WIDE, finite_only=kind == WIDE, carried=mode == "in place")
     for (k, view), seen in zip(views, live):
         if seen:
             for tally in _view_tallies(k, view, output_tallies, state_tallies):
@@ -2859,17 +3063,18 @@ def _view_tallies(k: int, view: _UpdateView, output_tallies: Mapping, state_tall
 
 
 def _compare_check_step(views, outputs, output_tallies, state_tallies, step_label: str, original_in, fused_in, original_out,
-                        fused_out, *, lifted: bool, outputs_compared: bool, in_place: bool, finite_only: bool) -> None:
+                        fused_out, *, lifted: bool, outputs_compared: bool, in_place: bool, finite_only: bool,
+                        carried: bool = False) -> None:
     """Compare one step of :func:`_check_schedule`: with ``outputs_compared`` (lockstep) every output (exactly,
     or within the bound for an update's), with ``in_place`` what each side writes into each state;
     ``finite_only`` (a :data:`WIDE` step) leaves out elements not finite on either side."""
     update_outputs = {name for _, view in views for name in view.outputs}
     if outputs_compared:
         for name in outputs:
-            if name not in update_outputs:
+            if name not in update_outputs and name in output_tallies:  # not a probe
                 output_tallies[name].compare(f"{step_label}", original_out[name], fused_out[name], 0.0, finite_only=finite_only)
     for k, view in views:
-        bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=lifted)
+        bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=lifted, carried=carried)
         if outputs_compared:
             for name, role in view.outputs.items():
                 if name in output_tallies:

@@ -28,13 +28,11 @@ each array the BFLOAT16 values' bits as ``uint16`` (numpy has no BFLOAT16 type o
 
 from __future__ import annotations
 
-import contextlib
-import io
+import importlib.util
 import json
 import platform
 import shutil
 import sys
-import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -46,7 +44,11 @@ import onnx
 import onnxscript
 import torch
 from onnx.reference import ReferenceEvaluator
-from torch.optim._functional import sgd
+
+_tc_spec = importlib.util.spec_from_file_location("torch_common", HERE / "torch_common.py")
+tc = importlib.util.module_from_spec(_tc_spec)
+_tc_spec.loader.exec_module(tc)
+hp, functional_step, class_step, export = tc.hp, tc.functional_step, tc.class_step, tc.export
 
 OUT = HERE / "torch_bf16"
 TORCH_VERSION_REQUIRED = "2.13.0"
@@ -56,11 +58,6 @@ ULPS = 8
 EPS_BF16 = 2.0 ** -7  # BFLOAT16's machine epsilon (8-bit significand)
 
 
-def hp(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False):
-    return dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                nesterov=nesterov, maximize=False)
-
-
 SHAPES = [(4, 3), (3,)]
 CASES = [
     dict(name="sgd_momentum", hp=hp(), notes="momentum 0.9"),
@@ -68,14 +65,6 @@ CASES = [
     dict(name="sgd_dampening", hp=hp(dampening=0.25), notes="momentum 0.9, dampening 0.25"),
     dict(name="sgd_nesterov", hp=hp(lr=0.05, momentum=0.8, nesterov=True), notes="nesterov, lr 0.05, momentum 0.8"),
 ]
-
-
-def functional_step(params, grads, bufs, h):
-    params = [p.clone() for p in params]
-    bufs = [b.clone() for b in bufs]
-    sgd(params, list(grads), bufs, foreach=False, weight_decay=h["weight_decay"], momentum=h["momentum"],
-        lr=h["lr"], dampening=h["dampening"], nesterov=h["nesterov"], maximize=False)
-    return tuple(params + bufs)
 
 
 class Step(torch.nn.Module):
@@ -89,32 +78,12 @@ class Step(torch.nn.Module):
         return functional_step([p0, p1], [g0, g1], [b0, b1], self.h)
 
 
-def class_step(params, grads, bufs, h):
-    """The same step with the torch.optim.SGD class (momentum_buffer pre-set): the cross-check."""
-    ps = [torch.nn.Parameter(p.clone()) for p in params]
-    opt = torch.optim.SGD(ps, foreach=False, **h)
-    for p, g, b in zip(ps, grads, bufs):
-        p.grad = g.clone()
-        opt.state[p]["momentum_buffer"] = b.clone()
-    opt.step()
-    return [p.detach() for p in ps] + [opt.state[p]["momentum_buffer"] for p in ps]
-
-
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().contiguous().view(torch.int16).numpy().view(np.uint16).view(ml_dtypes.bfloat16)
 
 
 def from_numpy(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
-
-
-def export(module, args, path, dynamo):
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        if dynamo:
-            torch.onnx.export(module, args, str(path), dynamo=True, external_data=False)
-        else:
-            torch.onnx.export(module, args, str(path), dynamo=False)
 
 
 def check_and_save(path, module, ins, outs, state, first, later) -> tuple[float, dict]:

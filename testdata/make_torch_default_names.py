@@ -22,13 +22,10 @@ input order, the return tuple the output order), never by analysing the graph.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import importlib.util
 import platform
 import shutil
 import sys
-import warnings
 from pathlib import Path
 
 # testdata/ holds folders named keras/, jax/ and torch/. Python puts the script's folder first on sys.path,
@@ -42,20 +39,18 @@ import onnx
 import onnxruntime
 import onnxscript
 import torch
-from torch.optim._functional import sgd
 
 _spec = importlib.util.spec_from_file_location("corpus_common", HERE / "corpus_common.py")
 cc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cc)
+_tc_spec = importlib.util.spec_from_file_location("torch_common", HERE / "torch_common.py")
+tc = importlib.util.module_from_spec(_tc_spec)
+_tc_spec.loader.exec_module(tc)
+hp, functional_step, class_step, export = tc.hp, tc.functional_step, tc.class_step, tc.export
 
 OUT = HERE / "torch_default_names"
 TORCH_VERSION_REQUIRED = "2.13.0"
 SEED = 20261201
-
-
-def hp(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False):
-    return dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                nesterov=nesterov, maximize=False)
 
 
 TWO = [(4, 3), (3,)]
@@ -68,14 +63,6 @@ CASES = [
     dict(name="sgd_multi", shapes=THREE, hp=hp(lr=0.01, momentum=0.8, weight_decay=5e-4),
          notes="three parameters, lr 0.01, momentum 0.8, weight_decay 5e-4"),
 ]
-
-
-def functional_step(params, grads, bufs, h):
-    params = [p.clone() for p in params]
-    bufs = [b.clone() for b in bufs]
-    sgd(params, list(grads), bufs, foreach=False, weight_decay=h["weight_decay"], momentum=h["momentum"],
-        lr=h["lr"], dampening=h["dampening"], nesterov=h["nesterov"], maximize=False)
-    return tuple(params + bufs)
 
 
 class Step2(torch.nn.Module):
@@ -98,26 +85,6 @@ class Step3(torch.nn.Module):
 
     def forward(self, p0, p1, p2, g0, g1, g2, b0, b1, b2):
         return functional_step([p0, p1, p2], [g0, g1, g2], [b0, b1, b2], self.h)
-
-
-def class_step(params, grads, bufs, h):
-    """The same step with the torch.optim.SGD class (momentum_buffer pre-set): the cross-check."""
-    ps = [torch.nn.Parameter(p.clone()) for p in params]
-    opt = torch.optim.SGD(ps, foreach=False, **{k: v for k, v in h.items()})
-    for p, g, b in zip(ps, grads, bufs):
-        p.grad = g.clone()
-        opt.state[p]["momentum_buffer"] = b.clone()
-    opt.step()
-    return [p.detach() for p in ps] + [opt.state[p]["momentum_buffer"] for p in ps]
-
-
-def export(module, args, path, dynamo):
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        if dynamo:
-            torch.onnx.export(module, args, str(path), dynamo=True, external_data=False)
-        else:
-            torch.onnx.export(module, args, str(path), dynamo=False)
 
 
 def main() -> None:

@@ -192,7 +192,7 @@ def _float16_damped(scale: float) -> onnx.ModelProto:
 
 
 def test_a_float16_update_whose_wide_step_overflows_to_nan_on_one_side_still_passes():
-    # The largest value of a FLOAT16 wide step lies in [2**(6 - 8/12), 2**6] = [40.3, 64] (sgdfuse.verify._wide):
+    # The largest value of a FLOAT16 wide step lies in [2**(6 - 8/12), 2**6] = [40.3, 64] (sgdfuse.verify.wide_values):
     # 4096*(x - 10) is Inf there; the third largest, in [16, 25.4], gives a finite non-zero gradient.
     original = _float16_damped(4096.0)
     fused = _fused(original)

@@ -79,6 +79,23 @@ def test_float16_update_table_names_the_float16_constants():
     assert "FLOAT16 values: the decimal written in the graph's FLOAT16 constant" in out
 
 
+def test_no_low_precision_legend_when_no_value_needs_one(tmp_path):
+    # PyTorch's BFLOAT16 step with lr 0.125 and momentum 0.875: exact in BFLOAT16, so no cell reads
+    # "x (BFLOAT16 = y)" and a legend explaining that form would explain nothing.
+    model = onnx.load(Path(__file__).resolve().parent.parent / "testdata" / "torch_bf16" / "sgd_momentum_dynamo.onnx")
+    exact = {"scalar_tensor_default": 0.875, "val_2": -0.125}  # momentum, -lr
+    for tensor in model.graph.initializer:
+        if tensor.name in exact:
+            tensor.CopyFrom(onnx.numpy_helper.from_array(np.array(exact[tensor.name], dtype=ml_dtypes.bfloat16), tensor.name))
+    path = tmp_path / "exact.onnx"
+    onnx.save(model, path)
+    code, out, err = _run("inspect", path)
+    assert code == 0, err
+    assert "0.125" in out and "0.875" in out, out
+    assert "BFLOAT16 =" not in out
+    assert "values: the decimal written" not in out
+
+
 def test_optimize_with_nothing_fused_ends_with_a_summary_line(tmp_path):
     code, out, _ = _run("optimize", TORCH / "sgd_nomomentum_legacy.onnx", "-o", tmp_path / "out.onnx")
     last = out.strip().splitlines()[-1]

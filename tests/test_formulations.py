@@ -248,15 +248,35 @@ def test_momentum_graph_input_fuses_and_keeps_the_graphs_momentum_zero_behaviour
     outputs_agree(model, result.model, rtol=2e-5, momentum=momentum)
 
 
-def _low_precision_state_float_math(dtype):
+def _low_precision_state_float_math(dtype, lr=LR, momentum=M):
     b = Builder(dtype=dtype)
     p, g, buf = _state(b)
     f = TensorProto.FLOAT
     p32, g32, b32 = (b.op("Cast", x, to=f) for x in (p, g, buf))
-    v32 = b.add(b.mul(b32, b.scalar(M, dtype=f)), b.mul(g32, b.scalar(1 - D, dtype=f)))
+    v32 = b.add(b.mul(b32, b.scalar(momentum, dtype=f)), b.mul(g32, b.scalar(1 - D, dtype=f)))
     b.op("Cast", v32, out="buf_new", to=dtype)
-    b.op("Cast", b.sub(p32, b.mul(b.scalar(LR, dtype=f), v32)), out="p_new", to=dtype)
+    b.op("Cast", b.sub(p32, b.mul(b.scalar(lr, dtype=f), v32)), out="p_new", to=dtype)
     return b.model(["p_new", "buf_new"])
+
+
+@pytest.mark.parametrize(
+    "dtype, lr, momentum, becomes",
+    [
+        (TensorProto.FLOAT16, 1e-8, M, "learning rate 9.99999994e-09 becomes 0"),  # below FLOAT16's least subnormal
+        (TensorProto.BFLOAT16, LR, 0.999, "becomes 1 and the buffer would no longer decay"),  # 0.999 rounds to 1.0
+        (TensorProto.FLOAT16, LR, 0.9999, "becomes 1 and the buffer would no longer decay"),
+    ],
+)
+def test_a_rounding_that_makes_another_update_is_refused_even_when_rounding_is_allowed(dtype, lr, momentum, becomes):
+    # A user trial: with --allow-rounding, lr 1e-8 fused as 0 in FLOAT16 (the weights never moved; 31% off after
+    # 20 steps) and momentum 0.999 as 1.0 in BFLOAT16 (20% off after 200 steps), and both passed check.
+    stored = float(np.array(momentum, np.float32).astype(np_dtype(dtype))), float(np.array(lr, np.float32).astype(np_dtype(dtype)))
+    assert stored[0] == 1.0 or stored[1] == 0.0  # the premise, computed by numpy/ml_dtypes
+    result = sgdfuse.optimize(_low_precision_state_float_math(dtype, lr=lr, momentum=momentum), allow_rounding=True)
+    assert not result.report.fused
+    [refusal] = result.report.refused
+    assert refusal.reason == "hyperparameter-precision", refusal
+    assert becomes in refusal.detail, refusal.detail
 
 
 @pytest.mark.parametrize("dtype", [TensorProto.FLOAT16, TensorProto.BFLOAT16])

@@ -229,3 +229,21 @@ def test_writers_do_not_wait_for_unrelated_reads():
     lowered = sgdfuse.lower(fused(next(p for p in MODEL_PATHS if p.stem == "sgd_multi_dynamo")), soc="Ascend910B2")
     for name in lowered.sgd_ops:
         assert not [entry for entry in lowered.op(name).input if entry.endswith(":-1")]
+
+
+def test_shape_with_start_and_end_on_a_dynamic_shape_lowers_to_a_slice_of_the_shape():
+    # A PyTorch dynamo export with a dynamic batch holds Shape(x, start=1) (a user trial: lower for the 950
+    # line refused it as "not static"). The bounds are ONNX's: negative ones count from the rank, then clamp.
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 2])
+    cases = {"tail": dict(start=1), "middle": dict(start=-2, end=-1), "head": dict(start=0, end=2), "past": dict(start=-9, end=9), "empty": dict(start=2, end=1)}
+    nodes = [helper.make_node("Shape", ["x"], [name], **bounds) for name, bounds in cases.items()]
+    graph = helper.make_graph(nodes, "shapes", [x], [helper.make_tensor_value_info(name, TensorProto.INT64, None) for name in cases])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    model.ir_version = 10
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    del model.graph.output[:]
+    model.graph.output.extend(inferred.graph.output)
+    lowered = sgdfuse.lower(model, soc="Ascend950PR_9599")
+    assert sum(op.type == "StridedSliceV2" for op in lowered.graph.op) >= 4
+    report = run_both(model, lowered, steps=1)  # the executor against onnxruntime, N = 3
+    assert set(report[0]) == set(cases)

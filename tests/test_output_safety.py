@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import stat
 import subprocess
@@ -79,3 +80,42 @@ def test_one_path_for_two_outputs_is_refused_before_any_work(tmp_path):
     assert "is named twice" in result.stderr
     assert "Verified" not in result.stdout
     assert not out.exists()
+
+
+def test_a_destination_under_a_file_says_the_file_is_not_a_directory(tmp_path):
+    # "directory a.txt/sub does not exist" sends the user to create a directory that cannot be made.
+    blocker = tmp_path / "a.txt"
+    blocker.write_text("x")
+    for destination in (blocker / "out.onnx", blocker / "sub" / "out.onnx"):
+        result = _sgdfuse("optimize", os.path.abspath(MODEL), "-o", destination, cwd=tmp_path)
+        assert result.returncode == 1
+        assert f"{blocker} is a file, not a directory" in result.stderr, result.stderr
+    assert blocker.read_text() == "x"
+
+
+def test_a_destination_in_a_missing_directory_says_so(tmp_path):
+    result = _sgdfuse("optimize", os.path.abspath(MODEL), "-o", tmp_path / "no" / "out.onnx", cwd=tmp_path)
+    assert result.returncode == 1
+    assert f"directory {tmp_path / 'no'} does not exist" in result.stderr, result.stderr
+
+
+
+def test_lower_refuses_a_directory_it_cannot_write_before_the_work(tmp_path, monkeypatch):
+    # Lowering takes seconds to minutes; a destination it cannot write must fail first, not at the end. The
+    # tests run as root, which may write any directory, so the permission answer is what is replaced here.
+    from typer.testing import CliRunner
+
+    from sgdfuse.cli import app
+
+    lower_module = importlib.import_module("sgdfuse.lowering.lower")  # the package's `lower` attribute is the function
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if os.fspath(path) == str(locked) else real_access(path, mode, **kw))
+    monkeypatch.setattr(lower_module, "prepare", lambda *a, **k: pytest.fail("lower did the work before finding it cannot write"))
+    result = CliRunner().invoke(app, ["lower", os.path.abspath(MODEL), "--soc", "Ascend910B2", "-o", str(locked / "m.air")], env={"COLUMNS": "250"})
+    said = result.output + str(result.exception)  # the app raises; the console script's main prints it as "error: ..."
+    assert result.exit_code == 1, said
+    assert f"directory {locked} is not writable" in said, said
+    assert list(locked.iterdir()) == []

@@ -480,3 +480,168 @@ def test_commuted_buffer_add_never_fuses_the_gradient_as_the_buffer(gradient_fir
         assert fused.dampening == pytest.approx(1.0 - one_minus_dampening, abs=1e-6), fused
     for sgd in (n for n in result.model.graph.node if n.domain == "ai.sgdfuse"):
         assert sgd.input[3] == "buf", sgd
+
+
+# -- refusals that say what the buffer goes through (not "momentum is 0") ------------------------------------
+
+
+def test_a_first_step_zeroing_of_the_old_buffer_is_refused_as_first_step_unsupported():
+    # buf_eff = Where(t == 0, zeros, buf); buf_out = 0.9*buf_eff + g (onnx/onnx#3929's ConstantOfShape(Shape(p))
+    # zero buffer). The momentum is 0.9, not 0: the refusal must say where the buffer went.
+    model = make_model(
+        [
+            node("Shape", ["p"], ["ps"]),
+            node("ConstantOfShape", ["ps"], ["zeros"]),
+            node("Equal", ["t", "zero_i"], ["first"]),
+            node("Where", ["first", "zeros", "buf"], ["buf_eff"]),
+            node("Mul", ["buf_eff", "m"], ["mb"]),
+            node("Add", ["mb", "g"], ["buf_out"]),
+            *PLAIN_WEIGHTS,
+        ],
+        [*STATE, value("t", onnx.TensorProto.INT64, [])],
+        [value("p_out"), value("buf_out")],
+        [scalar("m", 0.9), scalar("lr", 0.1), scalar("zero_i", 0, onnx.TensorProto.INT64)],
+    )
+    refusal = _refusal(model)
+    assert refusal.reason == "first-step-unsupported", refusal
+    assert "momentum is 0" not in refusal.detail
+    assert _names(refusal.detail, "buf_eff") and _names(refusal.detail, "first"), refusal.detail
+
+
+def test_a_per_element_momentum_is_refused_as_a_tensor_factor():
+    # buf_out = [0.9, 0.9, 0.8]*buf + g: a momentum per element, which the operator cannot take.
+    model = _momentum_step(
+        buffer=[node("Mul", ["buf", "m"], ["buf_scaled"]), node("Add", ["buf_scaled", "g"], ["buf_out"])],
+        weights=PLAIN_WEIGHTS,
+        inputs=STATE,
+        initializers=[onnx.numpy_helper.from_array(np.array([0.9, 0.9, 0.8], np.float32), "m"), scalar("lr", 0.1)],
+    )
+    refusal = _refusal(model)
+    assert refusal.reason == "tensor-factor", refusal
+    assert "momentum is 0" not in refusal.detail and _names(refusal.detail, "m"), refusal.detail
+
+
+def test_a_buffer_read_through_a_non_linear_op_is_not_called_momentum_0():
+    # buf_out = 0.9*Relu(buf) + g: the buffer is read, by an op that is no scaling.
+    model = _momentum_step(
+        buffer=[node("Relu", ["buf"], ["buf_r"]), node("Mul", ["buf_r", "m"], ["buf_scaled"]), node("Add", ["buf_scaled", "g"], ["buf_out"])],
+        weights=PLAIN_WEIGHTS,
+        inputs=STATE,
+        initializers=[scalar("m", 0.9), scalar("lr", 0.1)],
+    )
+    refusal = _refusal(model)
+    assert refusal.reason == "no-momentum-buffer", refusal
+    assert "momentum is 0" not in refusal.detail and "Relu" in refusal.detail, refusal.detail
+
+
+# -- two outputs named after one state ----------------------------------------------------------------------
+
+
+def _two_claimants(junk: str = "buf_out", true: str = "new_buf") -> onnx.ModelProto:
+    # true = 0.9*buf + g is what p_out reads; junk = 2*true is another output whose name also says "next buf".
+    # Read with junk as the buffer, the algebra is momentum SGD too (momentum 1.8, dampening -1, lr 0.05), and
+    # an in-place run would then write 2*true into buf: a user trial found it fused from the names, with check
+    # passing.
+    return make_model(
+        [
+            node("Mul", ["buf", "m"], ["buf_scaled"]),
+            node("Add", ["buf_scaled", "g"], [true]),
+            node("Mul", [true, "lr"], ["step"]),
+            node("Sub", ["p", "step"], ["p_out"]),
+            node("Mul", [true, "two"], [junk]),
+        ],
+        STATE,
+        [value("p_out"), value("buf_out" if junk == "buf_out" else true), value(junk if junk != "buf_out" else true)],
+        [scalar("m", 0.9), scalar("lr", 0.1), scalar("two", 2.0)],
+    )
+
+
+@pytest.mark.parametrize("junk, true", [("buf_out", "new_buf"), ("new_buf", "buf_out"), ("buf_out", "buf_next")])
+def test_two_outputs_named_after_one_buffer_with_different_values_are_ambiguous(junk, true):
+    refusal = _refusal(_two_claimants(junk, true))
+    assert refusal.reason == "ambiguous-roles", refusal
+    assert _names(refusal.detail, junk) and _names(refusal.detail, true) and "--state" in refusal.detail, refusal.detail
+
+
+def test_a_pin_says_which_of_two_claimants_is_the_buffer():
+    result = api.optimize(_two_claimants("buf_out", "new_buf"), pins=api.RolePins(state={"new_buf": "buf"}))
+    [fused] = result.report.fused
+    assert (fused.accum, fused.accum_out, fused.momentum, fused.dampening) == ("buf", "new_buf", pytest.approx(0.9), 0.0)
+
+
+def test_a_copy_of_the_buffer_named_after_it_too_is_no_conflict():
+    # buf_out = Identity(new_buf): both names hold one value; nothing to choose.
+    model = make_model(
+        [*PLAIN_BUFFER[:1], node("Add", ["buf_scaled", "g"], ["new_buf"]), node("Identity", ["new_buf"], ["buf_out"]),
+         node("Mul", ["new_buf", "lr"], ["step"]), node("Sub", ["p", "step"], ["p_out"])],
+        STATE,
+        [value("p_out"), value("buf_out"), value("new_buf")],
+        [scalar("m", 0.9), scalar("lr", 0.1)],
+    )
+    result = api.optimize(model)
+    assert [f.parameters_out for f in result.report.fused] == ["p_out"], result.report.refused
+
+
+def test_check_takes_the_pin_optimize_took(tmp_path):
+    # Fused with --state new_buf=buf, the model writes new_buf into buf; check must carry the same output into
+    # buf on the original's side, or it compares the fused buffer with buf_out (= 2*new_buf) and fails a
+    # correct model. Without the pin, check says which output it took and how to say another.
+    from sgdfuse.verify import check_models
+
+    original = _two_claimants("buf_out", "new_buf")
+    fused = api.optimize(original, pins=api.RolePins(state={"new_buf": "buf"})).model
+    assert check_models(original, fused, steps=3, pinned={"new_buf": "buf"}).passed
+    unpinned = check_models(original, fused, steps=3)
+    assert not unpinned.passed
+    assert "buf_out, new_buf are each named as the next value of buf" in unpinned.note, unpinned.note
+
+
+# -- a graph at fault is named as such ---------------------------------------------------------------------
+
+
+def _damped_step() -> onnx.ModelProto:
+    # grad = Sqrt(Relu(g)): a gradient the update computes in the graph, by two nodes.
+    return make_model(
+        [
+            node("Relu", ["g"], ["t1"], name="n_t1"),
+            node("Sqrt", ["t1"], ["t2"], name="n_t2"),
+            node("Mul", ["buf", "m"], ["buf_scaled"], name="n_bs"),
+            node("Add", ["buf_scaled", "t2"], ["buf_out"], name="n_bo"),
+            node("Mul", ["buf_out", "lr"], ["step"], name="n_st"),
+            node("Sub", ["p", "step"], ["p_out"], name="n_po"),
+        ],
+        STATE,
+        [value("p_out"), value("buf_out")],
+        [scalar("m", 0.9), scalar("lr", 0.1)],
+    )
+
+
+def test_the_step_the_faults_start_from_fuses():
+    assert [f.parameters_out for f in api.optimize(_damped_step()).report.fused] == ["p_out"]
+
+
+def test_a_read_of_a_value_nothing_defines_is_named():
+    model = _damped_step()
+    model.graph.node[0].input[0] = "does_not_exist"
+    refusal = _refusal(model)
+    assert "n_t1 reads does_not_exist, which nothing defines" in refusal.detail, refusal.detail
+
+
+def test_a_graph_out_of_topological_order_is_named():
+    model = _damped_step()
+    nodes = list(model.graph.node)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(nodes))
+    refusal = _refusal(model)
+    assert "not in topological order" in refusal.detail, refusal.detail
+
+
+def test_outputs_declared_without_a_shape_take_the_inferred_one():
+    # A user trial: graph outputs declared with a dtype only were refused as "w_out has shape None" although
+    # ONNX shape inference infers them (it writes an output's shape into the output, not a value info).
+    model = momentum_sgd()
+    for output in model.graph.output:
+        output.type.tensor_type.ClearField("shape")
+    result = api.optimize(model)
+    assert [f.parameters_out for f in result.report.fused] == ["p_out"], result.report.refused
+    assert all(u["passed"] for u in result.report.verification.updates)

@@ -145,16 +145,34 @@ def lower_expand(ctx: NodeLowering) -> None:
 
 @register("Shape")
 def lower_shape(ctx: NodeLowering) -> None:
+    """``Shape`` → GE ``Shape`` (INT64). With ``start``/``end`` (opset 15) on a static shape, the constant
+    slice; on a dynamic one of known rank, ``Shape`` then ``StridedSliceV2`` of the bounds ONNX defines
+    (negative ones count from the rank, then clamped to [0, rank])."""
     start, end = int(ctx.attr("start", 0)), ctx.attr("end")
     rank = _rank(ctx)
     whole = start == 0 and (end is None or (rank is not None and int(end) >= rank))
+    int64 = {"dtype": ge_ir.ONNX_TO_GE_CPP_DTYPE[TensorProto.INT64]}
     if not whole:
         value = ctx.graph.constant_value(ctx.node.output[0])
-        if value is None:
-            raise ctx.error("Shape with start/end on a tensor whose shape is not static")
-        ctx.set_output(0, ctx.const(value, "value"))
+        if value is not None:
+            ctx.set_output(0, ctx.const(value, "value"))
+            return
+        if rank is None:
+            raise ctx.error("Shape with start/end on a tensor of unknown rank")
+        begin, stop = (max(0, min(rank, b + rank if b < 0 else b)) for b in (start, rank if end is None else int(end)))
+        full = ctx.op("Shape", [("x", ctx.input(0))], [("y", TensorSpec(f"{ctx.name}/full", (rank,), TensorProto.INT64))], int64)
+        inputs = [
+            ("x", full.output(0)),
+            ("begin", ctx.const(np.array([begin], np.int64), "begin")),
+            ("end", ctx.const(np.array([max(begin, stop)], np.int64), "end")),
+            ("axes", ctx.const(np.array([0], np.int64), "axes")),
+            ("strides", ctx.const(np.array([1], np.int64), "strides")),
+        ]
+        attrs = {"begin_mask": 0, "end_mask": 0, "ellipsis_mask": 0, "new_axis_mask": 0, "shrink_axis_mask": 0}
+        op = ctx.op("StridedSliceV2", inputs, [("y", ctx.output_spec(0))], attrs)
+        ctx.set_output(0, op.output(0))
         return
-    op = ctx.op("Shape", [("x", ctx.input(0))], [("y", ctx.output_spec(0))], {"dtype": ge_ir.ONNX_TO_GE_CPP_DTYPE[TensorProto.INT64]})
+    op = ctx.op("Shape", [("x", ctx.input(0))], [("y", ctx.output_spec(0))], int64)
     ctx.set_output(0, op.output(0))
 
 

@@ -26,6 +26,14 @@ overflow, and even float32's largest finite loss scale leaves a small model's gr
 in an initializer is made a graph input of the onnxruntime copy (fed its initial value, then chained), since
 an initializer cannot change between runs while the GE variable does.
 
+A gradient that is never live proves nothing (docs/design.md, "Verification"): a gradient computed in the
+graph as ``Relu(x - 10)`` is zero on every standard-normal ``x``, and a lowered ``SGD`` with another dampening
+passed. So each SGD node's gradient and outputs are probed in onnxruntime; when some SGD node's gradient was zero
+or not finite at every element (where its outputs are finite) on every step, one more chained step feeds every
+float input of more than one element that is neither state nor a runtime momentum wide-range values
+(:func:`sgdfuse.verify.wide_values`, as ``check`` does), comparing only elements finite on both sides; an SGD
+node whose gradient is still never live fails the check as never compared, naming its gradient.
+
 Agreement, per element (NaN equals NaN; integers and booleans exactly): ``|ge - onnx| <= atol + rtol*|onnx|``,
 with (rtol, atol) = (1e-4, 1e-5) for FLOAT and DOUBLE, (2^-8, 2^-10) for FLOAT16 and (2^-5, 2^-7) for
 BFLOAT16: both sides compute the same formulas, so only summation order and the rounding of 16-bit values
@@ -43,7 +51,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from sgdfuse.verify import non_negative_inputs
+from sgdfuse.verify import WIDE, dead_gradient_message, finite_elements, gradient_live, non_negative_inputs, wide_values
 from sgdfuse import collector, runtime
 from sgdfuse.fused_op import is_sgd_node
 from sgdfuse.lowering.errors import LoweringError
@@ -178,9 +186,16 @@ def _probe(fused: onnx.ModelProto, lowered: GEModel) -> tuple[onnx.ModelProto, d
     return probe, pairs, initial
 
 
-def _disagreement(name: str, want: np.ndarray, have: np.ndarray, dtype: int, step: int) -> tuple[float, str]:
+def _disagreement(name: str, want: np.ndarray, have: np.ndarray, dtype: int, step: int, finite_only: bool = False) -> tuple[float, str]:
+    """The largest |GE - onnxruntime| of output ``name`` and the first disagreement beyond the tolerance ("" when
+    none). With ``finite_only`` (the :data:`sgdfuse.verify.WIDE` step) an element not finite on either side is
+    left out: an overflow of wide values proves nothing either way."""
     if want.shape != have.shape:
         return float("inf"), f"output {name}, step {step}: shape {list(have.shape)} in GE, {list(want.shape)} in onnxruntime"
+    if finite_only and want.size:
+        want, have, kept = finite_elements(want, have)
+        if not kept:
+            return 0.0, ""
     if want.dtype == have.dtype and want.tobytes() == have.tobytes():
         return 0.0, ""  # bit for bit equal (most outputs): nothing to measure
     if dtype not in TOLERANCES:
@@ -215,9 +230,13 @@ PERTURBATION = 2.0**-22
 """Relative change of the data inputs for the conditioning chain (two float32 ulps)."""
 
 
-def _within_conditioning(expected: np.ndarray, actual: np.ndarray, perturbed: np.ndarray) -> bool:
+def _within_conditioning(expected: np.ndarray, actual: np.ndarray, perturbed: np.ndarray, finite_only: bool = False) -> bool:
     if expected.dtype.kind not in "f" and expected.dtype.name != "bfloat16":
         return False
+    if finite_only:  # the wide step: only the elements finite on both sides were compared
+        with np.errstate(invalid="ignore"):
+            keep = np.isfinite(expected.astype(np.float64)) & np.isfinite(actual.astype(np.float64))
+        expected, actual, perturbed = (np.where(keep, a.astype(np.float64), 0.0) for a in (expected, actual, perturbed))
     with np.errstate(invalid="ignore"):
         difference = np.abs(expected.astype(np.float64) - actual.astype(np.float64))
         sensitivity = np.abs(expected.astype(np.float64) - perturbed.astype(np.float64))
@@ -310,16 +329,59 @@ def _setup(fused: onnx.ModelProto, lowered: GEModel) -> _Setup:
     )
 
 
+@dataclasses.dataclass
+class _Update:
+    """An SGD node of a run: its gradient operand and its two outputs (new weights, new buffer), whose
+    onnxruntime values the run probes to tell whether the gradient took part in a comparison."""
+
+    gradient: str
+    outputs: list[str]
+
+
+def _updates(setup: _Setup, parts, outputs: list[str]) -> list[_Update]:
+    """The SGD nodes among the ONNX nodes that compute ``outputs``, in graph order."""
+    nodes = setup.probe.graph.node
+    return [_Update(nodes[k].input[1], [o for o in nodes[k].output[:2] if o]) for k in parts.onnx.cone(outputs)
+            if is_sgd_node(nodes[k]) and len(nodes[k].input) > 1 and nodes[k].input[1]]
+
+
+def _update_live(update: _Update, values: dict[str, np.ndarray], actual: dict[str, np.ndarray]) -> bool:
+    """Did ``update``'s gradient take part in this step's comparison (:func:`sgdfuse.verify.gradient_live` over
+    the SGD node's outputs in onnxruntime and in GE where GE computes them)? ``values``: onnxruntime's outputs,
+    the probes and the feeds of the step."""
+    compared = [side[name] for side in (values, actual) for name in update.outputs if name in side]
+    return gradient_live(values.get(update.gradient), compared)
+
+
+def _dead_gradient(setup: _Setup, parts, update: _Update) -> str:
+    """Why a run whose ``update`` never had a live gradient does not pass (:func:`sgdfuse.verify.dead_gradient_message`)."""
+    state = set(setup.pairs.values())
+    sources = [name for name in parts.onnx.inputs([update.gradient]) if name != update.gradient]
+    sources.sort(key=lambda name: name in state)
+    return dead_gradient_message(
+        update.gradient, sources, update.outputs,
+        "the lowering check feeds every input random values and wide ones, and none reaches this gradient; lower a "
+        "form of the step that takes the gradient as a graph input, or pass --no-verify to write the graph unchecked",
+    )
+
+
 def _run_parts(setup: _Setup, parts, chunk: list, lowered_outputs: set[str], steps: int, seed: int, worst: dict[str, float]) -> LoweringCheck:
     """Run ``chunk`` (parts of :class:`sgdfuse.lowering.parts.LoweredParts`) together: their GE ops in the
-    executor against their ONNX nodes in onnxruntime, ``steps`` chained steps (module docstring); the largest
-    differences go into ``worst``."""
+    executor against their ONNX nodes in onnxruntime, ``steps`` chained steps, and the wide-range step when
+    some SGD node's gradient was never live (module docstring); the largest differences go into ``worst``."""
     from sgdfuse.lowering.executor import ExecutorError
 
     sub = parts.sub_model(chunk)
     outputs = [name for part in chunk for name in part.outputs]
+    updates = _updates(setup, parts, outputs)
+    initializers = {t.name: t for t in setup.probe.graph.initializer}
+    # The SGD nodes' gradients and outputs are probed (extra outputs of the onnxruntime model): a gradient that
+    # is zero on every step proves nothing about the update's gradient term (sgdfuse.verify.WIDE).
+    probes = [name for name in dict.fromkeys(n for u in updates for n in [u.gradient, *u.outputs])
+              if name not in outputs and name not in setup.inputs and name not in initializers]
+    constants = {u.gradient: onnx.numpy_helper.to_array(initializers[u.gradient]) for u in updates if u.gradient in initializers}
     try:
-        session = runtime.make_session(_specialised(parts.onnx.model(outputs)))
+        session = runtime.make_session(_specialised(parts.onnx.model(outputs + probes)))
     except Exception as error:  # onnxruntime's own exception types
         raise _cannot_verify(f"onnxruntime cannot run the fused model ({_first_line(error)})") from error
     session_inputs = [i.name for i in session.get_inputs()]
@@ -345,37 +407,70 @@ def _run_parts(setup: _Setup, parts, chunk: list, lowered_outputs: set[str], ste
             and i.name not in overflow and np.asarray(feeds[i.name]).dtype.kind == "f" and np.asarray(feeds[i.name]).size > 1]
     nudged = dict(feeds)
     compared = [name for name in sub.outputs if name in lowered_outputs]
+    live = [False] * len(updates)
+
+    def run_step(step: int, finite_only: bool) -> str:
+        """One chained step: compare, then feed the next step's state; the first disagreement, or ""."""
+        for name in data:
+            nudged[name] = (np.asarray(feeds[name]) * (1 + PERTURBATION)).astype(np.asarray(feeds[name]).dtype)
+        expected = run_onnx(feeds)
+        actual = runner.step(feeds)
+        perturbed = None
+        for name in compared:
+            want, have = np.asarray(expected[name]), np.asarray(actual[name])
+            error, message = _disagreement(name, want, have, setup.dtypes.get(name, 0), step + 1, finite_only)
+            if message and data:
+                perturbed = perturbed if perturbed is not None else run_onnx(nudged)
+                if _within_conditioning(want, have, np.asarray(perturbed[name]), finite_only):
+                    message = ""
+            worst[name] = max(worst.get(name, 0.0), error)
+            if message:
+                return message
+        values = {**feeds, **constants, **expected}
+        live[:] = [seen or _update_live(update, values, actual) for update, seen in zip(updates, live)]
+        if data:
+            perturbed = perturbed if perturbed is not None else run_onnx(nudged)
+            for output, state in pairs.items():
+                nudged[state] = perturbed[output]
+        for output, state in pairs.items():
+            feeds[state] = expected[output]
+        return ""
+
+    def feed_next(step: int) -> None:
+        """The inputs of step ``step + 1`` (0-based ``step`` just run) that are not state."""
+        for value in inputs:
+            if value.name not in state_inputs and value.name not in initial:
+                feeds[value.name] = _feed(value, rng, step + 1, non_negative)
+                if value.name in momenta and step == 0:
+                    feeds[value.name] = np.zeros_like(feeds[value.name])
+                if value.name in overflow and step == 0:
+                    feeds[value.name] = np.full_like(feeds[value.name], np.inf)
+                nudged[value.name] = feeds[value.name]
+
+    def feed_wide() -> None:
+        """The :data:`sgdfuse.verify.WIDE` step's inputs: every float input of more than one element that is not
+        state nor a runtime momentum gets wide-range values (non-negative where only those are defined); a
+        one-element one (a learning rate, a loss scale) keeps a learning-rate-like value, the state its chain."""
+        for name in data + [name for name in overflow if name in feeds and np.asarray(feeds[name]).size > 1]:
+            value = np.asarray(feeds[name])
+            wide = wide_values(value.shape, value.dtype, rng)
+            feeds[name] = nudged[name] = np.abs(wide) if name in non_negative else wide
+
     try:
         runner.initialise({name: feeds[name] for name in sub.init_inputs.values()})
         for step in range(steps):
-            for name in data:
-                nudged[name] = (np.asarray(feeds[name]) * (1 + PERTURBATION)).astype(np.asarray(feeds[name]).dtype)
-            expected = run_onnx(feeds)
-            actual = runner.step(feeds)
-            perturbed = None
-            for name in compared:
-                error, message = _disagreement(name, np.asarray(expected[name]), np.asarray(actual[name]), setup.dtypes.get(name, 0), step + 1)
-                if message and data:
-                    perturbed = perturbed if perturbed is not None else run_onnx(nudged)
-                    if _within_conditioning(np.asarray(expected[name]), np.asarray(actual[name]), np.asarray(perturbed[name])):
-                        message = ""
-                worst[name] = max(worst.get(name, 0.0), error)
-                if message:
-                    return LoweringCheck(step + 1, False, worst, message)
-            if data:
-                perturbed = perturbed if perturbed is not None else run_onnx(nudged)
-                for output, state in pairs.items():
-                    nudged[state] = perturbed[output]
-            for output, state in pairs.items():
-                feeds[state] = expected[output]
-            for value in inputs:
-                if value.name not in state_inputs and value.name not in initial:
-                    feeds[value.name] = _feed(value, rng, step + 1, non_negative)
-                    if value.name in momenta and step == 0:
-                        feeds[value.name] = np.zeros_like(feeds[value.name])
-                    if value.name in overflow and step == 0:
-                        feeds[value.name] = np.full_like(feeds[value.name], np.inf)
-                    nudged[value.name] = feeds[value.name]
+            message = run_step(step, finite_only=False)
+            if message:
+                return LoweringCheck(step + 1, False, worst, message)
+            feed_next(step)
+        if not all(live):
+            feed_wide()
+            message = run_step(steps, finite_only=True)
+            if message:
+                return LoweringCheck(steps + 1, False, worst, f"{message} (the {WIDE}-range step)")
+            dead = [update for update, seen in zip(updates, live) if not seen]
+            if dead:
+                return LoweringCheck(steps + 1, False, worst, _dead_gradient(setup, parts, dead[0]))
     except ExecutorError as error:
         raise _cannot_verify(str(error)) from error
     except LoweringError:

@@ -28,6 +28,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_pylist.h"
 #include "_wire.h"
 
 #include <algorithm>
@@ -177,20 +178,7 @@ PyObject* name_tuple(Table& t, const std::vector<Span>& names) {
   return tuple;
 }
 
-// Append to a list, taking the reference to item (which may be null after a failed call).
-bool append(Table& t, PyObject* list, PyObject* item) {
-  if (item == nullptr) {
-    t.python_error = true;
-    return false;
-  }
-  const int status = PyList_Append(list, item);
-  Py_DECREF(item);
-  if (status != 0) {
-    t.python_error = true;
-    return false;
-  }
-  return true;
-}
+using sgdfuse_py::append;  // _pylist.h
 
 bool append_bool(Table& t, PyObject* list, bool value) {
   PyObject* item = value ? Py_True : Py_False;
@@ -502,16 +490,17 @@ bool name_error(Structure& s, const char* kind, const Span& name) {
   return set_error(s, kind, text == nullptr ? nullptr : Py_BuildValue("[N]", text));
 }
 
-// TensorProto: its name (field 8, last wins) into `name` when present.
-bool tensor_name(Scan& s, Reader r, Span& name) {
+// The payload of the last length-delimited field `number` of a message into `out`; `out` is left as it was
+// when the message has none.
+bool last_bytes_field(Scan& s, Reader r, uint32_t number, Span& out) {
   while (r.p < r.end) {
     uint32_t field;
     int wire_type;
     if (!read_tag(s, r, field, wire_type)) return false;
-    if (field == 8 && wire_type == 2) {
+    if (field == number && wire_type == 2) {
       Reader payload;
       if (!read_bytes(s, r, payload)) return false;
-      name = Span{payload.p, size_t(payload.end - payload.p)};
+      out = Span{payload.p, size_t(payload.end - payload.p)};
     } else if (!skip_field(s, r, field, wire_type, 0)) {
       return false;
     }
@@ -519,23 +508,14 @@ bool tensor_name(Scan& s, Reader r, Span& name) {
   return true;
 }
 
+// TensorProto: its name (field 8, last wins) into `name` when present.
+bool tensor_name(Scan& s, Reader r, Span& name) { return last_bytes_field(s, r, 8, name); }
+
 // ValueInfoProto: its name (field 1, last wins), "" without one.
 bool value_info_name(Scan& s, Reader r, Span& name) {
   static const uint8_t kEmpty = 0;
   name = Span{&kEmpty, 0};
-  while (r.p < r.end) {
-    uint32_t field;
-    int wire_type;
-    if (!read_tag(s, r, field, wire_type)) return false;
-    if (field == 1 && wire_type == 2) {
-      Reader payload;
-      if (!read_bytes(s, r, payload)) return false;
-      name = Span{payload.p, size_t(payload.end - payload.p)};
-    } else if (!skip_field(s, r, field, wire_type, 0)) {
-      return false;
-    }
-  }
-  return true;
+  return last_bytes_field(s, r, 1, name);
 }
 
 // The names a graph defines before its first node, and its outputs (every occurrence of the graph: merged).

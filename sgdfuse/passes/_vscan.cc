@@ -18,6 +18,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_pylist.h"
 #include "_wire.h"
 
 #include <cstdint>
@@ -47,20 +48,7 @@ struct Table : Scan {
   bool python_error = false;
 };
 
-// Append to a list, taking the reference to item (which may be null after a failed call).
-bool append(Table& t, PyObject* list, PyObject* item) {
-  if (item == nullptr) {
-    t.python_error = true;
-    return false;
-  }
-  const int status = PyList_Append(list, item);
-  Py_DECREF(item);
-  if (status != 0) {
-    t.python_error = true;
-    return false;
-  }
-  return true;
-}
+using sgdfuse_py::append;  // _pylist.h
 
 // ValueInfoProto: its name and the number of its type's bytes, appended to the lists of ``slot``.
 bool scan_value_info(Table& t, Reader r, int slot) {

@@ -435,7 +435,11 @@ def _add_scanned_specs(specs: dict[str, TensorSpec], names: list[str], type_ids:
 def _add_inferred(specs: dict[str, TensorSpec], inferred: list[onnx.ValueInfoProto] | ScannedInfos, types: dict[bytes, tuple | None]) -> None:
     """Add inference's value infos (:func:`_inferred_value_infos`), parsed or scanned, as :func:`_add_specs`."""
     if isinstance(inferred, ScannedInfos):
-        _add_scanned_specs(specs, inferred.names[2], inferred.type_ids[2], inferred.types, types)
+        # Inference writes what it finds of a graph output into the output itself, not a value info: an
+        # output declared without a shape gets its shape there (the declared shapes still come first).
+        for slot in (2, 1):
+            if inferred.names[slot]:
+                _add_scanned_specs(specs, inferred.names[slot], inferred.type_ids[slot], inferred.types, types)
     else:
         _add_specs(specs, inferred, types)
 
@@ -489,7 +493,7 @@ def _inferred_value_infos(
         # What onnx.shape_inference.infer_shapes runs on the bytes it serialises, before parsing the result.
         result = onnx.shape_inference.C.infer_shapes(data, False, False, data_propagation)  # check_type, strict_mode, data_prop
         if not subgraph_nodes and native_available():
-            scanned = _scanned(result, VALUE_INFO, len(model.graph.node))  # inference adds and moves no node
+            scanned = _scanned(result, VALUE_INFO | OUTPUT, len(model.graph.node))  # inference adds and moves no node
             if scanned is not None:
                 return scanned
         inferred = onnx.load_from_string(result)
@@ -598,9 +602,9 @@ def _stripped(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _value_infos(inferred: onnx.ModelProto, subgraph_nodes: list[int] | None) -> list[onnx.ValueInfoProto]:
-    """The value infos of ``inferred``'s main graph, then of its subgraphs; ``subgraph_nodes`` (the main
+    """The value infos and outputs of ``inferred``'s main graph, then of its subgraphs; ``subgraph_nodes`` (the main
     graph's nodes that hold one; None: look at every node) saves a walk over the others."""
-    infos = list(inferred.graph.value_info)
+    infos = list(inferred.graph.value_info) + list(inferred.graph.output)  # an output's inferred shape is in the output
     # Value names are unique across scopes (SSA), so the types inferred inside If/Loop bodies join the
     # same table: the matcher reads If branches that select a first step.
     main = inferred.graph.node

@@ -66,6 +66,7 @@ loading the native scanner."""
 
 _SOURCE = Path(__file__).with_name("_scan.cc")
 _WIRE_HEADER = Path(__file__).with_name("_wire.h")
+_PYLIST_HEADER = Path(__file__).with_name("_pylist.h")
 _MODULE = "sgdfuse.passes._scan"
 # -fno-strict-aliasing as CPython's own extensions are built; no -ffast-math (there is no arithmetic to speed).
 _FLAGS = ("-std=c++17", "-O2", "-fno-strict-aliasing", "-fPIC", "-shared", "-fvisibility=hidden")
@@ -353,7 +354,7 @@ _LOADED: dict[tuple[str, str], ScannerBuild | ScannerBuildError] = {}
 
 def build_extension(source: Path, module_name: str, cache_name: str, what: str, *, root: str, force: bool = False) -> ScannerBuild:
     """Build (or reuse) and load the CPython extension module ``module_name`` compiled from the C++ file
-    ``source`` and the wire-format header ``_wire.h`` it includes (both beside this file), cached under
+    ``source`` and the headers ``_wire.h`` (the wire format) and ``_pylist.h`` it includes (all beside this file), cached under
     ``root / cache_name`` by a key of compiler, flags, Python ABI, sources and header: the node scanner's
     build, shared by :mod:`sgdfuse.passes.value_scan`. Once per module and cache root in a process (a
     failure is remembered too), unless ``force``.
@@ -383,7 +384,7 @@ def _build_extension(source: Path, module_name: str, cache_name: str, what: str,
     flags = [*_FLAGS, *(["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else [])]
     key = hashlib.sha256(
         b"\0".join([compiler_version.encode(), *(f.encode() for f in flags), suffix.encode(), sys.version.encode(), headers,
-                     source.read_bytes(), _WIRE_HEADER.read_bytes()])
+                     source.read_bytes(), _WIRE_HEADER.read_bytes(), _PYLIST_HEADER.read_bytes()])
     ).hexdigest()[:16]
     path, cached, seconds = build_cached(
         Path(root) / cache_name / key,

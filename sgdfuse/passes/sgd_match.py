@@ -26,7 +26,7 @@ import math
 import operator
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -543,7 +543,7 @@ def _named_next(index: GraphIndex, float_outputs: list[str], pins: RolePins, can
     """Name evidence of which output is the next value of which state input (buf -> buf_out), by the
     input: the copy-free value of the first output so named (``canonical``: the outputs' copy-free values, when
     known)."""
-    return _next_by_previous(index, _previous_of(index, float_outputs, pins), canonical)
+    return _next_by_previous(index, _previous_of(index, float_outputs, pins), canonical, pins.state)
 
 
 def _previous_of(index: GraphIndex, float_outputs: list[str], pins: RolePins) -> dict[str, str | None]:
@@ -556,12 +556,36 @@ def _previous_of(index: GraphIndex, float_outputs: list[str], pins: RolePins) ->
     return previous_of
 
 
-def _next_by_previous(index: GraphIndex, previous_of: Mapping[str, str | None], canonical: Mapping[str, str] | None) -> dict[str, str]:
-    """:func:`_named_next` from the outputs' :func:`_previous_of`, in output order."""
+class _Claimed(str):
+    """A state's next value as the first output naming it gives it, when other outputs named after the same
+    state hold other values (``buf_out`` and ``new_buf``, one ``2*new_buf``): equal to that first value as a
+    string, so every other reader of the name evidence goes on as before; :func:`_in_place_problem` refuses
+    a reading that writes such a state in place (``ambiguous-roles``), since the names do not say which."""
+
+    claimants: tuple[str, ...]
+
+
+def _next_by_previous(
+    index: GraphIndex, previous_of: Mapping[str, str | None], canonical: Mapping[str, str] | None, pinned: Container[str] = ()
+) -> dict[str, str]:
+    """:func:`_named_next` from the outputs' :func:`_previous_of`, in output order. A pinned output (``pinned``:
+    the user's ``--state`` outputs) is the next value of its state whatever names say; two outputs named after
+    one state with different copy-free values make it a :class:`_Claimed`."""
     named_next: dict[str, str] = {}
+    by: dict[str, str] = {}  # state -> the output that named it first
     for o, previous in previous_of.items():
-        if previous is not None and previous not in named_next:
-            named_next[previous] = canonical[o] if canonical is not None and o in canonical else _skip_copies(index, o)
+        if previous is None:
+            continue
+        value = canonical[o] if canonical is not None and o in canonical else _skip_copies(index, o)
+        first = by.get(previous)
+        if first is None:
+            named_next[previous], by[previous] = value, o
+        elif o in pinned and first not in pinned:
+            named_next[previous], by[previous] = value, o
+        elif value != named_next[previous] and first not in pinned:
+            claimed = _Claimed(named_next[previous])
+            claimed.claimants = (*getattr(named_next[previous], "claimants", (first,)), o)
+            named_next[previous] = claimed
     return named_next
 
 
@@ -578,7 +602,7 @@ def _find_by_class(
     copy-free values, when known)."""
     float_outputs = list(itertools.compress(outputs, map(_EPS.__contains__, map(_dtype_of, map(index.specs.get, outputs, itertools.repeat(_NO_SPEC))))))
     previous_of = _previous_of(index, float_outputs, pins)
-    named_next = _next_by_previous(index, previous_of, canonical)
+    named_next = _next_by_previous(index, previous_of, canonical, pins.state)
     name_facts = name_facts_of(index, pins, named_next, previous_of)
 
     def solve(some: list[str]) -> tuple[list[Match], list[Miss]]:
@@ -893,6 +917,16 @@ def _in_place_problem(match: Match, named_next: dict[str, str], canonical: dict[
     buffer is ``buf_out``, whatever the algebra of ``delta`` allows)."""
     for role, old, new in (("parameters", match.parameters, match.parameters_out), ("momentum buffer", match.accum, match.accum_out)):
         named = named_next.get(old)
+        if isinstance(named, _Claimed):
+            claimants = " and ".join(named.claimants)
+            return Miss(
+                match.parameters_out,
+                "ambiguous-roles",
+                f"{claimants} are each named as the next value of the {role} {old} and hold different values, so the "
+                f"names do not say which one to write into {old} in place (this reading takes {new}). Say which: "
+                f"--state {named.claimants[0]}={old} (RolePins(state=...) in the API), or rename the others.",
+                score=10,
+            )
         if named is not None and named != canonical.get(new, new):
             if role == "parameters":
                 return Miss(
@@ -1625,6 +1659,17 @@ def _inexact_coefficients(
             "dtype, which rounds it; give it in that dtype, or allow rounding (--allow-rounding).",
             score=6,
         ), spacings
+    degenerate = _degenerate_rounding(solved.lr, lr_op, solved.m, m_op)
+    if degenerate is not None:
+        # Not a rounding of the update but another update: --allow-rounding does not cover it.
+        return Miss(
+            solved.w,
+            "hyperparameter-precision",
+            f"the op takes learning rate and momentum in {dtype_name(dtype)} (the parameters' dtype), where {degenerate}; "
+            "that is another update, not a rounding of this one, so it is refused even with --allow-rounding. Keep "
+            "the parameters in a wider dtype or change the hyper-parameter.",
+            score=6,
+        ), spacings
     have = _op_forms(normaliser, solved, g, sign, lr_op, m_op, dampening, weight_decay)
     rounded_spacings = _worst_difference(have, graph, solved, rel, exact_parameters)[0][0]
     if rounded_spacings <= SPACINGS or rel.allow_rounding:
@@ -1642,6 +1687,22 @@ def _inexact_coefficients(
         "(allow_rounding=True) if that is acceptable.",
         score=6,
     ), rounded_spacings
+
+
+def _degenerate_rounding(lr: Poly, lr_op: Poly, m: Poly, m_op: Poly) -> str | None:
+    """What rounding the constant learning rate or momentum to the op's dtype makes of the update when it is
+    no longer the same kind of update, else None: a non-zero learning rate that becomes 0 (the weights never
+    move), a non-zero momentum that becomes 0 (no momentum), or a momentum below 1 in magnitude that becomes
+    1 or more (the buffer no longer decays: FLOAT16's 0.9995 is 1)."""
+    if lr.is_constant and lr_op.is_constant and lr.constant_value != 0 and lr_op.constant_value == 0:
+        return f"the learning rate {lr.constant_value:.9g} becomes 0 and the weights would never move"
+    if m.is_constant and m_op.is_constant:
+        before, after = m.constant_value, m_op.constant_value
+        if before != 0 and after == 0:
+            return f"the momentum {before:.9g} becomes 0"
+        if abs(before) < 1 <= abs(after):
+            return f"the momentum {before:.9g} becomes {after:.9g} and the buffer would no longer decay"
+    return None
 
 
 def _relative(have: Poly, want: Poly) -> str:
@@ -1871,6 +1932,41 @@ def _why_unread(index: GraphIndex, normaliser: Normaliser, v: str, buffer: str) 
         node = index.node(leaf) if leaf != ONE else None
         if node is None or buffer not in node.input:
             continue
+        if node.op_type == "Where" and len(node.input) == 3 and buffer in node.input[1:]:
+            other = node.input[2] if node.input[1] == buffer else node.input[1]
+            if _is_zeros(index, other):
+                when = "true" if node.input[2] == buffer else "false"
+                return Miss(
+                    v,
+                    "first-step-unsupported",
+                    f"{v} reads the buffer {buffer} through {leaf} = Where({node.input[0]}, ...), which zeroes the old "
+                    f"buffer when {node.input[0]} is {when} (a first-step rule on the old buffer); sgdfuse fuses a "
+                    f"first-step rule written on the new buffer, {v} = Where(first, grad, m*{buffer} + (1-d)*grad), "
+                    "not on the old one.",
+                    score=4,
+                )
+        if node.op_type == "Mul" and len(node.input) == 2:
+            factor = node.input[1] if node.input[0] == buffer else node.input[0]
+            constant = index.constant(factor)
+            elements = constant.size if constant is not None else _elements(index.spec(factor).shape)
+            uniform = constant is not None and constant.size > 0 and bool(np.all(constant == constant.reshape(-1)[0]))
+            if factor != buffer and not uniform and (elements is None or elements > 1):
+                return Miss(
+                    v,
+                    "tensor-factor",
+                    f"{v} multiplies the buffer {buffer} by {factor}, a tensor of "
+                    f"{'unknown size' if elements is None else f'{elements} elements'} (a per-element momentum); the "
+                    "SGD operator takes one momentum for the whole tensor.",
+                    score=4,
+                )
+        if node.op_type not in _LINEAR_OPS:
+            return Miss(
+                v,
+                "no-momentum-buffer",
+                f"{v} reads the buffer {buffer} only through {node.op_type} node {node.name or '(unnamed)'} ({leaf}), "
+                "which is not linear in it, so no momentum multiplies the buffer itself; no momentum-SGD reading.",
+                score=4,
+            )
         for operand in node.input:
             constant = index.constant(operand) if operand and operand != buffer else None
             if constant is not None and constant.dtype.kind == "f" and not np.all(np.isfinite(constant.astype(np.float64))):
@@ -1882,6 +1978,33 @@ def _why_unread(index: GraphIndex, normaliser: Normaliser, v: str, buffer: str) 
                     score=4,
                 )
     return None
+
+
+_LINEAR_OPS = frozenset({"Mul", "Add", "Sub", "Neg", "Div", "Identity", "Cast"})
+"""Ops whose output the normaliser reads as linear in an operand (a leaf made by one of them that reads the
+buffer is a scaling the normaliser could not resolve, such as a non-finite constant, not another op)."""
+
+
+def _elements(shape) -> int | None:
+    """The number of elements of a static shape, None when a dimension (or the shape) is unknown."""
+    if shape is None or any(not isinstance(d, int) for d in shape):
+        return None
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _is_zeros(index: GraphIndex, value: str) -> bool:
+    """``value`` is all zeros by construction: a small constant of zeros, or ``ConstantOfShape`` whose value
+    attribute is zero or absent (ONNX: a FLOAT 0 by default)."""
+    constant = index.constant(value)
+    if constant is not None:
+        return bool(constant.size) and not np.any(constant.astype(np.float64))
+    node = index.node(value)
+    if node is None or node.op_type != "ConstantOfShape":
+        return False
+    for attribute in node.attribute:
+        if attribute.name == "value":
+            return not np.any(onnx.numpy_helper.to_array(attribute.t).astype(np.float64))
+    return True
 
 
 def _state_problem(index: GraphIndex, w: str, v: str, p: str, a: str, pins: RolePins | None = None) -> Miss | None:
@@ -1944,10 +2067,44 @@ def _previous_by_name(index: GraphIndex, output: str, pins: RolePins | None = No
     return previous_by_name(output, index.state_names)
 
 
+def _origin_problem(index: GraphIndex, value: str, limit: int = 10_000) -> str | None:
+    """Why shape inference could not type ``value``, when the graph itself is at fault: a node of its cone
+    reads a value that nothing defines (no node output, graph input or initializer), or reads a value a later
+    node computes (ONNX requires nodes in topological order). None when neither is found within ``limit``
+    nodes. Asked only of a refusal: the walk costs nothing on the way to a fusion."""
+    producer, nodes = index.producer, index.graph.node
+    stack, seen = [value], {value}
+    while stack and len(seen) < limit:
+        k = producer.get(stack.pop())
+        if k is None:
+            continue
+        node = nodes[k]
+        label = node.name or f"#{k} ({node.op_type})"
+        for name in node.input:
+            if not name or name in seen:
+                continue
+            seen.add(name)
+            j = producer.get(name)
+            if j is None and not index.is_input_name(name) and name not in index.initializers:
+                return f"node {label} reads {name}, which nothing defines (no node output, graph input or initializer of that name)."
+            if j is not None and j > k:
+                return (
+                    f"node {label} reads {name} before node {nodes[j].name or f'#{j} ({nodes[j].op_type})'} computes it: "
+                    "the graph is not in topological order, which ONNX requires (onnx.checker says so); sort its nodes."
+                )
+            stack.append(name)
+    return None
+
+
 def _typing_problem(
     index: GraphIndex, normaliser: Normaliser, w: str, v: str, p: str, a: str, g: str
 ) -> Miss | None:
     specs = {name: index.spec(name) for name in (p, g, a, w, v)}
+    for name, spec in specs.items():
+        if spec.dtype == 0 or spec.shape is None:
+            origin = _origin_problem(index, name)
+            if origin is not None:
+                return Miss(w, "dtype-mismatch" if spec.dtype == 0 else "shape-mismatch", f"{name}'s type is unknown: {origin}")
     dtype = specs[p].dtype
     for name, spec in specs.items():
         if spec.dtype != dtype:
