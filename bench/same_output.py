@@ -10,6 +10,12 @@ directory first on ``PYTHONPATH``), which calls the CLI's entry point in-process
     python bench/same_output.py --base /tmp/base --new . testdata /tmp/perf-bench/sgd_bench_10000.onnx
 
 Arguments are model files or directories (searched for ``*.onnx``). Exit 0 when every file agrees.
+
+With ``--check``, ``sgdfuse check MODEL FUSED --steps 3`` is compared instead (exit code and console text), FUSED
+being the base tree's ``sgdfuse optimize MODEL --no-verify`` output, made first (a model it refuses to write is
+left out and counted):
+
+    python bench/same_output.py --check --base /tmp/base --new . testdata /tmp/cf-bench/sgd_bench_10000.onnx
 """
 
 from __future__ import annotations
@@ -34,8 +40,12 @@ def _child(tree: str, jobs_file: str, out_dir: str) -> None:
         raise SystemExit(f"sgdfuse imported from {sgdfuse.__file__}, not from {tree}")
     results = {}
     for job in json.loads(Path(jobs_file).read_text()):
-        name, model, flags = job["name"], job["model"], job["flags"]
-        argv = ["optimize", model, "-o", os.path.join(out_dir, f"{name}.onnx"), "--report", os.path.join(out_dir, f"{name}.json"), "-q", *flags]
+        name = job["name"]
+        if "argv" in job:
+            argv = job["argv"]
+        else:
+            model, flags = job["model"], job["flags"]
+            argv = ["optimize", model, "-o", os.path.join(out_dir, f"{name}.onnx"), "--report", os.path.join(out_dir, f"{name}.json"), "-q", *flags]
         out, err = io.StringIO(), io.StringIO()
         code = 0
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -60,6 +70,37 @@ def _run(tree: str, jobs_file: str, out_dir: str) -> dict:
     return json.loads(Path(out_dir, "results.json").read_text())
 
 
+def _compare_checks(args) -> int:
+    """``--check``: fuse every model with the base tree, then run ``sgdfuse check`` with both trees."""
+    models = _models(args.models)
+    with contextlib.ExitStack() as stack:
+        root = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="sgdfuse-same-check-"))
+        fused_dir = os.path.join(root, "fused")
+        os.makedirs(fused_dir, exist_ok=True)
+        jobs_file = os.path.join(root, "optimize.json")
+        Path(jobs_file).write_text(json.dumps(
+            [{"name": f"{k:03d}_{model.stem}", "model": str(model), "flags": ["--no-verify"]} for k, model in enumerate(models)]))
+        _run(args.base, jobs_file, fused_dir)
+        jobs = []
+        for k, model in enumerate(models):
+            fused = Path(fused_dir, f"{k:03d}_{model.stem}.onnx")
+            if fused.exists():
+                jobs.append({"name": f"{k:03d}_{model.stem}.check", "argv": ["check", str(model), str(fused), "--steps", "3"]})
+        jobs_file = os.path.join(root, "check.json")
+        Path(jobs_file).write_text(json.dumps(jobs))
+        results = {}
+        for side, tree in (("base", args.base), ("new", args.new)):
+            os.makedirs(os.path.join(root, side), exist_ok=True)
+            results[side] = _run(tree, jobs_file, os.path.join(root, side))
+        differing = [job["name"] for job in jobs if results["base"][job["name"]] != results["new"][job["name"]]]
+        codes = [results["base"][job["name"]]["code"] for job in jobs]
+        print(f"{len(models)} models, {len(jobs)} fused by the base tree and checked; identical exit code and console text: "
+              f"{len(jobs) - len(differing)} (exit 0: {codes.count(0)}, exit 1: {codes.count(1)}, other: {len(codes) - codes.count(0) - codes.count(1)})")
+        for name in differing:
+            print("DIFFERS:", name)
+        return 1 if differing else 0
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         _child(*sys.argv[2:5])
@@ -70,7 +111,10 @@ def main() -> int:
     parser.add_argument("--new", required=True, help="source tree holding the sgdfuse package under test")
     parser.add_argument("--verify-max-bytes", type=int, default=1 << 20, help="also run with verification for models up to this size")
     parser.add_argument("--keep", help="write the outputs under this directory (default: a temporary one, removed)")
+    parser.add_argument("--check", action="store_true", help="compare sgdfuse check on each model and the base tree's fused form")
     args = parser.parse_args()
+    if args.check:
+        return _compare_checks(args)
 
     jobs = []
     for k, model in enumerate(_models(args.models)):

@@ -303,12 +303,13 @@ def _about_file(path: Path):
         raise SgdfuseError(f"{path}: {text[len('model: '):] if error.subject == 'model' else text}") from error
 
 
-def _require_text_names(model: onnx.ModelProto, path: Path) -> None:
-    """:func:`sgdfuse.passes.index.require_text_names`, the error naming the file ``path``."""
+def _require_text_names(model: onnx.ModelProto, path: Path, table=None) -> None:
+    """:func:`sgdfuse.passes.index.require_text_names`, the error naming the file ``path``; ``table``: the
+    model's node table, when the caller has it."""
     from sgdfuse.passes.index import require_text_names
 
     try:
-        require_text_names(model)
+        require_text_names(model, table=table)
     except ModelNameError as error:
         raise error.in_file(path) from None
 
@@ -472,16 +473,20 @@ def check_command(
     ),
 ) -> None:
     """Run ORIGINAL and FUSED in onnxruntime on the same seeded inputs for STEPS chained steps, natively and in DOUBLE, in lockstep and in place; exit 0 only if every output and every in-place state write agrees and every fused update's gradient was non-zero on some compared step (one that stays zero on every input fed fails as never compared)."""
+    from sgdfuse.passes.scan import node_table
     from sgdfuse.verify import check_models
 
     _require_input(original)
     _require_input(fused)
     models = []
+    tables = []  # read once, for the names' check and for the check itself
     for path in (original, fused):
         models.append(api.load_model(path, load_external_data=True))
-        _require_text_names(models[-1], path)
+        tables.append(node_table(models[-1]))
+        _require_text_names(models[-1], path, tables[-1])
     try:
-        result = check_models(models[0], models[1], steps=steps, seed=seed, pinned=_pins(state, None).state)
+        result = check_models(models[0], models[1], steps=steps, seed=seed, pinned=_pins(state, None).state,
+                              node_tables=(tables[0], tables[1]))
     except ValueError as error:
         raise SgdfuseError(f"{fused}: {error}") from error
     except SgdfuseError:

@@ -139,6 +139,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import heapq
 import logging
@@ -156,7 +157,7 @@ from sgdfuse.contract import TensorSpec
 from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, Specialisation, function_opset, read_sgd_attributes, sgd_functions_for, sgd_functions_for_overloads
 from sgdfuse.lift import FLOAT_TYPES, lift_to_double, missing_kernels, specialise
 from sgdfuse.passes.index import GraphIndex
-from sgdfuse.passes.scan import node_table
+from sgdfuse.passes.scan import NodeTable, node_table
 from sgdfuse.passes.sgd_match import previous_by_name
 from sgdfuse.runtime import ORT_KERNEL_ENV, make_session, onnx_to_numpy_dtype, run
 
@@ -799,6 +800,8 @@ class _Probes:
         self.base = base
         self.shared = shared
         self.nodes: list[onnx.NodeProto] = []
+        self.copies: list[tuple[str, str]] = []
+        """Per node of ``nodes``: ``(the value it copies, its output)``."""
         self._made: dict[str, str] = {}
         self._next: dict[str, int] = {}
 
@@ -813,6 +816,7 @@ class _Probes:
         self._next[base] = counter
         self.taken.add(name)
         self.nodes.append(helper.make_node("Identity", [value], [name]))
+        self.copies.append((value, name))
         self._made[value] = name
         return name
 
@@ -975,14 +979,44 @@ class _ConstantInputs:
 
     _KEEP = frozenset({"Identity", "Cast", "CastLike", "Expand", "Reshape"})
 
-    def __init__(self, graph: onnx.GraphProto) -> None:
+    def __init__(self, graph: onnx.GraphProto, producers: Mapping[str, onnx.NodeProto] | None = None) -> None:
+        """``producers``: value name → the node of ``graph`` that outputs it (the last one, as a dict built over
+        ``graph.node`` has it), when the caller has that table; else it is built on first use."""
         self._graph = graph
-        self._producers: dict[str, onnx.NodeProto] | None = None
+        self._producers: Mapping[str, onnx.NodeProto] | None = producers
         self._initializers: dict[str, onnx.TensorProto] | None = None
+        self._values: dict[object, np.ndarray] = {}
+        """Values read: per initializer name, and per serialised ``value`` tensor (equal bytes, equal value;
+        each SGD node's ``stat`` is a ``ConstantOfShape`` of its own, all of the same value). Never mutated."""
+        self._facts: dict[tuple, object] = {}
+        """Per test and value (dtype, shape, bytes), and per overload name: what :meth:`holds` and
+        :meth:`specialisation` found (a step has a few distinct values and overloads)."""
+
+    def holds(self, test, value: np.ndarray) -> bool:
+        """``test(value)``, asked once per distinct value (``test`` a pure function of the array's dtype, shape and
+        elements)."""
+        key = (test, value.dtype.str, value.shape, value.tobytes())
+        known = self._facts.get(key)
+        if known is None:
+            known = self._facts[key] = bool(test(value))
+        return known
+
+    def specialisation(self, overload: str) -> Specialisation | None:
+        """``Specialisation.from_overload(overload)`` (a frozen value), None for a name it refuses; once per name."""
+        key = ("overload", overload)
+        if key not in self._facts:
+            try:
+                self._facts[key] = Specialisation.from_overload(overload)
+            except ValueError:
+                self._facts[key] = None
+        return self._facts[key]
 
     def value(self, name: str) -> np.ndarray | None:
-        if self._producers is None:
-            self._producers = {o: node for node in self._graph.node for o in node.output if o}
+        """The constant value of ``name`` as a float64 array (shared between calls: read it, do not change it),
+        or None."""
+        if self._initializers is None:
+            if self._producers is None:
+                self._producers = {o: node for node in self._graph.node for o in node.output if o}
             inputs = {i.name for i in self._graph.input}
             self._initializers = {t.name: t for t in self._graph.initializer if t.name not in inputs}
         for _ in range(16):  # a short chain of copies at most
@@ -990,7 +1024,10 @@ class _ConstantInputs:
                 tensor = self._initializers[name]
                 if tensor.data_location == onnx.TensorProto.EXTERNAL:
                     return None  # never loaded here
-                return numpy_helper.to_array(tensor).astype(np.float64)
+                key = ("initializer", name)
+                if key not in self._values:
+                    self._values[key] = numpy_helper.to_array(tensor).astype(np.float64)
+                return self._values[key]
             node = self._producers.get(name)
             if node is None or node.domain not in ("", "ai.onnx"):
                 return None
@@ -998,11 +1035,25 @@ class _ConstantInputs:
                 value = next((a.t for a in node.attribute if a.name == "value"), None)
                 if value is None:
                     return np.zeros(1) if node.op_type == "ConstantOfShape" else None
-                return numpy_helper.to_array(value).astype(np.float64)
+                key = value.SerializeToString()
+                if key not in self._values:
+                    self._values[key] = numpy_helper.to_array(value).astype(np.float64)
+                return self._values[key]
             if node.op_type not in self._KEEP or not node.input:
                 return None
             name = node.input[0]
         return None
+
+
+def _all_positive_zero(value: np.ndarray) -> bool:
+    """``value`` has an element and every element is +0 (not -0, not NaN): ``value.size`` and neither
+    ``value != 0`` nor ``signbit`` anywhere."""
+    return bool(value.size) and not np.any(value != 0) and not np.any(np.signbit(value))
+
+
+def _all_nonzero(value: np.ndarray) -> bool:
+    """``value`` has an element and none equals 0 (NaN does not): ``value.size`` and not ``value == 0`` anywhere."""
+    return bool(value.size) and not np.any(value == 0)
 
 
 def _overload_input_problem(node: onnx.NodeProto, constants: _ConstantInputs) -> str:
@@ -1011,23 +1062,25 @@ def _overload_input_problem(node: onnx.NodeProto, constants: _ConstantInputs) ->
     provably do. The body then computes another function than the device op, which reads those inputs:
     onnxruntime's numbers prove nothing about the device (a stat of 1 fed to a ``stat0`` body passed check,
     and the lowered graph skipped dampening)."""
-    if not node.overload:
+    overload = node.overload
+    if not overload:
         return ""
-    try:
-        spec = Specialisation.from_overload(node.overload)
-    except ValueError:
+    spec = constants.specialisation(overload)
+    if spec is None:
         return ""  # _overload_problem reports it
-    subject = node.name or "SGD node"
+    inputs = node.input
     if spec.stat_zero:
-        stat = node.input[5] if len(node.input) > 5 else ""
+        stat = inputs[5] if len(inputs) > 5 else ""
         value = constants.value(stat) if stat else None
-        if value is None or value.size == 0 or np.any(value != 0) or np.any(np.signbit(value)):
-            return (f"{subject}: its body {node.overload} assumes stat is +0 in every element, but {stat or 'its stat'} is not "
+        if value is None or not constants.holds(_all_positive_zero, value):
+            subject = node.name or "SGD node"
+            return (f"{subject}: its body {overload} assumes stat is +0 in every element, but {stat or 'its stat'} is not "
                     "a constant +0; the device op reads stat and onnxruntime's body does not, so these numbers prove nothing")
     if spec.momentum_nonzero:
-        momentum = node.input[4] if len(node.input) > 4 else ""
+        momentum = inputs[4] if len(inputs) > 4 else ""
         value = constants.value(momentum) if momentum else None
-        if value is None or value.size == 0 or np.any(value == 0):
+        if value is None or not constants.holds(_all_nonzero, value):
+            subject = node.name or "SGD node"
             return (f"{subject}: its body {node.overload} assumes momentum is a constant other than 0, but {momentum or 'its momentum'} "
                     "is not one; the device op decides on momentum at run time, so these numbers prove nothing")
     return ""
@@ -1822,7 +1875,8 @@ class ModelCheck:
 
 
 def check_models(
-    original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: int = 3, seed: int = 0, pinned: Mapping[str, str] | None = None
+    original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: int = 3, seed: int = 0, pinned: Mapping[str, str] | None = None,
+    node_tables: tuple[NodeTable, NodeTable] | None = None,
 ) -> ModelCheck:
     """Run two whole models (an original and its fused form) in onnxruntime, natively and lifted to DOUBLE,
     at every size, over the schedule of the module docstring: once in lockstep (both fed the original's
@@ -1834,19 +1888,25 @@ def check_models(
     this module, every other output must be identical in lockstep (NaN equal to NaN); in place, the value
     each side writes into each SGD-updated state must agree within the bound.
 
+    ``node_tables``: ``(node_table(original), node_table(fused))`` (:func:`sgdfuse.passes.scan.node_table`), when
+    the caller has read them (``sgdfuse check`` does, for the names' check); else they are read here.
+
     Raises:
         ValueError: the two models do not have the same graph inputs and outputs, or an input's shape is
             unknown so no test data can be made, or the original cannot run at any size.
     """
-    original_inputs = [i.name for i in original.graph.input if i.name not in {t.name for t in original.graph.initializer}]
-    fused_inputs = [i.name for i in fused.graph.input if i.name not in {t.name for t in fused.graph.initializer}]
+    original_initializers = {t.name for t in original.graph.initializer}  # once, not per input
+    fused_initializers = {t.name for t in fused.graph.initializer}
+    original_inputs = [i.name for i in original.graph.input if i.name not in original_initializers]
+    fused_inputs = [i.name for i in fused.graph.input if i.name not in fused_initializers]
     outputs = [o.name for o in original.graph.output]
     if original_inputs != fused_inputs or outputs != [o.name for o in fused.graph.output]:
         raise ValueError("the two models differ in their graph inputs or outputs; they are not an original and its fused form")
 
     with collector.paused():  # millions of small containers, no cycles among them
         index = _declarations(original)
-        sides = (_Side.of(original), _Side.of(fused))
+        tables = node_tables or (None, None)
+        sides = (_Side.of(original, tables[0]), _Side.of(fused, tables[1]))
         views = _fused_views(sides[1], set(original_inputs))
         _probe_original_gradients(sides[0], views)
         original_pairs = _original_pairs(index, original, views, pinned)
@@ -1863,7 +1923,7 @@ def check_models(
         runner = _GroupRunner(index, sides, views, inputs, original_pairs, output_tallies, state_tallies, steps=steps, seed=seed)
         runner.notes.extend(_claim_notes(index.graph_outputs, {s for view in views for s in view.roles}, original_pairs, pinned))
         verified_as = _run_groups(index, sides, groups, views, inputs, original_pairs, fused_pairs, runner, seed=seed)
-        _fail_inconsistent_overloads(fused, views, output_tallies, state_tallies)
+        _fail_inconsistent_overloads(fused, views, output_tallies, state_tallies, side=sides[1])
         if not runner.runs and not any(not t.passed for t in output_tallies.values()):
             raise ValueError("the original model cannot run at any size tried: " + "; ".join(runner.notes))
 
@@ -1898,8 +1958,12 @@ def check_models(
         classes = f"; {len(groups)} independent groups of outputs, {runner.groups_run} run" + (
             ", the others verified as a run member of their class" if runner.groups_run < len(groups) else "")
         logger.info("check: %s", classes[2:])
-        return ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups),
-                          runner.groups_run, uncompared)
+        result = ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups),
+                            runner.groups_run, uncompared)
+        # Free the check's own millions of objects while the collector is paused: once it runs again, its first
+        # collection walks every object made meanwhile that is still alive (about a second at 50,000 updates).
+        del index, sides, views, groups, runner, output_tallies, state_tallies, inputs, verified_as, fused_pairs, update_outputs
+    return result
 
 
 def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Mapping[str, _Input], output_tallies: dict,
@@ -1978,13 +2042,19 @@ def _foreign_bodies(fused: onnx.ModelProto, overloads: set[str]) -> dict[str, st
     return found
 
 
-def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_UpdateView], output_tallies, state_tallies) -> None:
+def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_UpdateView], output_tallies, state_tallies,
+                                 *, side: "_Side | None" = None) -> None:
     """Fail the outputs and state writes of every SGD node whose specialised body (its ``overload``, what
     onnxruntime runs) assumes other attributes than the node has (what the lowered GE op reads): the numbers
-    of such a node prove nothing about the device."""
-    nodes = [node for node in fused.graph.node if node.domain == DOMAIN and node.op_type == OP_TYPE]
+    of such a node prove nothing about the device. ``side``: the fused model's :class:`_Side` (its op types,
+    domains and producers are then not read again)."""
+    if side is None:
+        nodes = [node for node in fused.graph.node if node.domain == DOMAIN and node.op_type == OP_TYPE]
+        constants = _ConstantInputs(fused.graph)
+    else:
+        nodes = [side.nodes[k] for k in _sgd_positions(side)]
+        constants = _ConstantInputs(fused.graph, _Producers(side))
     problems: dict[tuple, str] = {}  # per overload and attributes: a few hundred kinds of node at most
-    constants = _ConstantInputs(fused.graph)
     bodies = _foreign_bodies(fused, {node.overload for node in nodes})
     for node, (k, view) in zip(nodes, enumerate(views)):
         kind = (node.overload, tuple(a.SerializeToString(deterministic=True) for a in node.attribute))
@@ -2053,15 +2123,29 @@ class _Side:
     outputs: list[str]
     subgraph: list[bool]
     """Per node: an attribute of it is of type ``GRAPH`` or ``GRAPHS``."""
+    op_types: list[str] = dataclasses.field(default_factory=list)
+    """Per node: ``NodeProto.op_type`` (read once, from the node table)."""
+    domains: list[str] = dataclasses.field(default_factory=list)
+    """Per node: ``NodeProto.domain``."""
+    table: NodeTable | None = None
+    """The node table of ``model``'s graph nodes (``len(table)`` of them; nodes added by :meth:`extend` come after)."""
+    _opsets: list[onnx.OperatorSetIdProto] | None = dataclasses.field(default=None, repr=False)
+    copies: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """When every node after the table's is an ``Identity`` made here (:meth:`extend` with ``copies``): per node,
+    ``(its input, its output)``; else empty."""
 
     @classmethod
-    def of(cls, model: onnx.ModelProto) -> "_Side":
+    def of(cls, model: onnx.ModelProto, table: NodeTable | None = None) -> "_Side":
+        """The side of ``model``; ``table``: its :func:`node_table`, when the caller has it."""
         graph = model.graph
         nodes = list(graph.node)
         initializers = {t.name: t for t in graph.initializer}
         # Inputs and outputs from the node table (read once from the serialised graph, no Python object per
         # field read); a node holding a subgraph also reads what its subgraphs read from outside.
-        table = node_table(model)
+        if table is None:
+            table = node_table(model)
+        if len(table) != len(nodes):
+            raise ValueError(f"a node table of {len(table)} nodes for a graph of {len(nodes)}")
         reads = [
             _node_reads(node) if flagged else [name for name in names if name]
             for node, names, flagged in zip(nodes, table.inputs, table.has_subgraph)
@@ -2073,7 +2157,7 @@ class _Side:
         return cls(
             model, nodes, reads, writes, {o: k for k, names in enumerate(writes) for o in names},
             initializers, {i.name: i for i in graph.input if i.name not in initializers}, [o.name for o in graph.output],
-            subgraph,
+            subgraph, list(table.op_types), list(table.domains), table,
         )
 
     def sources(self, values: Iterable[str]) -> set[str]:
@@ -2116,44 +2200,77 @@ class _Side:
             memo[current] = found.union(*(memo.get(name, empty) for name in reads[k])) if k is not None else found
         return memo[value]
 
-    def extend(self, nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> None:
-        """Add ``nodes`` (after every other) and ``outputs`` (values to compute) to this side."""
+    def extend(self, nodes: Sequence[onnx.NodeProto], outputs: Sequence[str], *,
+               copies: Sequence[tuple[str, str]] | None = None) -> None:
+        """Add ``nodes`` (after every other) and ``outputs`` (values to compute) to this side. ``copies``: when
+        every node is an ``Identity`` made here (:class:`_Probes`), per node ``(its input, its output)``, which
+        are then not read back from the nodes."""
+        if copies is not None and len(self.nodes) == len(self.copies) + (len(self.table) if self.table is not None else -1):
+            self.copies.extend(copies)
+        elif nodes:
+            self.copies = []  # other nodes after the table's: none is described from this list
+        if copies is not None:
+            producer, reads, writes = self.producer, self.reads, self.writes
+            position = len(self.nodes)
+            for node, (value, name) in zip(nodes, copies, strict=True):
+                if name:
+                    producer[name] = position
+                position += 1
+                reads.append([value] if value else [])
+                writes.append([name] if name else [])
+            self.nodes.extend(nodes)
+            self.subgraph.extend([False] * len(nodes))
+            self.op_types.extend(["Identity"] * len(nodes))
+            self.domains.extend([""] * len(nodes))
+            self.outputs.extend(outputs)
+            return
         for node in nodes:
             self.producer.update((o, len(self.nodes)) for o in node.output if o)
             self.nodes.append(node)
             self.reads.append(_node_reads(node))
             self.writes.append([o for o in node.output if o])
             self.subgraph.append(_holds_subgraph(node))
+            self.op_types.append(node.op_type)
+            self.domains.append(node.domain)
         self.outputs.extend(outputs)
 
     def cone(self, outputs: Iterable[str]) -> list[int]:
         """Indices (in graph order) of the nodes that compute ``outputs``."""
         found: set[int] = set()
-        stack = [self.producer[o] for o in outputs if o in self.producer]
+        producer, reads = self.producer, self.reads
+        get = producer.get
+        stack = [producer[o] for o in outputs if o in producer]
+        push, pop, add = stack.append, stack.pop, found.add
         while stack:
-            k = stack.pop()
+            k = pop()
             if k in found:
                 continue
-            found.add(k)
-            stack.extend(j for name in self.reads[k] if (j := self.producer.get(name)) is not None and j not in found)
+            add(k)
+            for name in reads[k]:
+                j = get(name)
+                if j is not None and j not in found:
+                    push(j)
         return sorted(found)
 
     def parts(self, cone: Sequence[int], outputs: list[str], function_opset: int | None) -> _Parts:
         """The :class:`_Parts` of a model of the nodes ``cone`` with ``outputs``: its inputs are the fed
         graph inputs they read, its initializers the graph's they read."""
-        produced = {o for k in cone for o in self.writes[k]}
+        reads, writes, nodes = self.reads, self.writes, self.nodes
+        produced = {o for k in cone for o in writes[k]}
         initializers: list[onnx.TensorProto] = []
         inputs: list[str] = []
-        listed: set[str] = set()
-        for name in [n for k in cone for n in self.reads[k]] + outputs:
-            if name in produced or name in listed:
+        graph_initializers, fed = self.initializers, self.inputs
+        # Every name read (then the outputs) once, in the order of its first reading.
+        for name in dict.fromkeys([n for k in cone for n in reads[k]] + outputs):
+            if name in produced:
                 continue
-            listed.add(name)
-            if name in self.initializers:
-                initializers.append(self.initializers[name])
-            elif name in self.inputs:
+            if name in graph_initializers:
+                initializers.append(graph_initializers[name])
+            elif name in fed:
                 inputs.append(name)
-        return _Parts([self.nodes[k] for k in cone], [], outputs, list(self.model.opset_import), function_opset, initializers, inputs)
+        if self._opsets is None:
+            self._opsets = list(self.model.opset_import)
+        return _Parts([nodes[k] for k in cone], [], outputs, list(self._opsets), function_opset, initializers, inputs)
 
 
 @dataclasses.dataclass
@@ -2243,16 +2360,29 @@ def _check_groups(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], orig
         for k, (reads, writes) in enumerate(zip(side.reads, side.writes)):
             if shared[k]:
                 continue
+            # union(offset + k, x) for each x below, the reader's root found once and kept as the root of
+            # what it joins (which root a union keeps does not change the partition).
             here = offset + k
+            if parent[here] != here:
+                here = find(here)
             for name in reads:
                 j = producer(name)
                 if j is not None and not shared[j]:
-                    union(here, offset + j)
+                    other = offset + j
                 elif name in carried:
-                    union(here, value(name))
+                    other = value(name)
+                else:
+                    continue
+                above = parent[other]  # find(other), its two commonest cases inline: a root, a root's child
+                if above != other:
+                    other = above if parent[above] == above else find(above)
+                if other != here:
+                    parent[other] = here
             for name in writes:
                 if name in outputs:
-                    union(here, value(name))
+                    other = find(value(name))
+                    if other != here:
+                        parent[other] = here
         offset += len(side.nodes)
     for pairs in (original_pairs, fused_pairs):
         for state, output in pairs.items():
@@ -2264,15 +2394,28 @@ def _check_groups(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], orig
         for name in members[1:]:
             union(first, value(name))
     groups: dict[int, _Group] = {}
+
+    def group_of(name: str) -> _Group:  # groups.setdefault(find(value(name)), _Group()), no _Group made per call
+        root = value_ids.get(name)
+        if root is None:
+            root = value(name)
+        above = parent[root]
+        if above != root:
+            root = above if parent[above] == above else find(above)
+        group = groups.get(root)
+        if group is None:
+            group = groups[root] = _Group()
+        return group
+
     for name in sides[0].outputs:
-        groups.setdefault(find(value(name)), _Group()).original_outputs.append(name)
+        group_of(name).original_outputs.append(name)
     for name in sides[1].outputs:
-        groups.setdefault(find(value(name)), _Group()).fused_outputs.append(name)
+        group_of(name).fused_outputs.append(name)
     for k, view in enumerate(views):
-        groups.setdefault(find(value(view.parameters)), _Group()).views.append(k)
+        group_of(view.parameters).views.append(k)
     for name in inputs:  # graph input order
         if name in carried:
-            groups.setdefault(find(value(name)), _Group()).states.append(name)
+            group_of(name).states.append(name)
     result = list(groups.values())
     for group in result:
         group.cones = (sides[0].cone(group.original_outputs), sides[1].cone(group.fused_outputs))
@@ -2320,6 +2463,7 @@ class _GroupRunner:
         self.notes: list[str] = []
         self.groups_run = 0
         self._chunks = 0
+        self._pair_order: dict[str, int] | None = None
 
     def run(self, groups: Sequence[_Group]) -> None:
         """Run ``groups``, packed into models of about :data:`CHECK_CHUNK_NODES` nodes."""
@@ -2345,7 +2489,11 @@ class _GroupRunner:
         (original, original_fed), (fused, fused_fed) = self._model(0, chunk), self._model(1, chunk)
         views = [(k, self.views[k]) for group in chunk for k in group.views]
         states = {s for group in chunk for s in group.states}
-        original_pairs = {s: o for s, o in self.original_pairs.items() if s in states}
+        # The chunk's pairs in the order of the whole model's (not a pass over all of them per chunk).
+        order = self._pair_order
+        if order is None:
+            order = self._pair_order = {s: position for position, s in enumerate(self.original_pairs)}
+        original_pairs = {s: self.original_pairs[s] for s in sorted((s for s in states if s in order), key=order.__getitem__)}
         inputs = [self.inputs[name] for name in dict.fromkeys(original_fed + fused_fed)]
         outputs = [name for group in chunk for name in group.original_outputs]
         fused_names = [name for group in chunk for name in group.fused_outputs]
@@ -2489,6 +2637,32 @@ class ModelParts:
         return _describe_parts(self._side.parts(self._side.cone(outputs), outputs, None), spec_of, names, cache)
 
 
+def _describe_plain_nodes(side: _Side, cache: dict) -> None:
+    """Put into ``cache`` (:func:`_describe_parts`' own, keyed by node id: ``side`` must outlive it) the description
+    of each of ``side``'s graph nodes that holds no subgraph, from its node table: ``(op_type, domain, overload,
+    the attributes' bytes)`` interned, and its inputs, ``""`` and outputs, exactly what :func:`_describe_parts`
+    would read of the node. Only ``overload`` and the attributes are read from the node. A node the table flags
+    as holding a subgraph (an attribute typed ``GRAPH`` or ``GRAPHS``, or one holding a graph) is left to
+    :func:`_describe_parts`, which decides on it as before."""
+    table = side.table
+    if table is None:
+        return
+    intern = cache.setdefault("interned", {})
+    setdefault = intern.setdefault
+    nodes = side.nodes
+    if side.copies:  # the probes :meth:`_Side.extend` added: Identity(value) -> name, made by helper.make_node
+        copy_what = setdefault(("Identity", "", "", ()), len(intern))
+        for node, (value, name) in zip(nodes[len(table):], side.copies, strict=True):
+            cache[id(node)] = (copy_what, (value, "", name))
+    serialise = functools.partial(onnx.AttributeProto.SerializeToString, deterministic=True)
+    for node, op_type, domain, inputs, outputs, attributed, subgraph in zip(
+            nodes, table.op_types, table.domains, table.inputs, table.outputs, table.has_attributes, table.has_subgraph):
+        if subgraph:
+            continue
+        what = (op_type, domain, node.overload, tuple(map(serialise, node.attribute)) if attributed else ())
+        cache[id(node)] = (setdefault(what, len(intern)), (*inputs, "", *outputs))
+
+
 def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_pairs, fused_pairs, runner: _GroupRunner, *, seed: int) -> dict:
     """Run every group, or from :data:`CLASS_MIN_PLANS` groups on, per class of groups equal up to value
     names (:func:`_group_key`) its first member and a seeded sample of :data:`CLASS_SAMPLE` others; a class
@@ -2499,6 +2673,8 @@ def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_
         return {}
     classes: dict[object, list[int]] = {}
     cache: dict = {}  # the sides' protos outlive it
+    for side in sides:
+        _describe_plain_nodes(side, cache)
     for g, group in enumerate(groups):
         key = _group_key(index, sides, group, views, inputs, original_pairs, fused_pairs, cache)
         classes.setdefault(("own", g) if key is None else key, []).append(g)
@@ -2514,9 +2690,11 @@ def _run_groups(index, sides, groups: Sequence[_Group], views, inputs, original_
     for members in classes.values():
         ran = [groups[g] for g in members if g in chosen]
         if all(_group_passed(group, runner) for group in ran):
+            first = groups[members[0]]
+            by_name = {canonical: name for name, canonical in first.names.items()}  # once per class
             for g in members:
                 if g not in chosen:
-                    _copy_results(groups[members[0]], groups[g], runner, verified_as)
+                    _copy_results(first, groups[g], runner, verified_as, by_name)
         else:
             unrun.extend(g for g in members if g not in chosen)
     runner.run([groups[g] for g in sorted(unrun)])
@@ -2530,19 +2708,23 @@ def _group_passed(group: _Group, runner: _GroupRunner) -> bool:
     )
 
 
-def _copy_results(first: _Group, member: _Group, runner: _GroupRunner, verified_as: dict) -> None:
-    """``member`` gets ``first``'s results, value for value through the two groups' canonical names."""
-    by_name = {canonical: name for name, canonical in first.names.items()}
+def _copy_results(first: _Group, member: _Group, runner: _GroupRunner, verified_as: dict,
+                  by_name: Mapping[int, str] | None = None) -> None:
+    """``member`` gets ``first``'s results, value for value through the two groups' canonical names.
+    ``by_name``: ``first``'s canonical number → name (its ``names`` inverted), when the caller keeps it."""
+    if by_name is None:
+        by_name = {canonical: name for name, canonical in first.names.items()}
+    names, output_tallies, state_tallies, views = member.names, runner.output_tallies, runner.state_tallies, runner.views
     for name in member.original_outputs:
-        if name not in runner.output_tallies:
+        if name not in output_tallies:
             continue  # a probe (the original's gradient): no result of its own
-        source = by_name[member.names[name]]
-        runner.output_tallies[name] = runner.output_tallies[source]
+        source = by_name[names[name]]
+        output_tallies[name] = output_tallies[source]
         verified_as[name] = source
     for k, j in zip(member.views, first.views):
-        for state in runner.views[k].roles:
-            source = by_name[member.names[state]]
-            runner.state_tallies[(k, state)] = runner.state_tallies[(j, source)]
+        for state in views[k].roles:
+            source = by_name[names[state]]
+            state_tallies[(k, state)] = state_tallies[(j, source)]
             verified_as[(k, state)] = source
 
 
@@ -2565,6 +2747,11 @@ class _Producers(Mapping):
         return len(self.side.producer)
 
 
+def _sgd_positions(side: _Side) -> list[int]:
+    """Positions of ``side``'s ``ai.sgdfuse::SGD`` nodes, in graph order (from its op types and domains)."""
+    return [k for k, (op_type, domain) in enumerate(zip(side.op_types, side.domains)) if op_type == OP_TYPE and domain == DOMAIN]
+
+
 def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
     """One view per SGD node of the fused model's ``side``, which gets the probes of the SGD nodes' inputs
     as nodes and outputs, and their outputs that the graph does not declare (the model is not copied)."""
@@ -2572,23 +2759,33 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
     producers = _Producers(side)
     # Readers of the SGD nodes' outputs and of what their readers output (a runtime momentum's If, a guard)
     # are all that is looked up: two sweeps, no table of every value's readers.
-    wanted = {o for node in side.nodes if node.domain == DOMAIN and node.op_type == OP_TYPE for o in node.output if o}
-    wanted.update(o for node, reads in zip(side.nodes, side.reads) if not wanted.isdisjoint(reads) for o in node.output if o)
+    sgd = _sgd_positions(side)
+    writes = side.writes  # each node's outputs but ""
+    wanted = {o for k in sgd for o in writes[k]}
+    # (The set grows as the generator runs, as it always did: a reader of a reader found earlier is found too.)
+    wanted.update(o for k, reads in enumerate(side.reads) if not wanted.isdisjoint(reads) for o in writes[k])
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node, reads in zip(side.nodes, side.reads):
         for name in reads:
             if name in wanted:
                 readers.setdefault(name, []).append(node)
-    taken = set(side.producer) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    # Every name defined: node outputs, graph inputs (the fed ones and those that are initializers too), initializers.
+    taken = set(side.producer) | set(side.inputs) | set(side.initializers)
     declared = set(side.outputs)
-    input_types = {i.name: i.type.tensor_type.elem_type for i in graph.input}
+    fed = side.inputs  # the graph inputs that are no initializer, by name (the last of a name, as below)
+
+    def input_type(name: str) -> int:
+        # What {i.name: i.type.tensor_type.elem_type for i in graph.input}.get(name, FLOAT) gives, without
+        # reading every input's type: the parameters are fed inputs (checked below), so the last of the name.
+        info = fed.get(name)
+        if info is None:
+            info = next((i for i in reversed(graph.input) if i.name == name), None)
+        return info.type.tensor_type.elem_type if info is not None else onnx.TensorProto.FLOAT
     # One probe per SGD node, not per value: a probe read by every update would make one group of them all.
     probe = _Probes(taken, shared=False)
     views: list[_UpdateView] = []
     added: list[str] = []
-    for node in list(side.nodes):
-        if not (node.domain == DOMAIN and node.op_type == OP_TYPE):
-            continue
+    for node in [side.nodes[k] for k in sgd]:
         parameters = _trace_to_state(node.input[0], producers)
         accum = _trace_to_state(node.input[3], producers)
         for role, target in (("parameters", parameters), ("accum", accum)):
@@ -2606,7 +2803,7 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
                 added.append(value)
                 declared.add(value)
         names = {tag: probe(node.input[k], tag) for k, tag in ((1, "gradient"), (2, "learning_rate"), (4, "momentum"))}
-        dtype = input_types.get(parameters, onnx.TensorProto.FLOAT)
+        dtype = input_type(parameters)
         views.append(
             _UpdateView(
                 key=node.output[0], outputs={parameters_out: "w", buffer_out: "v"}, original_state={},
@@ -2617,7 +2814,7 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
                 dtype=dtype if dtype in _UNIT_ROUNDOFF else onnx.TensorProto.FLOAT,
             )
         )
-    side.extend(probe.nodes, added + [node.output[0] for node in probe.nodes])
+    side.extend(probe.nodes, added + [name for _, name in probe.copies], copies=probe.copies)
     return views
 
 
@@ -2640,21 +2837,38 @@ def _probe_original_gradients(side: _Side, views: Sequence[_UpdateView]) -> None
     side.extend([], added)
 
 
+def _declared_type(type_proto: onnx.TypeProto) -> tuple | None:
+    """``(shape, elem_type)`` of a tensor type (shape None when absent; a dimension is its ``dim_value``, its
+    ``dim_param`` or None), None for a type that is no tensor type."""
+    if not type_proto.HasField("tensor_type"):
+        return None
+    tensor_type = type_proto.tensor_type
+    shape = None
+    if tensor_type.HasField("shape"):
+        shape = tuple(int(d.dim_value) if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param") else None
+                      for d in tensor_type.shape.dim)
+    return shape, tensor_type.elem_type
+
+
 def _declarations(model: onnx.ModelProto) -> GraphIndex:
     """A :class:`GraphIndex` of ``model``'s declarations alone: inputs, outputs, initializers and the specs
     they declare (no producers or consumers: :func:`check_models` walks nodes in its :class:`_Side` s, and
     builds a full index only when the matcher has to pair the original's state)."""
     graph = model.graph
     specs: dict[str, TensorSpec] = {}
+    # Per distinct type (its bytes: equal bytes parse to equal messages), its (shape, elem_type), or None when it
+    # is no tensor type: a step has a few dozen types for 100,000s of inputs and outputs.
+    read: dict[bytes, tuple | None] = {}
     for info in list(graph.input) + list(graph.output):
-        tensor_type = info.type.tensor_type
-        if not info.type.HasField("tensor_type") or info.name in specs:
+        name = info.name
+        if name in specs:
             continue
-        shape = None
-        if tensor_type.HasField("shape"):
-            shape = tuple(int(d.dim_value) if d.HasField("dim_value") else d.dim_param if d.HasField("dim_param") else None
-                          for d in tensor_type.shape.dim)
-        specs[info.name] = TensorSpec(info.name, shape, tensor_type.elem_type)
+        serialised = info.type.SerializeToString()
+        if serialised not in read:
+            read[serialised] = _declared_type(onnx.TypeProto.FromString(serialised))
+        declared = read[serialised]
+        if declared is not None:
+            specs[name] = TensorSpec(name, *declared)
     initializers = {t.name: t for t in graph.initializer}
     for name, tensor in initializers.items():
         specs[name] = TensorSpec(name, tuple(int(d) for d in tensor.dims), tensor.data_type)
@@ -2715,7 +2929,11 @@ def _check_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_Upda
     roles = {s: ("parameters" if role == "w" else "accum") for view in views for s, role in view.roles.items()}
     gradient_sources = side.sources([view.gradient for view in views])
     coefficient_sources = side.sources([v for view in views for v in (view.learning_rate, view.momentum)])
-    non_negative = non_negative_inputs(side.nodes)
+    if side.copies:  # the nodes after the table's are the probes, Identity(value) -> name
+        known = len(side.nodes) - len(side.copies)
+        non_negative = non_negative_inputs(side.nodes[:known], op_types=side.op_types[:known], identities=side.copies)
+    else:
+        non_negative = non_negative_inputs(side.nodes, op_types=side.op_types)
     inputs = []
     for name in names:
         spec = index.spec(name)
@@ -2733,19 +2951,24 @@ _NON_NEGATIVE_OPS = frozenset(op for op, _ in _NON_NEGATIVE_OPERANDS)
 _COPY_OPS = frozenset({"Identity", "Cast"})
 
 
-def non_negative_inputs(nodes: Sequence[onnx.NodeProto]) -> set[str]:
+def non_negative_inputs(nodes: Sequence[onnx.NodeProto], *, op_types: Sequence[str] | None = None,
+                        identities: Sequence[tuple[str, str]] = ()) -> set[str]:
     """Values read (directly or through ``Identity``/``Cast``) where only non-negative values are defined
     (:data:`_NON_NEGATIVE_OPERANDS`): a check feeds them |x|, as a model's own data would be (a frozen
-    BatchNormalization's running variance)."""
+    BatchNormalization's running variance). ``op_types``: each node's ``op_type``, when the caller has them
+    (then only the nodes that matter are read). ``identities``: ``(input, output)`` of further ``Identity``
+    nodes of one input and one output after ``nodes`` (as if they were listed there)."""
     copies: dict[str, str] = {}
     readers: list[onnx.NodeProto] = []
-    for node in nodes:  # one read of each node's op type; inputs only of the few nodes that matter
-        op_type = node.op_type
+    for node, op_type in zip(nodes, op_types, strict=True) if op_types is not None else ((node, node.op_type) for node in nodes):
+        # one read of each node's op type; inputs only of the few nodes that matter
         if op_type in _COPY_OPS:
             if node.input and node.output:
                 copies[node.output[0]] = node.input[0]
         elif op_type in _NON_NEGATIVE_OPS:
             readers.append(node)
+    for value, output in identities:
+        copies[output] = value
     found: set[str] = set()
     for node in readers:
         for position, name in enumerate(node.input):

@@ -19,7 +19,7 @@ from sgdfuse.errors import ModelNameError
 
 from sgdfuse.contract import TensorSpec
 from sgdfuse.external_data import tensor_to_array
-from sgdfuse.passes.scan import ScanError, node_table
+from sgdfuse.passes.scan import NodeTable, ScanError, node_table
 from sgdfuse.passes.value_scan import INPUT, OUTPUT, VALUE_INFO, ScannedInfos, inference_bytes, native_available, scan_value_infos
 
 __all__ = ["GraphIndex", "NodeFacts", "build_index", "require_text_names", "SMALL_CONSTANT_ELEMENTS", "OWN_PREFIX", "tensor_type_of"]
@@ -306,7 +306,7 @@ def _require_text_names(graph: onnx.GraphProto, nodes: list[NodeFacts], producer
             raise ModelNameError(op_type if type(op_type) is not str else domain, f"the {'op type' if type(op_type) is not str else 'domain'} of node #{k}")
 
 
-def require_text_names(model: onnx.ModelProto) -> None:
+def require_text_names(model: onnx.ModelProto, *, table: NodeTable | None = None) -> None:
     """Check that every name of ``model``'s main graph is valid UTF-8: the values its nodes read and write, its
     graph inputs, outputs, initializers, value infos, nodes (a node's name becomes a GE op's) and attributes, op
     types and domains of the nodes, and the model's own strings (protobuf hands a ``string`` field holding other bytes
@@ -314,12 +314,16 @@ def require_text_names(model: onnx.ModelProto) -> None:
     that read a model without indexing it first (``check``, ``lower`` of a fused model); :func:`build_index`
     checks the same names as it reads them.
 
+    ``table``: ``node_table(model)``, when the caller has it (it is then not read again; made with
+    ``name_prefix=""``, its names are those of the nodes).
+
     Raises:
         ModelNameError: the first such name, with what carries it.
     """
     graph = model.graph
     _require_model_text(model)
-    table = node_table(model)
+    if table is None:
+        table = node_table(model)
     _require_text(table.op_types, "a node's op type")
     _require_text(table.domains, "a node's domain")
     for names_per_node, role in ((table.outputs, "an output"), (table.inputs, "an input")):
@@ -328,8 +332,11 @@ def require_text_names(model: onnx.ModelProto) -> None:
                 label = graph.node[k].name if type(graph.node[k].name) is str and graph.node[k].name else f"#{k} ({table.op_types[k]})"
                 raise ModelNameError(next(name for name in names if type(name) is not str), f"{role} of node {label}")
     for values, role in ((graph.input, "a graph input"), (graph.output, "a graph output"), (graph.initializer, "an initializer"),
-                         (graph.value_info, "a value info"), (graph.node, "a node")):
+                         (graph.value_info, "a value info")):
         _require_text([value.name for value in values], role)
+    listed = table.prefixed_names
+    # The table lists every node's name when it lists as many as there are nodes (made with the prefix "").
+    _require_text(listed if listed is not None and len(listed) == len(table) else [node.name for node in graph.node], "a node")
     for k, attributed in enumerate(table.has_attributes):
         if attributed:  # onnxruntime decodes every attribute name (it failed with four lines of its own first)
             _require_text([a.name for a in graph.node[k].attribute], f"an attribute of node #{k} ({table.op_types[k]})")
