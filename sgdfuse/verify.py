@@ -1569,7 +1569,7 @@ def _describe_parts(parts: _Parts, spec_of, names: dict[str, int], cache: dict |
     """What a slice computes, with every value name replaced by its number in ``names`` (its order of first
     appearance, :func:`_renamer`; "" is -1):
     opsets, input dtypes and shapes, initializers (dtype, dims, bytes; names and doc strings left out), each
-    node's operator, domain, overload, renamed inputs and outputs and attributes, the outputs. None when a
+    node's operator, domain, overload, attributes, number of inputs, renamed inputs and outputs, the outputs. None when a
     node has a subgraph (its outer reads would need renaming too). Shared by :func:`_slice_class_key` and
     :func:`check_models`' classes of groups. ``cache`` (keyed by object id: only for protos that outlive
     it) keeps each node's and initializer's description for the next slice that has it."""
@@ -1594,7 +1594,9 @@ def _describe_parts(parts: _Parts, spec_of, names: dict[str, int], cache: dict |
                 a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in attributes
             ):
                 return None
-            what = (node.op_type, node.domain, node.overload, tuple(a.SerializeToString(deterministic=True) for a in attributes) if attributes else ())
+            # The number of inputs tells Dropout(x, "") -> y from Dropout(x) -> ("", y): the values list
+            # below marks an omitted name and its separator alike (-1).
+            what = (node.op_type, node.domain, node.overload, tuple(a.SerializeToString(deterministic=True) for a in attributes) if attributes else (), len(node.input))
             entry = cache[id(node)] = (_intern(cache, what) if interned else what, tuple(node.input) + ("",) + tuple(node.output))
         what, values = entry
         if "" in names:
@@ -2640,7 +2642,7 @@ class ModelParts:
 def _describe_plain_nodes(side: _Side, cache: dict) -> None:
     """Put into ``cache`` (:func:`_describe_parts`' own, keyed by node id: ``side`` must outlive it) the description
     of each of ``side``'s graph nodes that holds no subgraph, from its node table: ``(op_type, domain, overload,
-    the attributes' bytes)`` interned, and its inputs, ``""`` and outputs, exactly what :func:`_describe_parts`
+    the attributes' bytes, the number of inputs)`` interned, and its inputs, ``""`` and outputs, exactly what :func:`_describe_parts`
     would read of the node. Only ``overload`` and the attributes are read from the node. A node the table flags
     as holding a subgraph (an attribute typed ``GRAPH`` or ``GRAPHS``, or one holding a graph) is left to
     :func:`_describe_parts`, which decides on it as before."""
@@ -2651,7 +2653,7 @@ def _describe_plain_nodes(side: _Side, cache: dict) -> None:
     setdefault = intern.setdefault
     nodes = side.nodes
     if side.copies:  # the probes :meth:`_Side.extend` added: Identity(value) -> name, made by helper.make_node
-        copy_what = setdefault(("Identity", "", "", ()), len(intern))
+        copy_what = setdefault(("Identity", "", "", (), 1), len(intern))
         for node, (value, name) in zip(nodes[len(table):], side.copies, strict=True):
             cache[id(node)] = (copy_what, (value, "", name))
     serialise = functools.partial(onnx.AttributeProto.SerializeToString, deterministic=True)
@@ -2659,7 +2661,7 @@ def _describe_plain_nodes(side: _Side, cache: dict) -> None:
             nodes, table.op_types, table.domains, table.inputs, table.outputs, table.has_attributes, table.has_subgraph):
         if subgraph:
             continue
-        what = (op_type, domain, node.overload, tuple(map(serialise, node.attribute)) if attributed else ())
+        what = (op_type, domain, node.overload, tuple(map(serialise, node.attribute)) if attributed else (), len(inputs))
         cache[id(node)] = (setdefault(what, len(intern)), (*inputs, "", *outputs))
 
 

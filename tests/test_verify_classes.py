@@ -123,3 +123,22 @@ def test_a_consistent_wrong_rewrite_in_a_matcher_class_is_run_and_refused(monkey
     assert sorted(f.parameters_out for f in report.fused) == sorted(f"p{i}_out" for i in range(N) if f"p{i}_out" not in wrong)
     assert {(r.candidate, r.reason) for r in report.refused} == {(name, "verification-failed") for name in wrong}
     assert any(u["verified_as"] for u in report.verification.updates), "the identical updates share a run"
+
+
+def test_an_omitted_input_and_an_omitted_output_are_different_nodes_to_the_class_key():
+    # Dropout(x, "") -> y and Dropout(x) -> ("", y) read and write other slots, but their values lists (inputs,
+    # separator, outputs, an omitted name numbered -1 like the separator) were equal, so a member whose node had
+    # moved a slot could take the result of a class member it does not compute like (a helper's finding).
+    from sgdfuse.passes.index import build_index
+    from sgdfuse.verify import _describe_parts, _Parts
+
+    def described(node):
+        graph = helper.make_graph([node], "g", [graphs.value("x")], [graphs.value("y")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])  # not checked: a slot test
+        parts = _Parts([node], [], ["y"], list(model.opset_import), None, inputs=["x"])
+        return _describe_parts(parts, build_index(model, infer_shapes=False).spec, {})
+
+    first = described(helper.make_node("Dropout", ["x", ""], ["y"]))
+    second = described(helper.make_node("Dropout", ["x"], ["", "y"]))
+    assert first != second
+    assert described(helper.make_node("Dropout", ["x", ""], ["y"])) == first  # and the same node keys alike
