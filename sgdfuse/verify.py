@@ -157,6 +157,7 @@ __all__ = ["non_negative_inputs",
     "ModelCheck",
     "verify_plans",
     "check_models",
+    "check_lowered",
     "independent_models",
     "ModelParts",
     "CHECK_CHUNK_NODES",
@@ -249,6 +250,9 @@ class _Terms:
     dtype: int
     dp: np.ndarray | float = 0.0
     da: np.ndarray | float = 0.0
+    dg: np.ndarray | float = 0.0
+    """|Δg|: how far the gradient the fused side read is from the original's, measured (0 where the gradient is
+    fed, or the original's gradient is not probed); :func:`check_lowered` compares the gradients themselves."""
 
 
 def _times(coefficient: float, magnitude):
@@ -337,6 +341,11 @@ def _bounds(terms: _Terms, *, lifted: bool) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(invalid="ignore", over="ignore"):
         b_v = b_v + 2 * OPERATIONS * u * s_v + floor + _times(m, t.da) + _times(k * wd, t.dp)
         b_w = b_w + 2 * OPERATIONS * u * s_w + floor + (1 + lr * k * wd * (1 + m)) * t.dp + _times(lr * (m + m * m), t.da)
+        if not np.isscalar(t.dg) or t.dg:
+            # The gradient's coefficient in the buffer is 1 - (1 - stat)·d: at most max(1, |1 - d|).
+            kg = max(1.0, k)
+            b_v = b_v + _times(kg, t.dg)
+            b_w = b_w + _times(lr * (1 + m * kg) if t.nesterov else lr * kg, t.dg)
     # A NaN left in a bound comes from a NaN term the update does form: the exact value is NaN there, both
     # sides must give NaN (difference 0), and a finite value on either side fails. (An infinite bound would
     # pass any finite difference: a wrong momentum once passed where a NaN gradient had made the parameters NaN.)
@@ -523,7 +532,9 @@ def _feed(spec: _Input, kind: str, step: int, size: int | None, rng: np.random.G
         if kind == WIDE and spec.role in ("gradient", "other", "non-negative"):
             values = _extreme(kind, shape, dtype, rng)
             return np.abs(values) if spec.role == "non-negative" else values
-        if spec.role == "gradient" and kind == "zero-gradient":
+        if spec.role in ("gradient", "momentum") and kind == "zero-gradient":
+            # A runtime momentum 0 (check_lowered's role "momentum"): the op keeps the buffer, and the rewrite's
+            # If recomputes it.
             return np.zeros(shape, dtype=dtype)
         if spec.role == "other" and kind in EXTREME_KINDS:
             return _extreme(kind, shape, dtype, rng)
@@ -616,6 +627,13 @@ class _Pair:
         self.label = "double" if lifted else "native"
         self.original = make_session(lift_to_double(original) if lifted else original)
         self.fused = make_session(lift_to_double(fused) if lifted else fused)
+
+    @classmethod
+    def of_sessions(cls, original, fused, lifted: bool) -> "_Pair":
+        """A pair of sessions made elsewhere (:func:`check_lowered`: the fused side is not onnxruntime)."""
+        pair = cls.__new__(cls)
+        pair.lifted, pair.label, pair.original, pair.fused = lifted, "double" if lifted else "native", original, fused
+        return pair
 
 
 def _make_pairs(original: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[list[_Pair], str, list[str]]:
@@ -796,6 +814,9 @@ class _UpdateView:
     weight_decay: float
     nesterov: bool
     dtype: int
+    original_gradient: str = ""
+    """The original's value of the gradient (an output of the original run), when it is probed
+    (:func:`check_lowered`): the bound then allows the measured |Δg| (:class:`_Terms`)."""
 
 
 @dataclasses.dataclass
@@ -1198,9 +1219,10 @@ def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fu
     a = original_feeds[view.accum]
     dp = _state_difference(p, fused_feeds.get(view.parameters))
     da = _state_difference(a, fused_feeds.get(view.accum))
+    dg = _state_difference(original_out[view.original_gradient], gradient) if view.original_gradient in original_out else 0.0
     return _Terms(
         p=p, g=gradient, a=a, lr=_scalar(fused_out[view.learning_rate]), m=_scalar(fused_out[view.momentum]),
-        d=view.dampening, wd=view.weight_decay, nesterov=view.nesterov, dtype=view.dtype, dp=dp, da=da,
+        d=view.dampening, wd=view.weight_decay, nesterov=view.nesterov, dtype=view.dtype, dp=dp, da=da, dg=dg,
     )
 
 
@@ -1787,20 +1809,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
             raise ValueError("the original model cannot run at any size tried: " + "; ".join(runner.notes))
 
         update_outputs = {name for view in views for name in view.outputs}
-        uncompared: list[str] = []
-        for name in update_outputs:
-            tally = output_tallies.get(name)
-            if tally is not None and tally.passed and not tally.compared_finite and runner.runs:
-                # NaN matches NaN: an output that is NaN (or infinite) everywhere on both sides was never compared.
-                output_tallies[name] = copy.copy(tally)
-                output_tallies[name].fail(
-                    f"{name}: the original gives no finite value on any step (NaN or infinite everywhere with the "
-                    "random inputs), so nothing was compared; the inputs the model reads may need values the random "
-                    "data does not have"
-                )
-                uncompared.append(name)
-        if runner.runs:
-            uncompared.extend(_fail_dead_gradients(sides[1], views, inputs, output_tallies, state_tallies))
+        uncompared = _fail_uncompared(sides[1], views, inputs, output_tallies, state_tallies) if runner.runs else []
         listed = [
             {"name": name, "kind": "fused update" if name in update_outputs else "exact", "max_abs_error": t.max_abs,
              "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message, "verified_as": verified_as.get(name, "")}
@@ -1819,6 +1828,141 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
         logger.info("check: %s", classes[2:])
         return ModelCheck(steps, passed, listed, state_pairs, in_place, list(runner.runs), "; ".join(runner.notes), len(groups),
                           runner.groups_run, uncompared)
+
+
+def _fail_uncompared(fused: "_Side", views: Sequence[_UpdateView], inputs: Mapping[str, _Input], output_tallies: dict,
+                     state_tallies: dict) -> list[str]:
+    """After the runs of :func:`check_models` (or :func:`check_lowered`): fail what was never compared, an
+    update's output NaN or infinite everywhere on every step, and the outputs and state writes of an update
+    whose gradient was never live (:func:`_fail_dead_gradients`). Returns what was failed."""
+    uncompared: list[str] = []
+    for name in {name for view in views for name in view.outputs}:
+        tally = output_tallies.get(name)
+        if tally is not None and tally.passed and not tally.compared_finite:
+            # NaN matches NaN: an output that is NaN (or infinite) everywhere on both sides was never compared.
+            output_tallies[name] = copy.copy(tally)
+            output_tallies[name].fail(
+                f"{name}: the original gives no finite value on any step (NaN or infinite everywhere with the "
+                "random inputs), so nothing was compared; the inputs the model reads may need values the random "
+                "data does not have"
+            )
+            uncompared.append(name)
+    uncompared.extend(_fail_dead_gradients(fused, views, inputs, output_tallies, state_tallies))
+    return uncompared
+
+
+def check_lowered(
+    model: onnx.ModelProto,
+    fused_session,
+    *,
+    original_pairs: Mapping[str, str],
+    written: Mapping[str, str],
+    momenta: Iterable[str] = (),
+    loose=None,
+    steps: int = 3,
+    seed: int = 0,
+) -> ModelCheck:
+    """:func:`check_models`'s comparison of a fused model (run in onnxruntime, the "original" side) with
+    another implementation of it (the "fused" side: ``sgdfuse lower``'s GE graph in its executor), on one
+    model that is not cut into groups: the same schedule (lockstep and in place, the extreme-value, restart,
+    random-state and wide steps), natively and lifted to DOUBLE, the same bound for each SGD node's outputs and
+    state writes, and the same failures for what was never compared (a gradient never live, an output NaN
+    everywhere).
+
+    The implementations may compute the values that are not an update's in another order (the executor's
+    matrix products and reductions are not onnxruntime's): those outputs, and every SGD node's gradient
+    (probed on both sides under one name), are compared with ``loose(name, original value) -> bound``
+    (identical when None), and the bound of each update allows the measured difference of the gradients it
+    read (|Δg|, :class:`_Terms`). So a gradient off by more than ``loose`` fails as a gradient, and what each
+    update does with its gradient, state and coefficients is held to the bound of ``check``.
+
+    Args:
+        model: the fused ONNX model (fed graph inputs include every carried state; SGD nodes write into them).
+        fused_session: ``fused_session(lifted: bool, views)`` → a session for :func:`sgdfuse.runtime.run` (a
+            :class:`sgdfuse.runtime.ReferenceSession`) fed every input by ONNX name, state included, that
+            returns the graph outputs, each SGD node's gradient, learning-rate and momentum operands under
+            the names ``views[k].gradient``, ``.learning_rate``, ``.momentum`` (the update of SGD node ``k``
+            writes its parameters into ``views[k].parameters``), and ``written[state]``: the value it holds
+            in ``state`` after the step. With ``lifted`` it computes in DOUBLE.
+        original_pairs: state input → the model's output that is its next value.
+        written: state input → the name under which the fused session returns what it wrote into it.
+        momenta: runtime momentum inputs (fed 0 on the second, zero-gradient, step).
+        loose: as above.
+
+    Raises:
+        ValueError: an input's shape is unknown; an SGD node writes into a value that is not a graph input.
+    """
+    with collector.paused():
+        initializers = {t.name for t in model.graph.initializer}
+        names = [i.name for i in model.graph.input if i.name not in initializers]
+        side = _Side.of(model)
+        declared_outputs = list(side.outputs)
+        views = _fused_views(side, set(names))
+        for view in views:
+            view.original_state = {s: original_pairs[s] for s in view.roles if s in original_pairs}
+            view.fused_state = {s: written[s] for s in view.roles if s in written}
+            view.original_gradient = view.gradient
+        index = _declarations(model)
+        momenta = set(momenta)
+        inputs = {spec.name: (dataclasses.replace(spec, role="momentum") if spec.name in momenta and spec.role == "coefficient" else spec)
+                  for spec in _check_inputs(index, names, views, side)}
+        gradients = list(dict.fromkeys(view.gradient for view in views))
+        outputs = list(dict.fromkeys(declared_outputs + gradients))
+        fused_names = list(dict.fromkeys(outputs + [v for view in views for v in (view.learning_rate, view.momentum)]
+                                         + [v for view in views for v in view.fused_state.values()]))
+        original, _ = _side_model(side, range(len(side.nodes)), outputs)
+        try:
+            inlined = specialise(original)
+        except Exception as error:  # onnx's inliner refusing a model: run the functions as they are (slower)
+            logger.info("could not inline the fused model's functions (%s); running it as it is", error)
+            inlined = original
+        output_tallies = {name: _Tally() for name in outputs}
+        state_tallies = {(k, s): _Tally() for k, view in enumerate(views) for s in view.roles}
+        notes: list[str] = []
+        runs: dict[str, None] = {}
+        pairs = [_Pair.of_sessions(make_session(inlined), fused_session(False, views), False)]
+        try:
+            pairs.append(_Pair.of_sessions(make_session(lift_to_double(inlined)), fused_session(True, views), True))
+        except Exception as error:  # onnxruntime's own exception types: no DOUBLE kernel, type errors
+            ops = missing_kernels(error)
+            reason = f"onnxruntime has no DOUBLE kernel for {', '.join(ops)}" if ops else str(error).strip().splitlines()[0]
+            notes.append(f"the lifted (DOUBLE) comparison could not run ({reason}); checked in the native dtypes only")
+        specs = list(inputs.values())
+        numbered = list(enumerate(views))
+        for pair in pairs:
+            for size in _sizes(specs):
+                label = _run_label(pair.label, size)
+                try:
+                    skipped = _check_schedule(pair, specs, numbered, outputs, fused_names, original_pairs, output_tallies,
+                                              state_tallies, steps=steps, size=size, seed=seed, loose=loose)
+                    if skipped and skipped not in notes:
+                        notes.append(skipped)
+                except _RunError as error:
+                    if error.side == "original model":
+                        notes.append(f"{label}: {error} (skipped)")
+                        continue
+                    for tally in list(output_tallies.values()) + list(state_tallies.values()):
+                        tally.fail(f"{label}: {error}")
+                    continue
+                runs.setdefault(label)
+        uncompared = _fail_uncompared(side, views, inputs, output_tallies, state_tallies) if runs else []
+        if not runs and all(t.passed for t in output_tallies.values()):
+            raise ValueError("the fused model cannot run at any size tried: " + "; ".join(notes))
+        update_outputs = {name for view in views for name in view.outputs}
+        listed = [
+            {"name": name, "kind": "fused update" if name in update_outputs else "gradient" if name in gradients and name not in declared_outputs
+             else "exact", "max_abs_error": t.max_abs, "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message,
+             "verified_as": ""}
+            for name, t in output_tallies.items()
+        ]
+        in_place = [
+            {"name": s, "kind": "in place", "original": views[k].original_state.get(s, s), "fused": views[k].fused_state.get(s, s),
+             "max_abs_error": t.max_abs, "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message, "verified_as": ""}
+            for (k, s), t in state_tallies.items()
+        ]
+        passed = all(entry["passed"] for entry in listed + in_place)
+        return ModelCheck(steps, passed, listed, {o: s for s, o in original_pairs.items()}, in_place, list(runs), "; ".join(notes),
+                          1, 1, uncompared)
 
 
 def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Mapping[str, _Input], output_tallies: dict,
@@ -2595,12 +2739,14 @@ def non_negative_inputs(nodes: Sequence[onnx.NodeProto]) -> set[str]:
 
 
 def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, output_tallies, state_tallies,
-                    *, steps: int, size: int | None, seed: int) -> None:
+                    *, steps: int, size: int | None, seed: int, loose=None) -> None:
     """One precision at one size of a model of :func:`check_models` groups: the lockstep run (every output),
     the in-place run (state writes), then the extreme-value steps from the lockstep state, and, when some
     update's gradient was not live on any of them, the :data:`WIDE` step (in lockstep, outputs and state
     writes compared). ``views`` are ``(index, view)`` pairs; ``state_tallies`` is keyed by ``(index, state)``.
-    Returns a note when the original could not run the wide step (it is skipped, the rest compared), else ""."""
+    Returns a note when the original could not run the wide step (it is skipped, the rest compared), else "".
+    ``loose``: ``(name, original value) -> bound`` for an output that is not an update's (None: identical),
+    as :func:`check_lowered` compares two implementations of one model."""
     convert = _lifted_array if pair.lifted else (lambda array: array)
     label = _run_label(pair.label, size)
     fused_pairs = dict(original_pairs)
@@ -2663,7 +2809,7 @@ def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, o
         step_label = f"{label}, {mode} step {step + 1} ({kind})"
         _compare_check_step(views, outputs, output_tallies, state_tallies, step_label, original_in, fused_in, original_out,
                             fused_out, lifted=pair.lifted, outputs_compared=mode == "lockstep",
-                            in_place=mode != "lockstep" or kind == WIDE, finite_only=kind == WIDE)
+                            in_place=mode != "lockstep" or kind == WIDE, finite_only=kind == WIDE, loose=loose)
     for (k, view), seen in zip(views, live):
         if seen:
             for tally in _view_tallies(k, view, output_tallies, state_tallies):
@@ -2678,7 +2824,7 @@ def _view_tallies(k: int, view: _UpdateView, output_tallies: Mapping, state_tall
 
 
 def _compare_check_step(views, outputs, output_tallies, state_tallies, step_label: str, original_in, fused_in, original_out,
-                        fused_out, *, lifted: bool, outputs_compared: bool, in_place: bool, finite_only: bool) -> None:
+                        fused_out, *, lifted: bool, outputs_compared: bool, in_place: bool, finite_only: bool, loose=None) -> None:
     """Compare one step of :func:`_check_schedule`: with ``outputs_compared`` (lockstep) every output (exactly,
     or within the bound for an update's), with ``in_place`` what each side writes into each state;
     ``finite_only`` (a :data:`WIDE` step) leaves out elements not finite on either side."""
@@ -2686,7 +2832,8 @@ def _compare_check_step(views, outputs, output_tallies, state_tallies, step_labe
     if outputs_compared:
         for name in outputs:
             if name not in update_outputs:
-                output_tallies[name].compare(f"{step_label}", original_out[name], fused_out[name], 0.0, finite_only=finite_only)
+                bound = 0.0 if loose is None else functools.partial(loose, name, original_out[name])
+                output_tallies[name].compare(f"{step_label}", original_out[name], fused_out[name], bound, finite_only=finite_only)
     for k, view in views:
         bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=lifted)
         if outputs_compared:

@@ -310,80 +310,168 @@ def _setup(fused: onnx.ModelProto, lowered: GEModel) -> _Setup:
     )
 
 
+_WRITTEN = "sgdfuse_ge_variable/"
+"""Prefix of the names under which :class:`_GESession` returns what a state variable holds after a step."""
+
+
+class _GESession(runtime.ReferenceSession):
+    """The GE model of a run of parts in the executor, as a session :func:`sgdfuse.verify.check_lowered` runs as
+    its "fused" side: fed every input by ONNX name, state included, it writes each carried state into its
+    ``Variable`` before the step (so the check's lockstep and in-place chains, and its steps from one state,
+    drive the GE graph as they drive onnxruntime), runs the step graph in place, and returns the graph's
+    outputs, each ``SGD`` op's gradient, learning-rate and momentum operands (as the op read them) under the
+    probe names of the ONNX model, and what each state variable holds after the step (``written`` names, and
+    the next values that are not graph outputs). The init graph runs before the first step."""
+
+    def __init__(self, sub: GEModel, *, lifted: bool, inputs: list[str], state_variables: dict[str, str],
+                 returned: dict[str, str], probes: dict[str, tuple[str, int]]) -> None:
+        self.runner = sub.runner(lifted=lifted)
+        self.init_inputs = list(sub.init_inputs.values())
+        self._inputs = [runtime._Named(name) for name in inputs]
+        self.output_names = list(sub.outputs)
+        self.state_variables = state_variables  # ONNX state input -> GE Variable
+        self.returned = returned  # name -> GE Variable whose value after the step it is
+        self.probes = probes  # probe name -> (SGD op, input index)
+        self.watch = frozenset(op for op, _ in probes.values())
+        self.started = False
+
+    def run(self, names, feeds):
+        runner = self.runner
+        if not self.started:
+            runner.initialise({name: feeds[name] for name in self.init_inputs})
+            self.started = True
+        variables = runner.variables
+        for state, variable in self.state_variables.items():
+            variables[variable] = np.array(feeds[state], copy=True)
+        outputs = runner.step(feeds, watch=self.watch)
+        watched = runner.executor.watched
+        result = {}
+        for name in names:
+            if name in outputs:
+                result[name] = outputs[name]
+            elif name in self.probes:
+                op, port = self.probes[name]
+                result[name] = watched[op][port]
+            else:
+                result[name] = np.array(variables[self.returned[name]], copy=True)
+        return result
+
+
+def _sgd_ops_by_variable(sub: GEModel) -> dict[str, str]:
+    """GE ``Variable`` name → the ``SGD`` op whose parameters it is (input 0, through aliasing ops)."""
+    ops = {op.name: op for op in sub.graph.op}
+    found: dict[str, str] = {}
+    for name in sub.sgd_ops:
+        source = ops[name].input[0].rpartition(":")[0]
+        seen = 0
+        while source in ops and ops[source].type != "Variable" and ops[source].input and seen < 16:
+            source, seen = ops[source].input[0].rpartition(":")[0], seen + 1
+        found[source] = name
+    return found
+
+
+def _loose(name: str, want: np.ndarray):
+    """The bound of a value that is not an update's (a forward or backward value, an SGD node's gradient):
+    ``atol + rtol*|value|`` of its dtype (:data:`TOLERANCES`; DOUBLE in a lifted run)."""
+    want = np.asarray(want)
+    dtype = {np.dtype(np.float64): onnx.TensorProto.DOUBLE, np.dtype(np.float32): onnx.TensorProto.FLOAT,
+             np.dtype(np.float16): onnx.TensorProto.FLOAT16}.get(want.dtype, onnx.TensorProto.BFLOAT16)
+    rtol, atol = TOLERANCES[dtype]
+    with np.errstate(invalid="ignore"):
+        return atol + rtol * np.abs(np.nan_to_num(want.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0))
+
+
+def _check_init(setup: _Setup, sub: GEModel, seed: int) -> str:
+    """Run ``sub``'s init graph alone and check what it leaves in each state variable, exactly: the value fed
+    for a graph-input state, the initializer for an initializer's, zeros for the rest. The step comparison
+    writes every carried state itself (:class:`_GESession`), so this is where the init graph is checked.
+    Returns the first disagreement, or ""."""
+    rng = np.random.default_rng(seed)
+    feeds = {name: _feed(setup.inputs[name], rng, 0) if name in setup.inputs else setup.initial[name]
+             for name in sub.init_inputs.values() if name in setup.inputs or name in setup.initial}
+    runner = sub.runner()
+    runner.initialise(feeds)
+    for variable in sub.state:
+        have = runner.variables.get(variable.name)
+        if variable.source == "graph input":
+            want = feeds.get(variable.onnx_value)
+        elif variable.source == "initializer":
+            want = setup.initial.get(variable.onnx_value, variable.initial)
+        else:
+            want = None if have is None else np.zeros_like(have)
+        if want is None or have is None:
+            if have is None:
+                return f"the init graph leaves variable {variable.name} unassigned"
+            continue
+        want = np.asarray(want).astype(have.dtype) if np.asarray(want).dtype != have.dtype else np.asarray(want)
+        if have.shape != want.shape or have.tobytes() != want.tobytes():
+            return (f"the init graph gives variable {variable.name} ({variable.source} {variable.onnx_value}) another value "
+                    f"than the fused model's: shape {list(have.shape)} against {list(want.shape)}, or other elements")
+    return ""
+
+
 def _run_parts(setup: _Setup, parts, chunk: list, lowered_outputs: set[str], steps: int, seed: int, worst: dict[str, float]) -> LoweringCheck:
     """Run ``chunk`` (parts of :class:`sgdfuse.lowering.parts.LoweredParts`) together: their GE ops in the
-    executor against their ONNX nodes in onnxruntime, ``steps`` chained steps (module docstring); the largest
-    differences go into ``worst``."""
+    executor against their ONNX nodes in onnxruntime, by :func:`sgdfuse.verify.check_lowered` (module
+    docstring); the largest differences go into ``worst``."""
     from sgdfuse.lowering.executor import ExecutorError
+    from sgdfuse.verify import check_lowered
 
     sub = parts.sub_model(chunk)
     outputs = [name for part in chunk for name in part.outputs]
-    try:
-        session = runtime.make_session(_specialised(parts.onnx.model(outputs)))
-    except Exception as error:  # onnxruntime's own exception types
-        raise _cannot_verify(f"onnxruntime cannot run the fused model ({_first_line(error)})") from error
-    session_inputs = [i.name for i in session.get_inputs()]
-    wanted = dict.fromkeys(session_inputs + list(sub.input_names.values()) + list(sub.init_inputs.values()))
-    inputs = [setup.inputs[name] for name in wanted if name in setup.inputs]
+    model = parts.onnx.model(outputs)
+    fed = {i.name for i in model.graph.input}
+    ge_inputs = list(dict.fromkeys(list(sub.input_names.values()) + list(sub.init_inputs.values())))
+    for name in ge_inputs:  # read by the GE part alone: fed to both sides
+        if name not in fed and name in setup.inputs:
+            model.graph.input.append(setup.inputs[name])
+            fed.add(name)
     states = {state for part in chunk for state in part.states}
-    pairs = {output: state for output, state in setup.pairs.items() if state in states}
-    initial = {name: value for name, value in setup.initial.items() if name in wanted}
-    momenta, overflow, non_negative = setup.momenta, setup.overflow, setup.non_negative
-    rng = np.random.default_rng(seed)
-    feeds = {i.name: _feed(i, rng, 0, non_negative) for i in inputs}
-    feeds.update(initial)
-    state_inputs = set(pairs.values())
-    runner = sub.runner()
+    original_pairs = {state: output for output, state in setup.pairs.items() if state in states}
+    state_variables = {v.onnx_value: v.name for v in sub.state
+                       if v.source in ("graph input", "initializer") and v.role in _OUTPUT_OF_ROLE and v.onnx_value in original_pairs}
+    written = {state: _WRITTEN + state for state in state_variables}
+    returned = {_WRITTEN + state: variable for state, variable in state_variables.items()}
+    returned.update((original_pairs[state], variable) for state, variable in state_variables.items())
+    sgd_of = _sgd_ops_by_variable(sub)
+    inputs = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
 
-    def run_onnx(values) -> dict[str, np.ndarray]:
-        return runtime.run(session, {name: values[name] for name in session_inputs})
+    def session(lifted: bool, views) -> _GESession:
+        # Each view's probes of its SGD node's operands are the GE SGD op's inputs; the op is found through
+        # the Variable of the state the node writes its parameters into.
+        probes: dict[str, tuple[str, int]] = {}
+        for view in views:
+            op = sgd_of.get(state_variables.get(view.parameters, ""))
+            if op is not None:
+                probes.update({view.gradient: (op, 1), view.learning_rate: (op, 2), view.momentum: (op, 4)})
+        return _GESession(sub, lifted=lifted, inputs=inputs, state_variables=state_variables, returned=returned, probes=probes)
 
-    # A second onnxruntime chain with the data nudged by two float32 ulps measures how much the model itself
-    # amplifies rounding (BatchNorm over a few values is ill-conditioned): an output beyond the fixed
-    # tolerance still agrees within CONDITIONING_FACTOR times that change.
-    data = [i.name for i in inputs if i.name not in state_inputs and i.name not in initial and i.name not in momenta
-            and i.name not in overflow and np.asarray(feeds[i.name]).dtype.kind == "f" and np.asarray(feeds[i.name]).size > 1]
-    nudged = dict(feeds)
-    compared = [name for name in sub.outputs if name in lowered_outputs]
     try:
-        runner.initialise({name: feeds[name] for name in sub.init_inputs.values()})
-        for step in range(steps):
-            for name in data:
-                nudged[name] = (np.asarray(feeds[name]) * (1 + PERTURBATION)).astype(np.asarray(feeds[name]).dtype)
-            expected = run_onnx(feeds)
-            actual = runner.step(feeds)
-            perturbed = None
-            for name in compared:
-                error, message = _disagreement(name, np.asarray(expected[name]), np.asarray(actual[name]), setup.dtypes.get(name, 0), step + 1)
-                if message and data:
-                    perturbed = perturbed if perturbed is not None else run_onnx(nudged)
-                    if _within_conditioning(np.asarray(expected[name]), np.asarray(actual[name]), np.asarray(perturbed[name])):
-                        message = ""
-                worst[name] = max(worst.get(name, 0.0), error)
-                if message:
-                    return LoweringCheck(step + 1, False, worst, message)
-            if data:
-                perturbed = perturbed if perturbed is not None else run_onnx(nudged)
-                for output, state in pairs.items():
-                    nudged[state] = perturbed[output]
-            for output, state in pairs.items():
-                feeds[state] = expected[output]
-            for value in inputs:
-                if value.name not in state_inputs and value.name not in initial:
-                    feeds[value.name] = _feed(value, rng, step + 1, non_negative)
-                    if value.name in momenta and step == 0:
-                        feeds[value.name] = np.zeros_like(feeds[value.name])
-                    if value.name in overflow and step == 0:
-                        feeds[value.name] = np.full_like(feeds[value.name], np.inf)
-                    nudged[value.name] = feeds[value.name]
+        problem = _check_init(setup, sub, seed)
+        if problem:
+            return LoweringCheck(steps, False, worst, problem)
+        result = check_lowered(model, session, original_pairs=original_pairs, written=written,
+                               momenta=setup.momenta & fed, loose=_loose, steps=steps, seed=seed)
     except ExecutorError as error:
         raise _cannot_verify(str(error)) from error
     except LoweringError:
         raise
-    except Exception as error:  # onnxruntime failing at run time
+    except ValueError as error:
+        raise _cannot_verify(_first_line(error)) from error
+    except Exception as error:  # onnxruntime failing
         if type(error).__module__.startswith("onnxruntime"):
             raise _cannot_verify(f"onnxruntime failed ({_first_line(error)})") from error
         raise
+    message = ""
+    for entry in result.outputs + result.in_place:
+        if entry["name"] in lowered_outputs and entry["kind"] != "in place":
+            worst[entry["name"]] = max(worst.get(entry["name"], 0.0), float(entry["max_abs_error"]))
+        if not entry["passed"] and not message:
+            what = "the GE graph's write into state " if entry["kind"] == "in place" else "output " if entry["kind"] != "gradient" else "SGD gradient "
+            message = (f"{what}{entry['name']}: {entry['message']} (the GE graph in the executor is the 'fused' side, "
+                       "onnxruntime on the fused ONNX model the 'original')")
+    if message:
+        return LoweringCheck(steps, False, worst, message)
     return LoweringCheck(steps, True, worst)
 
 
