@@ -341,15 +341,28 @@ def _bounds(terms: _Terms, *, lifted: bool) -> tuple[np.ndarray, np.ndarray]:
     with np.errstate(invalid="ignore", over="ignore"):
         b_v = b_v + 2 * OPERATIONS * u * s_v + floor + _times(m, t.da) + _times(k * wd, t.dp)
         b_w = b_w + 2 * OPERATIONS * u * s_w + floor + (1 + lr * k * wd * (1 + m)) * t.dp + _times(lr * (m + m * m), t.da)
-        if not np.isscalar(t.dg) or t.dg:
-            # The gradient's coefficient in the buffer is 1 - (1 - stat)·d: at most max(1, |1 - d|).
-            kg = max(1.0, k)
-            b_v = b_v + _times(kg, t.dg)
-            b_w = b_w + _times(lr * (1 + m * kg) if t.nesterov else lr * kg, t.dg)
     # A NaN left in a bound comes from a NaN term the update does form: the exact value is NaN there, both
     # sides must give NaN (difference 0), and a finite value on either side fails. (An infinite bound would
     # pass any finite difference: a wrong momentum once passed where a NaN gradient had made the parameters NaN.)
-    return np.nan_to_num(b_w, nan=0.0, posinf=np.inf), np.nan_to_num(b_v, nan=0.0, posinf=np.inf)
+    b_w, b_v = np.nan_to_num(b_w, nan=0.0, posinf=np.inf), np.nan_to_num(b_v, nan=0.0, posinf=np.inf)
+    if not np.isscalar(t.dg) or t.dg:
+        # check_lowered: the measured |Δg| of the gradients the two sides read, propagated, added after the NaN
+        # rule: a guard that keeps the old state where the gradient is NaN (a loss-scaling skip) still allows
+        # the state difference the sides carry in place, and a gradient NaN on one side only (|Δg| infinite)
+        # allows nothing (the gradients themselves fail their own comparison). The coefficient of the
+        # gradient in the buffer is 1 - (1 - stat)·d: at most max(1, |1 - d|). The state differences are
+        # propagated likewise (they are finite: a state that differed by Inf or NaN failed at the step before).
+        with np.errstate(invalid="ignore", over="ignore"):
+            dg = np.where(np.isfinite(t.dg), t.dg, 0.0)
+            kg = max(1.0, k)
+            # (a guard that keeps the old buffer carries its difference whole: coefficient 1, not m)
+            carried_v = max(1.0, m) * np.where(np.isfinite(t.da), t.da, 0.0) + _times(k * wd, np.where(np.isfinite(t.dp), t.dp, 0.0))
+            carried_w = (1 + lr * k * wd * (1 + m)) * np.where(np.isfinite(t.dp), t.dp, 0.0) + _times(
+                lr * (m + m * m), np.where(np.isfinite(t.da), t.da, 0.0))
+            # (b == 0: where the NaN rule zeroed the bound; every bound holds a positive floor elsewhere)
+            b_v = b_v + _times(kg, dg) + carried_v * (b_v == 0)
+            b_w = b_w + _times(lr * (1 + m * kg) if t.nesterov else lr * kg, dg) + carried_w * (b_w == 0)
+    return b_w, b_v
 
 
 def difference(want: np.ndarray, have: np.ndarray) -> np.ndarray:
@@ -1859,6 +1872,7 @@ def check_lowered(
     written: Mapping[str, str],
     momenta: Iterable[str] = (),
     loose=None,
+    original_wrapper=None,
     steps: int = 3,
     seed: int = 0,
 ) -> ModelCheck:
@@ -1888,6 +1902,8 @@ def check_lowered(
         written: state input → the name under which the fused session returns what it wrote into it.
         momenta: runtime momentum inputs (fed 0 on the second, zero-gradient, step).
         loose: as above.
+        original_wrapper: ``original_wrapper(session, lifted)`` → the session the original side runs
+            (lower's: one that can also run a step's feeds nudged, for ``loose``), or None.
 
     Raises:
         ValueError: an input's shape is unknown; an SGD node writes into a value that is not a graph input.
@@ -1920,9 +1936,10 @@ def check_lowered(
         state_tallies = {(k, s): _Tally() for k, view in enumerate(views) for s in view.roles}
         notes: list[str] = []
         runs: dict[str, None] = {}
-        pairs = [_Pair.of_sessions(make_session(inlined), fused_session(False, views), False)]
+        wrap = original_wrapper or (lambda session, lifted: session)
+        pairs = [_Pair.of_sessions(wrap(make_session(inlined), False), fused_session(False, views), False)]
         try:
-            pairs.append(_Pair.of_sessions(make_session(lift_to_double(inlined)), fused_session(True, views), True))
+            pairs.append(_Pair.of_sessions(wrap(make_session(lift_to_double(inlined)), True), fused_session(True, views), True))
         except Exception as error:  # onnxruntime's own exception types: no DOUBLE kernel, type errors
             ops = missing_kernels(error)
             reason = f"onnxruntime has no DOUBLE kernel for {', '.join(ops)}" if ops else str(error).strip().splitlines()[0]

@@ -334,8 +334,11 @@ class _GESession(runtime.ReferenceSession):
         self.probes = probes  # probe name -> (SGD op, input index)
         self.watch = frozenset(op for op, _ in probes.values())
         self.started = False
+        self.error: Exception | None = None
 
     def run(self, names, feeds):
+        from sgdfuse.lowering.executor import ExecutorError
+
         runner = self.runner
         if not self.started:
             runner.initialise({name: feeds[name] for name in self.init_inputs})
@@ -343,7 +346,11 @@ class _GESession(runtime.ReferenceSession):
         variables = runner.variables
         for state, variable in self.state_variables.items():
             variables[variable] = np.array(feeds[state], copy=True)
-        outputs = runner.step(feeds, watch=self.watch)
+        try:
+            outputs = runner.step(feeds, watch=self.watch)
+        except ExecutorError as error:  # the executor cannot run the graph: the check cannot run, nothing disagrees
+            self.error = error
+            raise
         watched = runner.executor.watched
         result = {}
         for name in names:
@@ -370,15 +377,60 @@ def _sgd_ops_by_variable(sub: GEModel) -> dict[str, str]:
     return found
 
 
-def _loose(name: str, want: np.ndarray):
-    """The bound of a value that is not an update's (a forward or backward value, an SGD node's gradient):
-    ``atol + rtol*|value|`` of its dtype (:data:`TOLERANCES`; DOUBLE in a lifted run)."""
-    want = np.asarray(want)
+def _fixed_tolerance(want: np.ndarray) -> np.ndarray:
+    """``atol + rtol*|value|`` of ``want``'s dtype (:data:`TOLERANCES`; DOUBLE in a lifted run)."""
     dtype = {np.dtype(np.float64): onnx.TensorProto.DOUBLE, np.dtype(np.float32): onnx.TensorProto.FLOAT,
              np.dtype(np.float16): onnx.TensorProto.FLOAT16}.get(want.dtype, onnx.TensorProto.BFLOAT16)
     rtol, atol = TOLERANCES[dtype]
     with np.errstate(invalid="ignore"):
         return atol + rtol * np.abs(np.nan_to_num(want.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0))
+
+
+class _Conditioned(runtime.ReferenceSession):
+    """onnxruntime's session of the fused model (the check's original side), which remembers each run's
+    feeds so that :meth:`loose` can run them again nudged (every float input of more than one element times
+    ``1 + PERTURBATION``) and allow a value that is not an update's :data:`CONDITIONING_FACTOR` times its own
+    change (module docstring)."""
+
+    def __init__(self, session, momenta: set[str]) -> None:
+        self.session = session
+        self.momenta = momenta
+        self._inputs = list(session.get_inputs())
+        self._runs: dict[int, tuple] = {}  # id of an output array -> (the array, the run's record)
+
+    def run(self, names, feeds):
+        result = runtime.run(self.session, feeds, names)
+        record = [feeds, None]
+        for value in result.values():
+            self._runs[id(value)] = (value, record)
+        return result
+
+    def loose(self, name: str, want: np.ndarray) -> np.ndarray:
+        """The bound of ``want`` (this session's value of ``name`` on one run) for a value that is not an update's."""
+        fixed = _fixed_tolerance(np.asarray(want))
+        entry = self._runs.get(id(want))
+        if entry is None or entry[0] is not want or np.asarray(want).dtype.kind not in "fV" and np.asarray(want).dtype.name != "bfloat16":
+            return fixed
+        record = entry[1]
+        if record[1] is None:
+            nudged = {}
+            for key, value in record[0].items():
+                array = np.asarray(value)
+                if key not in self.momenta and (array.dtype.kind == "f" or array.dtype.name == "bfloat16") and array.size > 1:
+                    array = (array * (1 + PERTURBATION)).astype(array.dtype)
+                nudged[key] = array
+            record[1] = runtime.run(self.session, nudged, list(self._runs_names(record)))
+        perturbed = record[1].get(name)
+        if perturbed is None:
+            return fixed
+        with np.errstate(invalid="ignore"):
+            sensitivity = np.abs(np.asarray(want).astype(np.float64) - np.asarray(perturbed).astype(np.float64))
+        if not np.all(np.isfinite(sensitivity)):
+            return fixed
+        return np.maximum(fixed, CONDITIONING_FACTOR * float(np.max(sensitivity, initial=0.0)))
+
+    def _runs_names(self, record) -> list[str]:
+        return [o.name for o in self.session.get_outputs()] if hasattr(self.session, "get_outputs") else list(self.session.output_names)
 
 
 def _check_init(setup: _Setup, sub: GEModel, seed: int) -> str:
@@ -387,8 +439,11 @@ def _check_init(setup: _Setup, sub: GEModel, seed: int) -> str:
     writes every carried state itself (:class:`_GESession`), so this is where the init graph is checked.
     Returns the first disagreement, or ""."""
     rng = np.random.default_rng(seed)
+    # Every graph-input state gets a value of its own (an init graph reading another state's Data op, or none,
+    # then gives its variable something else).
+    wanted = list(sub.init_inputs.values()) + [v.onnx_value for v in sub.state if v.source == "graph input"]
     feeds = {name: _feed(setup.inputs[name], rng, 0) if name in setup.inputs else setup.initial[name]
-             for name in sub.init_inputs.values() if name in setup.inputs or name in setup.initial}
+             for name in dict.fromkeys(wanted) if name in setup.inputs or name in setup.initial}
     runner = sub.runner()
     runner.initialise(feeds)
     for variable in sub.state:
@@ -404,9 +459,14 @@ def _check_init(setup: _Setup, sub: GEModel, seed: int) -> str:
                 return f"the init graph leaves variable {variable.name} unassigned"
             continue
         want = np.asarray(want).astype(have.dtype) if np.asarray(want).dtype != have.dtype else np.asarray(want)
-        if have.shape != want.shape or have.tobytes() != want.tobytes():
-            return (f"the init graph gives variable {variable.name} ({variable.source} {variable.onnx_value}) another value "
-                    f"than the fused model's: shape {list(have.shape)} against {list(want.shape)}, or other elements")
+        what = f"the init graph gives variable {variable.name} ({variable.source} {variable.onnx_value})"
+        if have.shape != want.shape:
+            return f"{what} the shape {list(have.shape)}, the fused model {list(want.shape)}"
+        if have.tobytes() != want.tobytes():
+            k = int(np.flatnonzero(have.reshape(-1).view(np.uint8 if have.dtype.itemsize == 1 else f"u{have.dtype.itemsize}")
+                                   != want.reshape(-1).view(np.uint8 if want.dtype.itemsize == 1 else f"u{want.dtype.itemsize}"))[0])
+            return (f"{what} another initial value than the fused model's: element {k} is {have.reshape(-1)[k]!r} in GE, "
+                    f"{want.reshape(-1)[k]!r} in the fused model")
     return ""
 
 
@@ -436,6 +496,8 @@ def _run_parts(setup: _Setup, parts, chunk: list, lowered_outputs: set[str], ste
     sgd_of = _sgd_ops_by_variable(sub)
     inputs = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
 
+    sessions: list[_GESession] = []
+
     def session(lifted: bool, views) -> _GESession:
         # Each view's probes of its SGD node's operands are the GE SGD op's inputs; the op is found through
         # the Variable of the state the node writes its parameters into.
@@ -444,14 +506,31 @@ def _run_parts(setup: _Setup, parts, chunk: list, lowered_outputs: set[str], ste
             op = sgd_of.get(state_variables.get(view.parameters, ""))
             if op is not None:
                 probes.update({view.gradient: (op, 1), view.learning_rate: (op, 2), view.momentum: (op, 4)})
-        return _GESession(sub, lifted=lifted, inputs=inputs, state_variables=state_variables, returned=returned, probes=probes)
+        sessions.append(_GESession(sub, lifted=lifted, inputs=inputs, state_variables=state_variables, returned=returned, probes=probes))
+        return sessions[-1]
 
     try:
         problem = _check_init(setup, sub, seed)
         if problem:
             return LoweringCheck(steps, False, worst, problem)
-        result = check_lowered(model, session, original_pairs=original_pairs, written=written,
-                               momenta=setup.momenta & fed, loose=_loose, steps=steps, seed=seed)
+        momenta = setup.momenta & fed
+        originals: list[_Conditioned] = []
+
+        def conditioned(session, lifted: bool) -> _Conditioned:
+            originals.append(_Conditioned(session, momenta))
+            return originals[-1]
+
+        def loose(name: str, want: np.ndarray) -> np.ndarray:
+            for original in originals:
+                if id(want) in original._runs:
+                    return original.loose(name, want)
+            return _fixed_tolerance(np.asarray(want))
+
+        result = check_lowered(model, session, original_pairs=original_pairs, written=written, momenta=momenta, loose=loose,
+                               original_wrapper=conditioned, steps=steps, seed=seed)
+        for ge in sessions:
+            if ge.error is not None:
+                raise ge.error
     except ExecutorError as error:
         raise _cannot_verify(str(error)) from error
     except LoweringError:
