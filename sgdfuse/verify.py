@@ -1844,7 +1844,7 @@ def check_models(original: onnx.ModelProto, fused: onnx.ModelProto, *, steps: in
 
 
 def _fail_uncompared(fused: "_Side", views: Sequence[_UpdateView], inputs: Mapping[str, _Input], output_tallies: dict,
-                     state_tallies: dict) -> list[str]:
+                     state_tallies: dict, advice: str | None = None) -> list[str]:
     """After the runs of :func:`check_models` (or :func:`check_lowered`): fail what was never compared, an
     update's output NaN or infinite everywhere on every step, and the outputs and state writes of an update
     whose gradient was never live (:func:`_fail_dead_gradients`). Returns what was failed."""
@@ -1860,7 +1860,7 @@ def _fail_uncompared(fused: "_Side", views: Sequence[_UpdateView], inputs: Mappi
                 "data does not have"
             )
             uncompared.append(name)
-    uncompared.extend(_fail_dead_gradients(fused, views, inputs, output_tallies, state_tallies))
+    uncompared.extend(_fail_dead_gradients(fused, views, inputs, output_tallies, state_tallies, advice))
     return uncompared
 
 
@@ -1962,7 +1962,10 @@ def check_lowered(
                         tally.fail(f"{label}: {error}")
                     continue
                 runs.setdefault(label)
-        uncompared = _fail_uncompared(side, views, inputs, output_tallies, state_tallies) if runs else []
+        advice = ("the lowering check feeds every input random values and wide ones, and none reaches this gradient. "
+                  "Lower a form of the step that takes the gradient as a graph input (it is then fed random values), "
+                  "or pass --no-verify to write the graph unchecked")
+        uncompared = _fail_uncompared(side, views, inputs, output_tallies, state_tallies, advice) if runs else []
         if not runs and all(t.passed for t in output_tallies.values()):
             raise ValueError("the fused model cannot run at any size tried: " + "; ".join(notes))
         update_outputs = {name for view in views for name in view.outputs}
@@ -1982,8 +1985,15 @@ def check_lowered(
                           1, 1, uncompared)
 
 
+_CHECK_DEAD_ADVICE = (
+    "check feeds every input random values and wide ones, and none reaches this gradient. Check a form of the "
+    "step that takes the gradient as a graph input (it is then fed random values), or run sgdfuse optimize "
+    "with its verification, which runs each update with its gradient fed"
+)
+
+
 def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Mapping[str, _Input], output_tallies: dict,
-                         state_tallies: dict) -> list[str]:
+                         state_tallies: dict, advice: str | None = None) -> list[str]:
     """Fail the outputs and state writes of every update whose gradient was never live on a compared step
     (:data:`WIDE`): its gradient term was never compared, so agreeing numbers say nothing about it. The message
     names the fed inputs the gradient is computed from, data before state (graph-input order). Returns what
@@ -1999,12 +2009,7 @@ def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Map
         gradient = fused.nodes[probe].input[0] if probe is not None else view.gradient
         found = fused.fed_sources(gradient, inputs, memo) - {gradient}
         sources = sorted(found, key=lambda name: (inputs[name].role in ("parameters", "accum"), order[name]))
-        message = _dead_gradient_message(
-            gradient, sources, list(view.outputs),
-            "check feeds every input random values and wide ones, and none reaches this gradient. Check a form of the "
-            "step that takes the gradient as a graph input (it is then fed random values), or run sgdfuse optimize "
-            "with its verification, which runs each update with its gradient fed",
-        )
+        message = _dead_gradient_message(gradient, sources, list(view.outputs), advice or _CHECK_DEAD_ADVICE)
         for name in view.outputs:
             if name in output_tallies and output_tallies[name].passed:
                 output_tallies[name] = copy.copy(output_tallies[name])  # results may be shared within a class

@@ -82,6 +82,8 @@ class LoweringCheck:
         message: the first disagreement (output, step, element, both values, the tolerance), else "".
         parts, classes, parts_run: independent parts of the model, their classes (parts equal up to names),
             and how many parts were run (:mod:`sgdfuse.lowering.parts`).
+        note: what could not be run and why (the lifted DOUBLE comparison of a part with an op onnxruntime has
+            no DOUBLE kernel for, a size the fused model cannot run), or "".
     """
 
     steps: int
@@ -91,6 +93,7 @@ class LoweringCheck:
     parts: int = 0
     classes: int = 0
     parts_run: int = 0
+    note: str = ""
 
 
 def _feed(value: onnx.ValueInfoProto, rng: np.random.Generator, step: int, non_negative: frozenset[str] = frozenset()) -> np.ndarray:
@@ -550,8 +553,8 @@ def _run_parts(setup: _Setup, parts, chunk: list, lowered_outputs: set[str], ste
             message = (f"{what}{entry['name']}: {entry['message']} (the GE graph in the executor is the 'fused' side, "
                        "onnxruntime on the fused ONNX model the 'original')")
     if message:
-        return LoweringCheck(steps, False, worst, message)
-    return LoweringCheck(steps, True, worst)
+        return LoweringCheck(steps, False, worst, message, note=result.note)
+    return LoweringCheck(steps, True, worst, note=result.note)
 
 
 def _chunks(parts: list) -> list[list]:
@@ -619,10 +622,12 @@ def _verify(fused: onnx.ModelProto, lowered: GEModel, steps: int, seed: int) -> 
             picked.update(sampler.sample(members[1:], min(CLASS_SAMPLE, len(members) - 1)))
         chosen = sorted(picked)
     logger.info("lowering check: %d parts in %d classes, %d run", len(every), len(classes), len(chosen))
+    notes: dict[str, None] = {}
     for number, chunk in enumerate(_chunks([parts.parts[k] for k in chosen])):
         check = _run_parts(setup, parts, chunk, lowered_outputs, steps, seed + number, worst)
+        notes.update((text, None) for text in check.note.split("; ") if text)
         if not check.passed:
-            return dataclasses.replace(check, parts=len(every), classes=len(classes), parts_run=len(chosen))
+            return dataclasses.replace(check, parts=len(every), classes=len(classes), parts_run=len(chosen), note="; ".join(notes))
     ran = set(chosen)
     for members in classes.values():
         first = parts.parts[members[0]]
@@ -633,4 +638,4 @@ def _verify(fused: onnx.ModelProto, lowered: GEModel, steps: int, seed: int) -> 
             for name in parts.parts[k].outputs:
                 if name in lowered_outputs:
                     worst[name] = worst[by_number[parts.parts[k].names[name]]]
-    return LoweringCheck(steps, True, worst, parts=len(every), classes=len(classes), parts_run=len(chosen))
+    return LoweringCheck(steps, True, worst, parts=len(every), classes=len(classes), parts_run=len(chosen), note="; ".join(notes))
