@@ -1870,7 +1870,7 @@ def check_lowered(
     *,
     original_pairs: Mapping[str, str],
     written: Mapping[str, str],
-    momenta: Iterable[str] = (),
+    input_roles: Mapping[str, str] | None = None,
     loose=None,
     original_wrapper=None,
     steps: int = 3,
@@ -1900,7 +1900,10 @@ def check_lowered(
             in ``state`` after the step. With ``lifted`` it computes in DOUBLE.
         original_pairs: state input → the model's output that is its next value.
         written: state input → the name under which the fused session returns what it wrote into it.
-        momenta: runtime momentum inputs (fed 0 on the second, zero-gradient, step).
+        input_roles: fed input → its role, as :func:`_check_inputs` names them, plus "momentum" (a runtime
+            momentum: fed as a coefficient, 0 on the second, zero-gradient, step), decided by the caller on a
+            larger model (lower's: the whole fused model, of which ``model`` is a part); None: decided on
+            ``model``. SGD-updated state is fed as state whatever its entry.
         loose: as above.
         original_wrapper: ``original_wrapper(session, lifted)`` → the session the original side runs
             (lower's: one that can also run a step's feeds nudged, for ``loose``), or None.
@@ -1919,9 +1922,8 @@ def check_lowered(
             view.fused_state = {s: written[s] for s in view.roles if s in written}
             view.original_gradient = view.gradient
         index = _declarations(model)
-        momenta = set(momenta)
-        inputs = {spec.name: (dataclasses.replace(spec, role="momentum") if spec.name in momenta and spec.role == "coefficient" else spec)
-                  for spec in _check_inputs(index, names, views, side)}
+        inputs = {spec.name: spec if input_roles is None or spec.role in ("parameters", "accum") or spec.name not in input_roles
+                  else dataclasses.replace(spec, role=input_roles[spec.name]) for spec in _check_inputs(index, names, views, side)}
         gradients = list(dict.fromkeys(view.gradient for view in views))
         outputs = list(dict.fromkeys(declared_outputs + gradients))
         fused_names = list(dict.fromkeys(outputs + [v for view in views for v in (view.learning_rate, view.momentum)]

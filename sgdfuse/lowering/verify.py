@@ -114,36 +114,6 @@ def _feed(value: onnx.ValueInfoProto, rng: np.random.Generator, step: int, non_n
     raise LoweringVerificationError(f"input {value.name}", f"no test data for dtype {dtype}; pass --no-verify to write the graph unchecked")
 
 
-def _overflow_inputs(fused: onnx.ModelProto, lowered: GEModel, inputs: list[onnx.ValueInfoProto]) -> list[str]:
-    """The runtime inputs fed +inf on the overflow step (module docstring): float graph inputs that a guard
-    condition computed in the graph is computed from, the one-element ones if there are any. State inputs
-    are never among them (their values are chained)."""
-    guards = [v.guarded_by for v in lowered.state if v.guarded_by]
-    if not guards:  # no guarded update (the common case): no table of every node's outputs
-        return []
-    runtime_floats = {i.name: i for i in inputs if i.type.tensor_type.elem_type in TOLERANCES}
-    state = {v.onnx_value for v in lowered.state}
-    producers = {output: node for node in fused.graph.node for output in node.output}
-    stack = [guard for guard in guards if guard in producers]
-    seen: set[str] = set()
-    while stack:
-        value = stack.pop()
-        if value in seen:
-            continue
-        seen.add(value)
-        node = producers.get(value)
-        if node is not None:
-            stack.extend(i for i in node.input if i)
-    found = [name for name in runtime_floats if name in seen and name not in state]
-    scalars = [name for name in found if _elements(runtime_floats[name]) == 1]
-    return scalars or found
-
-
-def _elements(value: onnx.ValueInfoProto) -> int:
-    dims = value.type.tensor_type.shape.dim
-    return int(np.prod([d.dim_value if d.HasField("dim_value") else 2 for d in dims]))
-
-
 def _probe(fused: onnx.ModelProto, lowered: GEModel) -> tuple[onnx.ModelProto, dict[str, str], dict[str, np.ndarray]]:
     """The onnxruntime copy: state initializers as graph inputs, each state's next value as an output.
 
@@ -181,34 +151,6 @@ def _probe(fused: onnx.ModelProto, lowered: GEModel) -> tuple[onnx.ModelProto, d
     return probe, pairs, initial
 
 
-def _disagreement(name: str, want: np.ndarray, have: np.ndarray, dtype: int, step: int) -> tuple[float, str]:
-    if want.shape != have.shape:
-        return float("inf"), f"output {name}, step {step}: shape {list(have.shape)} in GE, {list(want.shape)} in onnxruntime"
-    if want.dtype == have.dtype and want.tobytes() == have.tobytes():
-        return 0.0, ""  # bit for bit equal (most outputs): nothing to measure
-    if dtype not in TOLERANCES:
-        wrong = np.flatnonzero(want.reshape(-1) != have.reshape(-1))
-        if wrong.size:
-            k = int(wrong[0])
-            got, wanted = have.reshape(-1)[k], want.reshape(-1)[k]
-            return float("inf"), f"output {name}, step {step}, element {k}: {got!r} in GE, {wanted!r} in onnxruntime"
-        return 0.0, ""
-    rtol, atol = TOLERANCES[dtype]
-    w, h = want.astype(np.float64), have.astype(np.float64)
-    with np.errstate(invalid="ignore"):
-        same = (w == h) | (np.isnan(w) & np.isnan(h))
-        error = np.nan_to_num(np.where(same, 0.0, np.abs(h - w)), nan=np.inf)
-    worst = float(error.max(initial=0.0))
-    over = error > atol + rtol * np.abs(np.nan_to_num(w))
-    if np.any(over):
-        k = int(np.argmax(over.reshape(-1)))
-        return worst, (
-            f"output {name}, step {step}, element {k}: {float(h.reshape(-1)[k])!r} in GE, {float(w.reshape(-1)[k])!r} in "
-            f"onnxruntime (allowed |difference| {atol:g} + {rtol:g}*|value|)"
-        )
-    return worst, ""
-
-
 CONDITIONING_FACTOR = 16.0
 """An output beyond the fixed tolerance still agrees when within this many times onnxruntime's own change
 for a :data:`PERTURBATION` of the data inputs (the ResNet step's BatchNorms at 1x1 spatial size turn a
@@ -218,17 +160,6 @@ PERTURBATION = 2.0**-22
 """Relative change of the data inputs for the conditioning chain (two float32 ulps)."""
 
 
-def _within_conditioning(expected: np.ndarray, actual: np.ndarray, perturbed: np.ndarray) -> bool:
-    if expected.dtype.kind not in "f" and expected.dtype.name != "bfloat16":
-        return False
-    with np.errstate(invalid="ignore"):
-        difference = np.abs(expected.astype(np.float64) - actual.astype(np.float64))
-        sensitivity = np.abs(expected.astype(np.float64) - perturbed.astype(np.float64))
-    if not (np.all(np.isfinite(difference)) and np.all(np.isfinite(sensitivity))):
-        return False
-    return float(np.max(difference)) <= CONDITIONING_FACTOR * float(np.max(sensitivity))
-
-
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
@@ -236,21 +167,6 @@ def _first_line(error: BaseException) -> str:
 
 def _cannot_verify(cause: str) -> LoweringVerificationError:
     return LoweringVerificationError("model", f"cannot verify the lowered graph: {cause}; pass --no-verify to write it unchecked")
-
-
-def _specialised(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with its SGD functions inlined per node and their ``If`` s on attributes resolved
-    (:func:`sgdfuse.lift.specialise`: the same arithmetic, bit for bit); onnxruntime builds a session of it
-    many times faster than of a model calling its functions (49 s against seconds for 2000 SGD nodes), since
-    every ``If`` branch of every call is a graph of its own to initialise. A model the inliner refuses runs
-    as it is."""
-    from sgdfuse.lift import specialise
-
-    try:
-        return specialise(model)
-    except Exception as error:  # onnx's inliner refusing a model
-        logger.info("could not inline the fused model's functions (%s); running it as it is", error)
-        return model
 
 
 _CHUNK_OPS = 1200
@@ -268,18 +184,22 @@ class _Setup:
     dtypes: dict[str, int]
     inputs: dict[str, onnx.ValueInfoProto]
     momenta: set[str]
-    overflow: set[str]
     non_negative: frozenset[str]
+    input_roles: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Fed input → how :func:`sgdfuse.verify.check_lowered` feeds it, decided on the whole model (as ``check``
+    decides it): "non-negative", "coefficient" (what an SGD node's learning rate or momentum is computed
+    from), "momentum" (a runtime momentum itself), "gradient" (what a gradient is computed from), "other";
+    state inputs are fed as state whatever their entry."""
 
     def roles(self) -> dict[str, tuple]:
         """Input name → how it is fed: dtype, dims, and whether it is state, an initializer's state, a
-        momentum, overflowed, non-negative (what a class key must hold for the feeds to be of one kind)."""
+        momentum, non-negative (what a class key must hold for the feeds to be of one kind)."""
         state = set(self.pairs.values())
         # The dims as the shape's canonical bytes (one call per input; equal exactly when every dim, value,
         # parameter and denotation, is).
         return {
             name: (value.type.tensor_type.elem_type, value.type.tensor_type.shape.SerializeToString(deterministic=True), name in state,
-                   name in self.initial, name in self.momenta, name in self.overflow, name in self.non_negative)
+                   name in self.initial, name in self.momenta, name in self.non_negative, self.input_roles.get(name, ""))
             for name, value in self.inputs.items()
         }
 
@@ -305,12 +225,49 @@ def _setup(fused: onnx.ModelProto, lowered: GEModel) -> _Setup:
     # A momentum fed at run time is 0 on the second step: the kernel then keeps the buffer, and the
     # rewrite's If recomputes it (the write-back), the path most easily lowered wrong.
     momenta = {n.input[4] for n in fused.graph.node if is_sgd_node(n) and len(n.input) > 4} & {i.name for i in inputs}
-    # A guard computed in the graph (found_inf) skips on the second step: its float inputs overflow there.
-    overflow = set(_overflow_inputs(fused, lowered, inputs))
+    non_negative = frozenset(non_negative_inputs(probe.graph.node))
     return _Setup(
         probe, pairs, initial, {o.name: o.type.tensor_type.elem_type for o in probe.graph.output}, {i.name: i for i in inputs},
-        momenta, overflow, frozenset(non_negative_inputs(probe.graph.node)),
+        momenta, non_negative, _input_roles(probe, [i.name for i in inputs], momenta, non_negative),
     )
+
+
+def _input_roles(probe: onnx.ModelProto, inputs: list[str], momenta: set[str], non_negative: frozenset[str]) -> dict[str, str]:
+    """:attr:`_Setup.input_roles`: the roles ``sgdfuse.verify._check_inputs`` gives on the whole model, so that
+    an input read by several parts is fed alike in every run that reads it (a part's class stands for its
+    members only when they would be fed as it is)."""
+    from sgdfuse.verify import _node_reads
+
+    graph_types = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+    producers: dict[str, onnx.NodeProto] = {}
+    for node in probe.graph.node:
+        for output in node.output:
+            if output:
+                producers[output] = node
+
+    def sources(values) -> set[str]:
+        found: set[str] = set()
+        stack = list(values)
+        while stack:
+            value = stack.pop()
+            if value in found:
+                continue
+            found.add(value)
+            node = producers.get(value)
+            if node is not None:
+                reads = _node_reads(node) if any(a.type in graph_types for a in node.attribute) else node.input
+                stack.extend(name for name in reads if name)
+        return found
+
+    sgd = [node for node in probe.graph.node if is_sgd_node(node)]
+    gradients = sources(node.input[1] for node in sgd if len(node.input) > 1)
+    coefficients = sources(node.input[k] for node in sgd for k in (2, 4) if len(node.input) > k)
+    roles = {}
+    for name in inputs:
+        role = ("non-negative" if name in non_negative else "coefficient" if name in coefficients else
+                "gradient" if name in gradients else "other")
+        roles[name] = "momentum" if role == "coefficient" and name in momenta else role
+    return roles
 
 
 _WRITTEN = "sgdfuse_ge_variable/"
@@ -529,8 +486,8 @@ def _run_parts(setup: _Setup, parts, chunk: list, lowered_outputs: set[str], ste
                     return original.loose(name, want)
             return _fixed_tolerance(np.asarray(want))
 
-        result = check_lowered(model, session, original_pairs=original_pairs, written=written, momenta=momenta, loose=loose,
-                               original_wrapper=conditioned, steps=steps, seed=seed)
+        result = check_lowered(model, session, original_pairs=original_pairs, written=written, input_roles=setup.input_roles,
+                               loose=loose, original_wrapper=conditioned, steps=steps, seed=seed)
         for ge in sessions:
             if ge.error is not None:
                 raise ge.error
