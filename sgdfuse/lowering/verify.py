@@ -1,36 +1,42 @@
 """Check a lowered GE graph against the ONNX model it came from: what ``sgdfuse lower`` runs before writing.
 
-The step graph runs in the numpy GE executor (:mod:`sgdfuse.lowering.executor`, in place: state lives in its
-``Variable`` s, written by the ``SGD`` op and ``Assign`` s, after the init graph set it), and the fused ONNX
-model runs in onnxruntime, for ``steps`` chained steps on the same seeded inputs. onnxruntime is fed its own
-new state between steps (the next value of each state variable, :attr:`StateVariable.next_value
-<sgdfuse.lowering.state.StateVariable.next_value>` when it has one, else the op's result: for a guarded update
-the guard's output ``Where(condition, old, new)``, for a runtime momentum the rewrite's ``If``); the GE graph
-keeps its own. Every ONNX graph output must agree at every step, so a state the GE graph left wrong after a
-step shows in the next step's outputs.
+The comparison is ``sgdfuse check``'s (:func:`sgdfuse.verify.check_lowered`, docs/design.md, "Verification"):
+onnxruntime on the fused ONNX model is check's *original* side, the GE graph in the numpy executor
+(:mod:`sgdfuse.lowering.executor`) its *fused* side, run by :class:`_GESession`, which makes the executor
+look like a session: fed every input by ONNX name, it writes each carried state (an ``SGD`` node's parameters
+and buffer) into the state's ``Variable``, runs the step graph in place, and returns the graph's outputs, each
+``SGD`` op's gradient, learning rate and momentum as the op read them, and what each state ``Variable``
+holds after the step. So lower's check has check's
+
+- schedule: a first step with a zero buffer, a zero-gradient step (a runtime momentum is 0 there: the op
+  keeps the buffer and the rewrite's ``If`` recomputes it; a loss-scaling ``found_inf`` computed from
+  ``g / scale`` is NaN there, so the guard skips), random steps, then from the state reached the
+  extreme-value steps, a restart and a step with random buffers, and, for an update whose gradient was never
+  live, the wide-range step; in lockstep (both sides fed onnxruntime's state) and in place (each side carrying
+  its own: the executor's variables after the step are what it carries);
+- precisions: natively and lifted to DOUBLE (the executor runs lifted: every float value as DOUBLE, the
+  ``SGD`` op's formula in DOUBLE with its FLOAT attributes as stored), so that a coefficient a few roundings
+  off (a learning rate x(1 + 1e-5), a dampening 1e-6, a weight decay dropped) stands out;
+- bound for each update's outputs and state writes, derived from the update's own terms, plus the measured
+  difference of the gradients the two sides read, propagated (|Δg|, :class:`sgdfuse.verify._Terms`);
+- "never compared" failures: an update whose gradient was never live, an output NaN everywhere.
+
+What differs from check is what is not an update's: the executor computes matrix products, reductions and
+layers in another order than onnxruntime, so those outputs, and every ``SGD`` node's gradient, are compared
+within ``atol + rtol*|onnxruntime's value|`` (:data:`TOLERANCES`, DOUBLE's in a lifted run), or within
+:data:`CONDITIONING_FACTOR` times onnxruntime's own change when every float input of more than one element is
+nudged by :data:`PERTURBATION` (:class:`_Conditioned`; the ResNet step's BatchNorms at 1x1 spatial size turn
+a relative 1e-7 into ~1e-5). A gradient wrong by more fails as a gradient; the update's bound allows only the
+gradient difference measured. The init graph is checked on its own (:func:`_check_init`): run alone, it must
+leave in each state variable exactly the value fed (a graph-input state), the initializer, or zeros.
 
 Both sides run part by part (:mod:`sgdfuse.lowering.parts`: independent parts of the GE graph with the
 ONNX nodes that compute the same outputs), packed into runs of about :data:`_CHUNK_OPS` GE ops, each run
 fed from its own seed; from :data:`sgdfuse.verify.CLASS_MIN_PLANS` parts on, one member per class of parts
 equal up to names, plus a seeded sample of :data:`sgdfuse.verify.CLASS_SAMPLE` (docs/lowering.md,
-"Verification per class").
-
-Inputs, as :mod:`sgdfuse.verify` makes them: floats from a standard normal (a one-element float, a learning
-rate or runtime momentum, from U(0.01, 0.1); a momentum fed at run time is 0 on the second step);
-integer scalars count steps (0, 1, 2, ...); other integer tensors are zeros; booleans are true on the first
-step only, so a guard fed as a graph input takes both values within two steps. A guard computed in the graph
-(a loss-scaling ``found_inf = any(!isfinite(grads))``) is made to skip on the second step: the float graph
-inputs it is computed from (through node inputs, not subgraphs) are fed +inf there: the one-element ones, a
-loss scale, when there are any, else every such input (gradients fed to the step). Random inputs never
-overflow, and even float32's largest finite loss scale leaves a small model's gradients finite. A state held
-in an initializer is made a graph input of the onnxruntime copy (fed its initial value, then chained), since
-an initializer cannot change between runs while the GE variable does.
-
-Agreement, per element (NaN equals NaN; integers and booleans exactly): ``|ge - onnx| <= atol + rtol*|onnx|``,
-with (rtol, atol) = (1e-4, 1e-5) for FLOAT and DOUBLE, (2^-8, 2^-10) for FLOAT16 and (2^-5, 2^-7) for
-BFLOAT16: both sides compute the same formulas, so only summation order and the rounding of 16-bit values
-(done once per op by both) differ, far inside these bounds; an old value read after the in-place write, a
-missed write-back or a state fed from the wrong value differ by the size of an update.
+"Verification per class"). How each input is fed (its role) is decided on the whole fused model, as check
+decides it, and is part of the class key. A state held in an initializer is made a graph input of the
+onnxruntime copy, since an initializer cannot change between runs while the GE variable does.
 """
 
 from __future__ import annotations
