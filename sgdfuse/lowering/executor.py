@@ -79,6 +79,8 @@ class Op:
     position: int
     lifted: bool = False
     """Run lifted (:class:`GEExecutor` ``lifted``): every FLOAT, FLOAT16 and BFLOAT16 value is DOUBLE."""
+    may_alias: bool | None = None
+    """:func:`_may_alias` of the op in its graph, once it was asked (it depends on the graph alone)."""
 
 
 def _attr(value) -> object:
@@ -288,7 +290,11 @@ def _check_alias(op: Op, ops: Mapping[str, Op], inputs: list, outputs: list) -> 
     (:mod:`sgdfuse.lowering.alias`): lowering orders reads by that rule, so a kernel that aliases beyond it
     would hide ordering bugs, or invent them."""
     arrays = [x for x in inputs if isinstance(x, np.ndarray)]
-    if not arrays or _may_alias(op, ops):
+    if not arrays:
+        return
+    if op.may_alias is None:
+        op.may_alias = _may_alias(op, ops)
+    if op.may_alias:
         return
     for value in outputs:
         if isinstance(value, np.ndarray) and any(np.may_share_memory(value, x) for x in arrays):
