@@ -162,3 +162,40 @@ def test_a_loss_scaling_skip_removed_from_the_ge_graph_fails():
     check = verify_lowering(fused, lowered)
     assert not check.passed
     assert "zero-gradient" in check.message
+
+
+def _gradient_guarded_step() -> onnx.ModelProto:
+    """A skip computed from the fed gradient alone (no loss scale): ``found = any(isinf(g) | isnan(g))``, the
+    update (m 0.9, lr 0.1) kept only when ``found`` is false."""
+    f = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("IsInf", ["g"], ["inf"]),
+        helper.make_node("IsNaN", ["g"], ["nan"]),
+        helper.make_node("Or", ["inf", "nan"], ["bad"]),
+        helper.make_node("Cast", ["bad"], ["bad_f"], to=f),
+        helper.make_node("ReduceMax", ["bad_f"], ["any_bad"], keepdims=0),
+        helper.make_node("Cast", ["any_bad"], ["found"], to=TensorProto.BOOL),
+        helper.make_node("Mul", ["buf", "m"], ["kept"]),
+        helper.make_node("Add", ["kept", "g"], ["buf_new"]),
+        helper.make_node("Mul", ["buf_new", "lr"], ["step"]),
+        helper.make_node("Sub", ["w", "step"], ["w_new"]),
+        helper.make_node("Where", ["found", "buf", "buf_new"], ["buf_out"], name="guard_buf"),
+        helper.make_node("Where", ["found", "w", "w_new"], ["w_out"], name="guard_w"),
+    ]
+    graph = helper.make_graph(nodes, "step", [_vi(n, f) for n in ("w", "g", "buf")], [_vi("w_out", f), _vi("buf_out", f)],
+                              [_constant("m", 0.9, f), _constant("lr", 0.1, f)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def test_a_skip_computed_from_the_gradient_alone_removed_from_the_ge_graph_fails():
+    """No loss scale to make ``found`` true on the zero-gradient step: the gradient the guard reads is fed +Inf
+    on the check's "inf" step, where onnxruntime keeps the old state and the edited GE graph writes -Inf."""
+    fused = _fused(_gradient_guarded_step())
+    lowered = lower(fused, soc=SOC, optimise=False)
+    check = verify_lowering(fused, lowered)
+    assert check.passed, check.message
+    for op in [op for op in lowered.graph.op if op.type == "SelectV2"]:
+        op.input[1] = op.input[2]
+    check = verify_lowering(fused, lowered)
+    assert not check.passed
+    assert "(inf)" in check.message

@@ -10,7 +10,8 @@ holds after the step. So lower's check has check's
 
 - schedule: a first step with a zero buffer, a zero-gradient step (a runtime momentum is 0 there: the op
   keeps the buffer and the rewrite's ``If`` recomputes it; a loss-scaling ``found_inf`` computed from
-  ``g / scale`` is NaN there, so the guard skips), random steps, then from the state reached the
+  ``g / scale`` is NaN there, so the guard skips; a guard computed from fed gradients alone has them fed +Inf
+  on the "inf" extreme step, :func:`_input_roles`), random steps, then from the state reached the
   extreme-value steps, a restart and a step with random buffers, and, for an update whose gradient was never
   live, the wide-range step; in lockstep (both sides fed onnxruntime's state) and in place (each side carrying
   its own: the executor's variables after the step are what it carries);
@@ -19,7 +20,9 @@ holds after the step. So lower's check has check's
   off (a learning rate x(1 + 1e-5), a dampening 1e-6, a weight decay dropped) stands out;
 - bound for each update's outputs and state writes, derived from the update's own terms, plus the measured
   difference of the gradients the two sides read, propagated (|Δg|, :class:`sgdfuse.verify._Terms`);
-- "never compared" failures: an update whose gradient was never live, an output NaN everywhere.
+- "never compared" failures: an update whose gradient was never live, an output NaN everywhere; and an
+  update's value finite on one side only fails whatever its bound (the bound is infinite where the update's
+  terms are).
 
 What differs from check is what is not an update's: the executor computes matrix products, reductions and
 layers in another order than onnxruntime, so those outputs, and every ``SGD`` node's gradient, are compared
@@ -234,14 +237,19 @@ def _setup(fused: onnx.ModelProto, lowered: GEModel) -> _Setup:
     non_negative = frozenset(non_negative_inputs(probe.graph.node))
     return _Setup(
         probe, pairs, initial, {o.name: o.type.tensor_type.elem_type for o in probe.graph.output}, {i.name: i for i in inputs},
-        momenta, non_negative, _input_roles(probe, [i.name for i in inputs], momenta, non_negative),
+        momenta, non_negative, _input_roles(probe, [i.name for i in inputs], momenta, non_negative,
+                                            [v.guarded_by for v in lowered.state if v.guarded_by], set(pairs.values())),
     )
 
 
-def _input_roles(probe: onnx.ModelProto, inputs: list[str], momenta: set[str], non_negative: frozenset[str]) -> dict[str, str]:
+def _input_roles(probe: onnx.ModelProto, inputs: list[str], momenta: set[str], non_negative: frozenset[str],
+                 guards: list[str] = (), state: set[str] = frozenset()) -> dict[str, str]:
     """:attr:`_Setup.input_roles`: the roles ``sgdfuse.verify._check_inputs`` gives on the whole model, so that
     an input read by several parts is fed alike in every run that reads it (a part's class stands for its
-    members only when they would be fed as it is)."""
+    members only when they would be fed as it is). A guard computed in the graph (``guards``: a loss-scaling
+    ``found_inf``) must be seen to skip: computed from a one-element float input (a loss scale), it is NaN on
+    check's zero-gradient step (``g / 0``); computed from gradients alone, those are given the role
+    "overflow" (+Inf on the "inf" step, sgdfuse.verify._feed)."""
     from sgdfuse.verify import _node_reads
 
     graph_types = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
@@ -273,6 +281,17 @@ def _input_roles(probe: onnx.ModelProto, inputs: list[str], momenta: set[str], n
         role = ("non-negative" if name in non_negative else "coefficient" if name in coefficients else
                 "gradient" if name in gradients else "other")
         roles[name] = "momentum" if role == "coefficient" and name in momenta else role
+    if guards:
+        read = sources(guards)
+        floats = {i.name: i for i in probe.graph.input if i.name in roles and i.name not in state and i.name in read
+                  and i.type.tensor_type.elem_type in TOLERANCES}
+        scalars = [name for name, value in floats.items()
+                   if all(d.HasField("dim_value") for d in value.type.tensor_type.shape.dim)
+                   and int(np.prod([d.dim_value for d in value.type.tensor_type.shape.dim])) == 1]
+        if not scalars:
+            for name in floats:
+                if roles[name] == "gradient":
+                    roles[name] = "overflow"
     return roles
 
 
