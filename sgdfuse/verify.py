@@ -172,6 +172,7 @@ __all__ = ["non_negative_inputs",
     "ModelCheck",
     "verify_plans",
     "check_models",
+    "check_lowered",
     "independent_models",
     "ModelParts",
     "CHECK_CHUNK_NODES",
@@ -271,6 +272,10 @@ class _Terms:
     dp: np.ndarray | float = 0.0
     da: np.ndarray | float = 0.0
     dg: np.ndarray | float = 0.0
+    """|Δg|: how far the gradient the fused side read is from the original's, measured (0 where the gradient is
+    fed, or the original's gradient is not probed): ``check``'s in-place run, where each side computes its
+    gradient from its own weights, and every step of :func:`check_lowered`, whose two implementations compute
+    the gradient in their own order."""
 
 
 def _times(coefficient: float, magnitude):
@@ -383,7 +388,25 @@ def _bounds(terms: _Terms, *, lifted: bool) -> tuple[np.ndarray, np.ndarray]:
     # A NaN left in a bound comes from a NaN term the update does form: the exact value is NaN there, both
     # sides must give NaN (difference 0), and a finite value on either side fails. (An infinite bound would
     # pass any finite difference: a wrong momentum once passed where a NaN gradient had made the parameters NaN.)
-    return np.nan_to_num(b_w, nan=0.0, posinf=np.inf), np.nan_to_num(b_v, nan=0.0, posinf=np.inf)
+    b_w, b_v = np.nan_to_num(b_w, nan=0.0, posinf=np.inf), np.nan_to_num(b_v, nan=0.0, posinf=np.inf)
+    if not np.isscalar(t.dg) or t.dg:
+        # check_lowered: the measured |Δg| of the gradients the two sides read, propagated, added after the NaN
+        # rule: a guard that keeps the old state where the gradient is NaN (a loss-scaling skip) still allows
+        # the state difference the sides carry in place, and a gradient NaN on one side only (|Δg| infinite)
+        # allows nothing (the gradients themselves fail their own comparison). The coefficient of the
+        # gradient in the buffer is 1 - (1 - stat)·d: at most max(1, |1 - d|). The state differences are
+        # propagated likewise (they are finite: a state that differed by Inf or NaN failed at the step before).
+        with np.errstate(invalid="ignore", over="ignore"):
+            dg = np.where(np.isfinite(t.dg), t.dg, 0.0)
+            kg = max(1.0, k)
+            # (a guard that keeps the old buffer carries its difference whole: coefficient 1, not m)
+            carried_v = max(1.0, m) * np.where(np.isfinite(t.da), t.da, 0.0) + _times(k * wd, np.where(np.isfinite(t.dp), t.dp, 0.0))
+            carried_w = (1 + lr * k * wd * (1 + m)) * np.where(np.isfinite(t.dp), t.dp, 0.0) + _times(
+                lr * (m + m * m), np.where(np.isfinite(t.da), t.da, 0.0))
+            # (b == 0: where the NaN rule zeroed the bound; every bound holds a positive floor elsewhere)
+            b_v = b_v + _times(kg, dg) + carried_v * (b_v == 0)
+            b_w = b_w + _times(lr * (1 + m * kg) if t.nesterov else lr * kg, dg) + carried_w * (b_w == 0)
+    return b_w, b_v
 
 
 def difference(want: np.ndarray, have: np.ndarray) -> np.ndarray:
@@ -433,7 +456,11 @@ class UpdateCheck:
 class _Tally:
     """Accumulates comparisons for one update (or one output in :func:`check_models`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, finite_alike: bool = False) -> None:
+        self.finite_alike = finite_alike
+        """Fail an element finite on one side and not on the other whatever the bound (:func:`check_lowered`:
+        a bound is infinite where the update's terms are, and a guard keeping the old state there against a
+        GE graph writing Inf would pass)."""
         self.passed = True
         self.max_abs = 0.0
         self.max_ratio = 0.0
@@ -471,6 +498,14 @@ class _Tally:
             self.compared_finite = True
         if want.size == 0 or (want.dtype == have.dtype and want.tobytes() == have.tobytes()):
             return  # bit for bit equal: nothing to bound
+        if self.finite_alike and (want.dtype.kind == "f" or want.dtype.name == "bfloat16"):
+            with np.errstate(invalid="ignore"):
+                apart = np.isfinite(want.astype(np.float64)) != np.isfinite(have.astype(np.float64))
+            if apart.any():
+                k = int(np.argmax(apart.reshape(-1)))
+                self.fail(f"{label}: element {k} is {float(have.reshape(-1)[k])!r} fused vs {float(want.reshape(-1)[k])!r} "
+                          "original (finite on one side only)")
+                return
         if callable(bound):
             bound = bound()
         error = difference(want, have)
@@ -568,11 +603,20 @@ def _feed(spec: _Input, kind: str, step: int, size: int | None, rng: np.random.G
     shape = _concrete_shape(spec, size)
     dtype = onnx_to_numpy_dtype(spec.dtype)
     count = int(np.prod(shape))
+    if spec.role == "overflow":
+        # check_lowered: a gradient a guard computed in the graph reads (found_inf = any(!isfinite(g)), no loss
+        # scale to make it NaN on the zero-gradient step): +Inf on the "inf" step, so the skip is taken there;
+        # a gradient on every other step.
+        if kind == "inf":
+            return np.full(shape, np.inf, dtype=dtype)
+        spec = dataclasses.replace(spec, role="gradient")
     if spec.dtype in FLOAT_TYPES or spec.dtype == onnx.TensorProto.DOUBLE:
         if kind == WIDE and spec.role in ("gradient", "other", "non-negative"):
             values = _extreme(kind, shape, dtype, rng)
             return np.abs(values) if spec.role == "non-negative" else values
-        if spec.role == "gradient" and kind == "zero-gradient":
+        if spec.role in ("gradient", "momentum") and kind == "zero-gradient":
+            # A runtime momentum 0 (check_lowered's role "momentum"): the op keeps the buffer, and the rewrite's
+            # If recomputes it.
             return np.zeros(shape, dtype=dtype)
         if spec.role == "other" and kind in EXTREME_KINDS:
             return _extreme(kind, shape, dtype, rng)
@@ -665,6 +709,13 @@ class _Pair:
         self.label = "double" if lifted else "native"
         self.original = make_session(lift_to_double(original) if lifted else original)
         self.fused = make_session(lift_to_double(fused) if lifted else fused)
+
+    @classmethod
+    def of_sessions(cls, original, fused, lifted: bool) -> "_Pair":
+        """A pair of sessions made elsewhere (:func:`check_lowered`: the fused side is not onnxruntime)."""
+        pair = cls.__new__(cls)
+        pair.lifted, pair.label, pair.original, pair.fused = lifted, "double" if lifted else "native", original, fused
+        return pair
 
 
 def _make_pairs(original: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[list[_Pair], str, list[str]]:
@@ -851,7 +902,7 @@ class _UpdateView:
     original_gradient: str = ""
     """``check``: the value the fused SGD node reads as its gradient, as an output of the original, when the
     original computes a value of that name ("" otherwise, and in ``verify_plans``, whose gradient is one
-    value for both sides). In place, each side computes its gradient from its own weights, and the bound adds
+    value for both sides; :func:`check_lowered`: the gradient probed on both sides under one name). In place, each side computes its gradient from its own weights, and the bound adds
     what their difference feeds through (:func:`_bounds`)."""
     gradient_operand: str = ""
     """``check``: the value the fused SGD node reads as its gradient (what :attr:`gradient` probes)."""
@@ -1930,20 +1981,7 @@ def check_models(
             raise ValueError("the original model cannot run at any size tried: " + "; ".join(runner.notes))
 
         update_outputs = {name for view in views for name in view.outputs}
-        uncompared: list[str] = []
-        for name in update_outputs:
-            tally = output_tallies.get(name)
-            if tally is not None and tally.passed and not tally.compared_finite and runner.runs:
-                # NaN matches NaN: an output that is NaN (or infinite) everywhere on both sides was never compared.
-                output_tallies[name] = copy.copy(tally)
-                output_tallies[name].fail(
-                    f"{name}: the original gives no finite value on any step (NaN or infinite everywhere with the "
-                    "random inputs), so nothing was compared; the inputs the model reads may need values the random "
-                    "data does not have"
-                )
-                uncompared.append(name)
-        if runner.runs:
-            uncompared.extend(_fail_dead_gradients(sides[1], views, inputs, output_tallies, state_tallies))
+        uncompared = _fail_uncompared(sides[1], views, inputs, output_tallies, state_tallies) if runner.runs else []
         listed = [
             {"name": name, "kind": "fused update" if name in update_outputs else "exact", "max_abs_error": t.max_abs,
              "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message, "verified_as": verified_as.get(name, "")}
@@ -1968,8 +2006,160 @@ def check_models(
     return result
 
 
+def _fail_uncompared(fused: "_Side", views: Sequence[_UpdateView], inputs: Mapping[str, _Input], output_tallies: dict,
+                     state_tallies: dict, advice: str | None = None) -> list[str]:
+    """After the runs of :func:`check_models` (or :func:`check_lowered`): fail what was never compared, an
+    update's output NaN or infinite everywhere on every step, and the outputs and state writes of an update
+    whose gradient was never live (:func:`_fail_dead_gradients`). Returns what was failed."""
+    uncompared: list[str] = []
+    for name in {name for view in views for name in view.outputs}:
+        tally = output_tallies.get(name)
+        if tally is not None and tally.passed and not tally.compared_finite:
+            # NaN matches NaN: an output that is NaN (or infinite) everywhere on both sides was never compared.
+            output_tallies[name] = copy.copy(tally)
+            output_tallies[name].fail(
+                f"{name}: the original gives no finite value on any step (NaN or infinite everywhere with the "
+                "random inputs), so nothing was compared; the inputs the model reads may need values the random "
+                "data does not have"
+            )
+            uncompared.append(name)
+    uncompared.extend(_fail_dead_gradients(fused, views, inputs, output_tallies, state_tallies, advice))
+    return uncompared
+
+
+def check_lowered(
+    model: onnx.ModelProto,
+    fused_session,
+    *,
+    original_pairs: Mapping[str, str],
+    written: Mapping[str, str],
+    input_roles: Mapping[str, str] | None = None,
+    loose=None,
+    original_wrapper=None,
+    steps: int = 3,
+    seed: int = 0,
+) -> ModelCheck:
+    """:func:`check_models`'s comparison of a fused model (run in onnxruntime, the "original" side) with
+    another implementation of it (the "fused" side: ``sgdfuse lower``'s GE graph in its executor), on one
+    model that is not cut into groups: the same schedule (lockstep and in place, the extreme-value, restart,
+    random-state and wide steps), natively and lifted to DOUBLE, the same bound for each SGD node's outputs and
+    state writes, and the same failures for what was never compared (a gradient never live, an output NaN
+    everywhere).
+
+    The implementations may compute the values that are not an update's in another order (the executor's
+    matrix products and reductions are not onnxruntime's): those outputs, and every SGD node's gradient
+    (probed on both sides under one name), are compared with ``loose(name, original value) -> bound``
+    (identical when None), and the bound of each update allows the measured difference of the gradients it
+    read (|Δg|, :class:`_Terms`). So a gradient off by more than ``loose`` fails as a gradient, and what each
+    update does with its gradient, state and coefficients is held to the bound of ``check``.
+
+    Args:
+        model: the fused ONNX model (fed graph inputs include every carried state; SGD nodes write into them).
+        fused_session: ``fused_session(lifted: bool, views)`` → a session for :func:`sgdfuse.runtime.run` (a
+            :class:`sgdfuse.runtime.ReferenceSession`) fed every input by ONNX name, state included, that
+            returns the graph outputs, each SGD node's gradient, learning-rate and momentum operands under
+            the names ``views[k].gradient``, ``.learning_rate``, ``.momentum`` (the update of SGD node ``k``
+            writes its parameters into ``views[k].parameters``), and ``written[state]``: the value it holds
+            in ``state`` after the step. With ``lifted`` it computes in DOUBLE.
+        original_pairs: state input → the model's output that is its next value.
+        written: state input → the name under which the fused session returns what it wrote into it.
+        input_roles: fed input → its role, as :func:`_check_inputs` names them, plus "momentum" (a runtime
+            momentum: fed as a coefficient, 0 on the second, zero-gradient, step), decided by the caller on a
+            larger model (lower's: the whole fused model, of which ``model`` is a part); None: decided on
+            ``model``. SGD-updated state is fed as state whatever its entry.
+        loose: as above.
+        original_wrapper: ``original_wrapper(session, lifted)`` → the session the original side runs
+            (lower's: one that can also run a step's feeds nudged, for ``loose``), or None.
+
+    Raises:
+        ValueError: an input's shape is unknown; an SGD node writes into a value that is not a graph input.
+    """
+    with collector.paused():
+        initializers = {t.name for t in model.graph.initializer}
+        names = [i.name for i in model.graph.input if i.name not in initializers]
+        side = _Side.of(model)
+        declared_outputs = list(side.outputs)
+        views = _fused_views(side, set(names))
+        for view in views:
+            view.original_state = {s: original_pairs[s] for s in view.roles if s in original_pairs}
+            view.fused_state = {s: written[s] for s in view.roles if s in written}
+            view.original_gradient = view.gradient
+        index = _declarations(model)
+        inputs = {spec.name: spec if input_roles is None or spec.role in ("parameters", "accum") or spec.name not in input_roles
+                  else dataclasses.replace(spec, role=input_roles[spec.name]) for spec in _check_inputs(index, names, views, side)}
+        gradients = list(dict.fromkeys(view.gradient for view in views))
+        outputs = list(dict.fromkeys(declared_outputs + gradients))
+        fused_names = list(dict.fromkeys(outputs + [v for view in views for v in (view.learning_rate, view.momentum)]
+                                         + [v for view in views for v in view.fused_state.values()]))
+        original, _ = _side_model(side, range(len(side.nodes)), outputs)
+        try:
+            inlined = specialise(original)
+        except Exception as error:  # onnx's inliner refusing a model: run the functions as they are (slower)
+            logger.info("could not inline the fused model's functions (%s); running it as it is", error)
+            inlined = original
+        update_outputs = {name for view in views for name in view.outputs}
+        output_tallies = {name: _Tally(finite_alike=name in update_outputs) for name in outputs}
+        state_tallies = {(k, s): _Tally(finite_alike=True) for k, view in enumerate(views) for s in view.roles}
+        notes: list[str] = []
+        runs: dict[str, None] = {}
+        wrap = original_wrapper or (lambda session, lifted: session)
+        pairs = [_Pair.of_sessions(wrap(make_session(inlined), False), fused_session(False, views), False)]
+        try:
+            pairs.append(_Pair.of_sessions(wrap(make_session(lift_to_double(inlined)), True), fused_session(True, views), True))
+        except Exception as error:  # onnxruntime's own exception types: no DOUBLE kernel, type errors
+            ops = missing_kernels(error)
+            reason = f"onnxruntime has no DOUBLE kernel for {', '.join(ops)}" if ops else str(error).strip().splitlines()[0]
+            notes.append(f"the lifted (DOUBLE) comparison could not run ({reason}); checked in the native dtypes only")
+        specs = list(inputs.values())
+        numbered = list(enumerate(views))
+        for pair in pairs:
+            for size in _sizes(specs):
+                label = _run_label(pair.label, size)
+                try:
+                    skipped = _check_schedule(pair, specs, numbered, outputs, fused_names, original_pairs, output_tallies,
+                                              state_tallies, steps=steps, size=size, seed=seed, loose=loose)
+                    if skipped and skipped not in notes:
+                        notes.append(skipped)
+                except _RunError as error:
+                    if error.side == "original model":
+                        notes.append(f"{label}: {error} (skipped)")
+                        continue
+                    for tally in list(output_tallies.values()) + list(state_tallies.values()):
+                        tally.fail(f"{label}: {error}")
+                    continue
+                runs.setdefault(label)
+        advice = ("the lowering check feeds every input random values and wide ones, and none reaches this gradient. "
+                  "Lower a form of the step that takes the gradient as a graph input (it is then fed random values), "
+                  "or pass --no-verify to write the graph unchecked")
+        uncompared = _fail_uncompared(side, views, inputs, output_tallies, state_tallies, advice) if runs else []
+        if not runs and all(t.passed for t in output_tallies.values()):
+            raise ValueError("the fused model cannot run at any size tried: " + "; ".join(notes))
+        update_outputs = {name for view in views for name in view.outputs}
+        listed = [
+            {"name": name, "kind": "fused update" if name in update_outputs else "gradient" if name in gradients and name not in declared_outputs
+             else "exact", "max_abs_error": t.max_abs, "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message,
+             "verified_as": ""}
+            for name, t in output_tallies.items()
+        ]
+        in_place = [
+            {"name": s, "kind": "in place", "original": views[k].original_state.get(s, s), "fused": views[k].fused_state.get(s, s),
+             "max_abs_error": t.max_abs, "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message, "verified_as": ""}
+            for (k, s), t in state_tallies.items()
+        ]
+        passed = all(entry["passed"] for entry in listed + in_place)
+        return ModelCheck(steps, passed, listed, {o: s for s, o in original_pairs.items()}, in_place, list(runs), "; ".join(notes),
+                          1, 1, uncompared)
+
+
+_CHECK_DEAD_ADVICE = (
+    "check feeds every input random values and wide ones, and none reaches this gradient. Check a form of the "
+    "step that takes the gradient as a graph input (it is then fed random values), or run sgdfuse optimize "
+    "with its verification, which runs each update with its gradient fed"
+)
+
+
 def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Mapping[str, _Input], output_tallies: dict,
-                         state_tallies: dict) -> list[str]:
+                         state_tallies: dict, advice: str | None = None) -> list[str]:
     """Fail the outputs and state writes of every update whose gradient was never live on a compared step
     (:data:`WIDE`): its gradient term was never compared, so agreeing numbers say nothing about it. The message
     names the fed inputs the gradient is computed from, data before state (graph-input order). Returns what
@@ -1985,12 +2175,7 @@ def _fail_dead_gradients(fused: _Side, views: Sequence[_UpdateView], inputs: Map
         gradient = fused.nodes[probe].input[0] if probe is not None else view.gradient
         found = fused.fed_sources(gradient, inputs, memo) - {gradient}
         sources = sorted(found, key=lambda name: (inputs[name].role in ("parameters", "accum"), order[name]))
-        message = dead_gradient_message(
-            gradient, sources, list(view.outputs),
-            "check feeds every input random values and wide ones, and none reaches this gradient. Check a form of the "
-            "step that takes the gradient as a graph input (it is then fed random values), or run sgdfuse optimize "
-            "with its verification, which runs each update with its gradient fed",
-        )
+        message = dead_gradient_message(gradient, sources, list(view.outputs), advice or _CHECK_DEAD_ADVICE)
         for name in view.outputs:
             if name in output_tallies and output_tallies[name].passed:
                 output_tallies[name] = copy.copy(output_tallies[name])  # results may be shared within a class
@@ -2982,12 +3167,14 @@ def non_negative_inputs(nodes: Sequence[onnx.NodeProto], *, op_types: Sequence[s
 
 
 def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, output_tallies, state_tallies,
-                    *, steps: int, size: int | None, seed: int) -> None:
+                    *, steps: int, size: int | None, seed: int, loose=None) -> None:
     """One precision at one size of a model of :func:`check_models` groups: the lockstep run (every output),
     the in-place run (state writes), then the extreme-value steps from the lockstep state, and, when some
     update's gradient was not live on any of them, the :data:`WIDE` step (in lockstep, outputs and state
     writes compared). ``views`` are ``(index, view)`` pairs; ``state_tallies`` is keyed by ``(index, state)``.
-    Returns a note when the original could not run the wide step (it is skipped, the rest compared), else ""."""
+    Returns a note when the original could not run the wide step (it is skipped, the rest compared), else "".
+    ``loose``: ``(name, original value) -> bound`` for an output that is not an update's (None: identical),
+    as :func:`check_lowered` compares two implementations of one model."""
     convert = _lifted_array if pair.lifted else (lambda array: array)
     label = _run_label(pair.label, size)
     fused_pairs = dict(original_pairs)
@@ -3050,7 +3237,8 @@ def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, o
         step_label = f"{label}, {mode} step {step + 1} ({kind})"
         _compare_check_step(views, outputs, output_tallies, state_tallies, step_label, original_in, fused_in, original_out,
                             fused_out, lifted=pair.lifted, outputs_compared=mode == "lockstep",
-                            in_place=mode != "lockstep" or kind == WIDE, finite_only=kind == WIDE, carried=mode == "in place")
+                            in_place=mode != "lockstep" or kind == WIDE, finite_only=kind == WIDE,
+                            carried=mode == "in place" or loose is not None, loose=loose)
     for (k, view), seen in zip(views, live):
         if seen:
             for tally in _view_tallies(k, view, output_tallies, state_tallies):
@@ -3066,7 +3254,7 @@ def _view_tallies(k: int, view: _UpdateView, output_tallies: Mapping, state_tall
 
 def _compare_check_step(views, outputs, output_tallies, state_tallies, step_label: str, original_in, fused_in, original_out,
                         fused_out, *, lifted: bool, outputs_compared: bool, in_place: bool, finite_only: bool,
-                        carried: bool = False) -> None:
+                        carried: bool = False, loose=None) -> None:
     """Compare one step of :func:`_check_schedule`: with ``outputs_compared`` (lockstep) every output (exactly,
     or within the bound for an update's), with ``in_place`` what each side writes into each state;
     ``finite_only`` (a :data:`WIDE` step) leaves out elements not finite on either side."""
@@ -3074,7 +3262,8 @@ def _compare_check_step(views, outputs, output_tallies, state_tallies, step_labe
     if outputs_compared:
         for name in outputs:
             if name not in update_outputs and name in output_tallies:  # not a probe
-                output_tallies[name].compare(f"{step_label}", original_out[name], fused_out[name], 0.0, finite_only=finite_only)
+                bound = 0.0 if loose is None else functools.partial(loose, name, original_out[name])
+                output_tallies[name].compare(f"{step_label}", original_out[name], fused_out[name], bound, finite_only=finite_only)
     for k, view in views:
         bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=lifted, carried=carried)
         if outputs_compared:

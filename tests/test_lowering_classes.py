@@ -99,7 +99,8 @@ def test_one_member_whose_init_graph_assigns_the_wrong_initial_value_is_caught(f
     assign.input[1] = f"buf{WRONG}/initial_value:0"
     check = verify_lowering(fused, lowered)
     assert not check.passed
-    assert f"p{WRONG}_out" in check.message or f"y{WRONG}" in check.message
+    # The init graph is checked on its own (the step comparison writes the state it feeds into the variables).
+    assert f"variable p{WRONG} " in check.message and "init graph" in check.message
 
 
 def test_one_member_whose_old_value_read_is_not_ordered_before_the_write_is_caught(fused):

@@ -77,6 +77,10 @@ class Op:
     output_dtypes: list[np.dtype | None]
     output_shapes: list[list[int]]
     position: int
+    lifted: bool = False
+    """Run lifted (:class:`GEExecutor` ``lifted``): every FLOAT, FLOAT16 and BFLOAT16 value is DOUBLE."""
+    may_alias: bool | None = None
+    """:func:`_may_alias` of the op in its graph, once it was asked (it depends on the graph alone)."""
 
 
 def _attr(value) -> object:
@@ -128,7 +132,15 @@ class _Attributes(Mapping):
         return len(self._proto)
 
 
-def _decode(op, position: int) -> Op:
+_LIFTED = frozenset({np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)})
+
+
+def _lift_dtype(dtype: np.dtype | None, lifted: bool) -> np.dtype | None:
+    """``dtype``, or float64 for a float dtype of a lifted run."""
+    return np.dtype(np.float64) if lifted and dtype in _LIFTED else dtype
+
+
+def _decode(op, position: int, lifted: bool = False) -> Op:
     inputs: list[tuple[str, int] | None] = []
     controls: list[str] = []
     for entry in op.input:
@@ -146,9 +158,10 @@ def _decode(op, position: int) -> Op:
         inputs=inputs,
         controls=controls,
         attrs=_Attributes(op.attr),
-        output_dtypes=[numpy_dtype(d.dtype) if d.dtype else None for d in op.output_desc],
+        output_dtypes=[_lift_dtype(numpy_dtype(d.dtype), lifted) if d.dtype else None for d in op.output_desc],
         output_shapes=[list(d.shape.dim) for d in op.output_desc],
         position=position,
+        lifted=lifted,
     )
 
 
@@ -181,10 +194,21 @@ class _Uninitialised:
 
 
 class GEExecutor:
-    """Runs GE ``GraphDef`` s; :attr:`variables` (name → array) persist across :meth:`run` calls."""
+    """Runs GE ``GraphDef`` s; :attr:`variables` (name → array) persist across :meth:`run` calls.
 
-    def __init__(self) -> None:
+    With ``lifted`` every FLOAT, FLOAT16 and BFLOAT16 value is computed as DOUBLE (descriptors, ``Const``
+    values, ``Cast`` targets and feeds; the ``SGD`` op computes the contract's formula in DOUBLE with its
+    FLOAT attributes as stored), as :func:`sgdfuse.lift.lift_to_double` lifts an ONNX model: roundoff is
+    gone, and what is left between two lifted runs is the difference of the coefficients they apply.
+
+    :attr:`watched`: after :meth:`run`, per op named in its ``watch`` argument, copies of the inputs the op
+    read (``None`` for an absent optional input).
+    """
+
+    def __init__(self, *, lifted: bool = False) -> None:
         self.variables: dict[str, np.ndarray] = {}
+        self.lifted = lifted
+        self.watched: dict[str, list] = {}
 
     def plan(self, graph) -> "RunPlan":
         """``graph`` decoded and scheduled once, for :meth:`run` to take again and again (the decoding is
@@ -193,15 +217,16 @@ class GEExecutor:
         Raises:
             ExecutorError: unknown op types (all listed), a read of an op that is not in the graph, a cycle.
         """
-        ops = {op.name: _decode(op, k) for k, op in enumerate(graph.op)}
+        ops = {op.name: _decode(op, k, self.lifted) for k, op in enumerate(graph.op)}
         unknown = sorted({op.type for op in ops.values()} - set(KERNELS) - {"Data", "Variable", "NetOutput", "Assign"})
         if unknown:
             raise ExecutorError(f"graph {graph.name}: no executor kernel for op type(s) {', '.join(unknown)}")
         return RunPlan(ops, _schedule(ops))
 
-    def run(self, graph, feeds: Mapping[str, np.ndarray], *, plan: "RunPlan | None" = None) -> list[np.ndarray]:
+    def run(self, graph, feeds: Mapping[str, np.ndarray], *, plan: "RunPlan | None" = None, watch=frozenset()) -> list[np.ndarray]:
         """Run ``graph`` once with ``feeds`` (``Data`` op name → array); return ``NetOutput``'s inputs, copied.
-        ``plan``: :meth:`plan` of ``graph``, made here when not given.
+        ``plan``: :meth:`plan` of ``graph``, made here when not given. ``watch``: op names whose inputs are
+        copied into :attr:`watched` as the op reads them.
 
         Raises:
             ExecutorError: unknown op types (all listed), a missing or mistyped feed, a variable read before
@@ -211,8 +236,11 @@ class GEExecutor:
         ops = plan.ops
         values: dict[tuple[str, int], object] = {}
         results: list[np.ndarray] = []
+        self.watched = {}
         for op in plan.order:
             inputs = [values[source] if source is not None else None for source in op.inputs]
+            if op.name in watch:
+                self.watched[op.name] = [None if x is None else np.array(_checked(x, op.name), copy=True) for x in inputs]
             if op.type == "NetOutput":
                 results = [np.array(_checked(x, op.name), copy=True) for x in inputs]
                 continue
@@ -262,7 +290,11 @@ def _check_alias(op: Op, ops: Mapping[str, Op], inputs: list, outputs: list) -> 
     (:mod:`sgdfuse.lowering.alias`): lowering orders reads by that rule, so a kernel that aliases beyond it
     would hide ordering bugs, or invent them."""
     arrays = [x for x in inputs if isinstance(x, np.ndarray)]
-    if not arrays or _may_alias(op, ops):
+    if not arrays:
+        return
+    if op.may_alias is None:
+        op.may_alias = _may_alias(op, ops)
+    if op.may_alias:
         return
     for value in outputs:
         if isinstance(value, np.ndarray) and any(np.may_share_memory(value, x) for x in arrays):
@@ -423,7 +455,8 @@ kernel("Log")(_log)
 
 @kernel("Const")
 def _const(op: Op, inputs: list) -> list:
-    return [np.array(op.attrs["value"], copy=True)]
+    value = np.array(op.attrs["value"], copy=True)
+    return [value.astype(np.float64) if op.lifted and value.dtype in _LIFTED else value]
 
 
 @kernel("Identity")
@@ -511,7 +544,7 @@ kernel("ReduceMean")(_reduce(np.mean))
 
 @kernel("Cast")
 def _cast(op: Op, inputs: list) -> list:
-    target = onnx_to_numpy_dtype(_CPP_TO_ONNX[int(op.attrs["dst_type"])])
+    target = _lift_dtype(np.dtype(onnx_to_numpy_dtype(_CPP_TO_ONNX[int(op.attrs["dst_type"])])), op.lifted)
     if np.asarray(inputs[0]).dtype == target:
         return [inputs[0]]  # a no-op GE may remove: the input itself (sgdfuse.lowering.alias)
     with np.errstate(all="ignore"):
@@ -572,7 +605,8 @@ kernel("LogSoftmaxV2")(_softmax(True))
 @kernel("SGD")
 def _sgd(op: Op, inputs: list) -> list:
     parameters, gradient, learning_rate, accum, momentum, stat = inputs
-    new_parameters, new_accum, new_stat = reference.sgd(
+    sgd = _sgd_double if op.lifted else reference.sgd
+    new_parameters, new_accum, new_stat = sgd(
         parameters,
         gradient,
         learning_rate,
@@ -590,6 +624,26 @@ def _sgd(op: Op, inputs: list) -> list:
     return [parameters]
 
 
+def _sgd_double(parameters, gradient, learning_rate, accum, momentum, stat, *, dampening: float, weight_decay: float,
+                nesterov: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The contract's formula (:func:`sgdfuse.reference.sgd`, line for line) in DOUBLE, for a lifted run:
+    every operand and the FLOAT attributes as stored (``dampening``, ``weight_decay`` rounded to FLOAT first)."""
+    f64 = np.float64
+    p, g, a, s = (np.asarray(x, dtype=f64) for x in (parameters, gradient, accum, stat))
+    lr = np.asarray(learning_rate, dtype=f64).reshape(())
+    m = np.asarray(momentum, dtype=f64).reshape(())
+    d, wd = f64(np.float32(dampening)), f64(np.float32(weight_decay))
+    with np.errstate(all="ignore"):
+        grad = g + p * wd if wd != 0 else g
+        accum_t = a * m + grad
+        if d != 0:
+            accum_t = accum_t - grad * (f64(1) - s) * d
+        parameters_out = p - (grad + accum_t * m) * lr if nesterov else p - accum_t * lr
+        if m != 0:
+            return parameters_out, accum_t, np.zeros_like(s)
+        return parameters_out, a.copy(), s.copy()
+
+
 class GEModelRunner:
     """Runs a :class:`~sgdfuse.lowering.ge_model.GEModel`: the init graph once, then training steps.
 
@@ -597,9 +651,9 @@ class GEModelRunner:
     ``buf_w``...), :meth:`step` the runtime inputs and returns the ONNX outputs by name.
     """
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, *, lifted: bool = False) -> None:
         self.model = model
-        self.executor = GEExecutor()
+        self.executor = GEExecutor(lifted=lifted)
         self._step_plan: RunPlan | None = None  # the step graph decoded at the first step, reused after
 
     @property
@@ -620,15 +674,16 @@ class GEModelRunner:
             feeds[data_op] = values[onnx_name]
         self.executor.run(self.model.init_model.graph[0], feeds)
 
-    def step(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One run of the step graph; ``feeds`` by ONNX input name (extra names, e.g. state, are ignored)."""
+    def step(self, feeds: Mapping[str, np.ndarray], *, watch=frozenset()) -> dict[str, np.ndarray]:
+        """One run of the step graph; ``feeds`` by ONNX input name (extra names, e.g. state, are ignored);
+        ``watch``: as for :meth:`GEExecutor.run`."""
         names = {op: self.model.onnx_input(op) for op in self.model.inputs}
         missing: Sequence[str] = [name for name in names.values() if name not in feeds]
         if missing:
             raise ExecutorError(f"no value for input(s) {', '.join(missing)}")
         if self._step_plan is None:
             self._step_plan = self.executor.plan(self.model.graph)
-        results = self.executor.run(self.model.graph, {op: feeds[name] for op, name in names.items()}, plan=self._step_plan)
+        results = self.executor.run(self.model.graph, {op: feeds[name] for op, name in names.items()}, plan=self._step_plan, watch=watch)
         return dict(zip(self.model.outputs, results))
 
 

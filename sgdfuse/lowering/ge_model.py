@@ -183,11 +183,12 @@ class GEModel:
         (:mod:`sgdfuse.lowering.atc_json`)."""
         return message_to_json(self.init_model if init else self.model)
 
-    def runner(self):
-        """A :class:`~sgdfuse.lowering.executor.GEModelRunner` executing this model in numpy."""
+    def runner(self, *, lifted: bool = False):
+        """A :class:`~sgdfuse.lowering.executor.GEModelRunner` executing this model in numpy (with ``lifted``,
+        every float value as DOUBLE)."""
         from sgdfuse.lowering.executor import GEModelRunner
 
-        return GEModelRunner(self)
+        return GEModelRunner(self, lifted=lifted)
 
 
 def write_atomically(path: str | os.PathLike, data: bytes) -> None:

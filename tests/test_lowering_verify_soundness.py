@@ -1,0 +1,201 @@
+"""``sgdfuse lower``'s verification (``verify_lowering``) against GE graphs edited to compute a wrong update.
+
+Each edit was let through by the old comparison (fixed tolerances, rtol/atol 1e-4/1e-5 for FLOAT and
+2^-5/2^-7 for BFLOAT16, and a loss-scaling skip never taken): a fresh user trial's findings. The check now
+runs ``sgdfuse check``'s comparison (sgdfuse.verify.check_lowered): the bound derived from the update's own
+terms, natively and lifted to DOUBLE, over check's schedule of steps (whose zero-gradient step makes
+``g / scale`` NaN, so a loss-scaling guard skips). Every edit below must fail; every unedited lowering
+must pass.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from sgdfuse import api
+from sgdfuse.fused_op import is_sgd_node
+from sgdfuse.lowering.lower import lower
+from sgdfuse.lowering.verify import verify_lowering
+
+SOC = "Ascend910B2"
+SHAPE = [3, 4]
+NUMPY = {TensorProto.FLOAT: np.float32, TensorProto.BFLOAT16: ml_dtypes.bfloat16}
+
+
+def _constant(name: str, number: float, dtype: int) -> onnx.TensorProto:
+    tensor = onnx.TensorProto(name=name, data_type=dtype)
+    tensor.raw_data = np.array(number, dtype=NUMPY[dtype]).tobytes()
+    return tensor
+
+
+def _vi(name: str, dtype: int, shape=SHAPE) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def _torch_step(dtype: int, *, lr: float, momentum: float, dampening: float = 0.0, weight_decay: float = 0.0) -> onnx.ModelProto:
+    """PyTorch's SGD step written out: ``grad = g + wd*w``; ``buf_out = m*buf + (1-d)*grad``;
+    ``w_out = w - lr*buf_out`` (the terms with a zero coefficient left out)."""
+    nodes, constants = [], [_constant("m", momentum, dtype), _constant("lr", lr, dtype)]
+    grad = "g"
+    if weight_decay:
+        constants.append(_constant("wd", weight_decay, dtype))
+        nodes += [helper.make_node("Mul", ["wd", "w"], ["decay"]), helper.make_node("Add", ["g", "decay"], ["grad"])]
+        grad = "grad"
+    if dampening:
+        constants.append(_constant("k", 1.0 - dampening, dtype))
+        nodes.append(helper.make_node("Mul", [grad, "k"], ["damped"]))
+        grad = "damped"
+    nodes += [
+        helper.make_node("Mul", ["buf", "m"], ["kept"]),
+        helper.make_node("Add", ["kept", grad], ["buf_out"]),
+        helper.make_node("Mul", ["buf_out", "lr"], ["step"]),
+        helper.make_node("Sub", ["w", "step"], ["w_out"]),
+    ]
+    graph = helper.make_graph(nodes, "step", [_vi(n, dtype) for n in ("w", "g", "buf")], [_vi(n, dtype) for n in ("w_out", "buf_out")], constants)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def _loss_scaled_step() -> onnx.ModelProto:
+    """A loss-scaling skip: ``gu = g / scale``; ``found = any(isinf(gu) | isnan(gu))``; the update of ``gu``
+    (m 0.9, lr 0.1) kept only when ``found`` is false: ``w_out = Where(found, w, w_new)``, likewise the buffer."""
+    f = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Div", ["g", "scale"], ["gu"]),
+        helper.make_node("IsInf", ["gu"], ["inf"]),
+        helper.make_node("IsNaN", ["gu"], ["nan"]),
+        helper.make_node("Or", ["inf", "nan"], ["bad"]),
+        helper.make_node("Cast", ["bad"], ["bad_f"], to=f),
+        helper.make_node("ReduceMax", ["bad_f"], ["any_bad"], keepdims=0),
+        helper.make_node("Cast", ["any_bad"], ["found"], to=TensorProto.BOOL),
+        helper.make_node("Mul", ["buf", "m"], ["kept"]),
+        helper.make_node("Add", ["kept", "gu"], ["buf_new"]),
+        helper.make_node("Mul", ["buf_new", "lr"], ["step"]),
+        helper.make_node("Sub", ["w", "step"], ["w_new"]),
+        helper.make_node("Where", ["found", "buf", "buf_new"], ["buf_out"], name="guard_buf"),
+        helper.make_node("Where", ["found", "w", "w_new"], ["w_out"], name="guard_w"),
+    ]
+    inputs = [_vi(n, f) for n in ("w", "g", "buf")] + [_vi("scale", f, [])]
+    graph = helper.make_graph(nodes, "step", inputs, [_vi("w_out", f), _vi("buf_out", f)], [_constant("m", 0.9, f), _constant("lr", 0.1, f)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def _fused(model: onnx.ModelProto) -> onnx.ModelProto:
+    fused = api.optimize(model).model  # with optimize's own verification
+    assert sum(is_sgd_node(node) for node in fused.graph.node) == 1
+    return fused
+
+
+def _lr_const(lowered):
+    """The ``Const`` op the GE ``SGD`` op reads its learning rate from (through copies and casts)."""
+    ops = {op.name: op for op in lowered.graph.op}
+    source = ops[lowered.sgd_ops[0]].input[2].rpartition(":")[0]
+    while ops[source].type != "Const":
+        assert ops[source].type in ("Identity", "Cast", "Reshape"), ops[source].type
+        source = ops[source].input[0].rpartition(":")[0]
+    return ops[source]
+
+
+def _set_lr(value: float, dtype: int):
+    def edit(lowered) -> None:
+        const = _lr_const(lowered)
+        assert const.attr["value"].t.desc.dtype is not None
+        const.attr["value"].t.data = np.array(value, dtype=NUMPY[dtype]).tobytes()
+
+    return edit
+
+
+def _set_attribute(name: str, value: float):
+    def edit(lowered) -> None:
+        lowered.op(lowered.sgd_ops[0]).attr[name].f = value
+
+    return edit
+
+
+CASES = [
+    # (label, dtype, step hyper-parameters, edit of the GE graph)
+    ("FLOAT weight decay 1e-6 dropped", TensorProto.FLOAT, dict(lr=0.1, momentum=0.9, weight_decay=1e-6), _set_attribute("weight_decay", 0.0)),
+    ("FLOAT dampening 0 -> 1e-6", TensorProto.FLOAT, dict(lr=0.1, momentum=0.9), _set_attribute("dampening", 1e-6)),
+    ("FLOAT dampening 0 -> 1e-5", TensorProto.FLOAT, dict(lr=0.1, momentum=0.9), _set_attribute("dampening", 1e-5)),
+    ("FLOAT learning rate x(1+1e-5)", TensorProto.FLOAT, dict(lr=0.1, momentum=0.9), _set_lr(0.1 * (1 + 1e-5), TensorProto.FLOAT)),
+    ("BFLOAT16 learning rate +12.5%", TensorProto.BFLOAT16, dict(lr=2.0**-7, momentum=0.875), _set_lr(1.125 * 2.0**-7, TensorProto.BFLOAT16)),
+]
+
+
+@pytest.mark.parametrize("label, dtype, hyper, edit", CASES, ids=[case[0] for case in CASES])
+def test_a_small_coefficient_error_in_the_ge_graph_fails(label, dtype, hyper, edit):
+    fused = _fused(_torch_step(dtype, **hyper))
+    lowered = lower(fused, soc=SOC, optimise=False)
+    check = verify_lowering(fused, lowered)
+    assert check.passed, check.message
+    edit(lowered)
+    check = verify_lowering(fused, lowered)
+    assert not check.passed, label
+    assert "w_out" in check.message or "buf_out" in check.message or "state" in check.message
+
+
+def test_the_edits_change_the_ge_graph():
+    """The edits above reach the op the executor runs: the learning-rate edit changes the Const's bytes."""
+    fused = _fused(_torch_step(TensorProto.FLOAT, lr=0.1, momentum=0.9))
+    lowered = lower(fused, soc=SOC, optimise=False)
+    before = _lr_const(lowered).attr["value"].t.data
+    _set_lr(0.1 * (1 + 1e-5), TensorProto.FLOAT)(lowered)
+    assert _lr_const(lowered).attr["value"].t.data != before
+    assert np.frombuffer(before, np.float32)[0] == np.float32(0.1)
+
+
+def test_a_loss_scaling_skip_removed_from_the_ge_graph_fails():
+    """Both GE ``SelectV2`` s of the guard made to take the updated value whatever ``found`` is: the update is
+    no longer skipped on overflow. The check's zero-gradient step feeds ``g = scale = 0``, so ``gu`` is NaN,
+    ``found`` true, and onnxruntime keeps the old state where the edited GE graph writes NaN."""
+    fused = _fused(_loss_scaled_step())
+    lowered = lower(fused, soc=SOC, optimise=False)
+    check = verify_lowering(fused, lowered)
+    assert check.passed, check.message
+    selects = [op for op in lowered.graph.op if op.type == "SelectV2"]
+    assert len(selects) == 2
+    for op in selects:
+        op.input[1] = op.input[2]  # SelectV2(found, new, new)
+    check = verify_lowering(fused, lowered)
+    assert not check.passed
+    assert "zero-gradient" in check.message
+
+
+def _gradient_guarded_step() -> onnx.ModelProto:
+    """A skip computed from the fed gradient alone (no loss scale): ``found = any(isinf(g) | isnan(g))``, the
+    update (m 0.9, lr 0.1) kept only when ``found`` is false."""
+    f = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("IsInf", ["g"], ["inf"]),
+        helper.make_node("IsNaN", ["g"], ["nan"]),
+        helper.make_node("Or", ["inf", "nan"], ["bad"]),
+        helper.make_node("Cast", ["bad"], ["bad_f"], to=f),
+        helper.make_node("ReduceMax", ["bad_f"], ["any_bad"], keepdims=0),
+        helper.make_node("Cast", ["any_bad"], ["found"], to=TensorProto.BOOL),
+        helper.make_node("Mul", ["buf", "m"], ["kept"]),
+        helper.make_node("Add", ["kept", "g"], ["buf_new"]),
+        helper.make_node("Mul", ["buf_new", "lr"], ["step"]),
+        helper.make_node("Sub", ["w", "step"], ["w_new"]),
+        helper.make_node("Where", ["found", "buf", "buf_new"], ["buf_out"], name="guard_buf"),
+        helper.make_node("Where", ["found", "w", "w_new"], ["w_out"], name="guard_w"),
+    ]
+    graph = helper.make_graph(nodes, "step", [_vi(n, f) for n in ("w", "g", "buf")], [_vi("w_out", f), _vi("buf_out", f)],
+                              [_constant("m", 0.9, f), _constant("lr", 0.1, f)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def test_a_skip_computed_from_the_gradient_alone_removed_from_the_ge_graph_fails():
+    """No loss scale to make ``found`` true on the zero-gradient step: the gradient the guard reads is fed +Inf
+    on the check's "inf" step, where onnxruntime keeps the old state and the edited GE graph writes -Inf."""
+    fused = _fused(_gradient_guarded_step())
+    lowered = lower(fused, soc=SOC, optimise=False)
+    check = verify_lowering(fused, lowered)
+    assert check.passed, check.message
+    for op in [op for op in lowered.graph.op if op.type == "SelectV2"]:
+        op.input[1] = op.input[2]
+    check = verify_lowering(fused, lowered)
+    assert not check.passed
+    assert "(inf)" in check.message
