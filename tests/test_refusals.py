@@ -645,3 +645,22 @@ def test_outputs_declared_without_a_shape_take_the_inferred_one():
     result = api.optimize(model)
     assert [f.parameters_out for f in result.report.fused] == ["p_out"], result.report.refused
     assert all(u["passed"] for u in result.report.verification.updates)
+
+
+def test_a_first_step_condition_of_several_elements_is_named_not_called_momentum_0():
+    # Where(first[3], grad, 0.9*buf + grad) with a per-row condition (a public hunt, after apache/tvm#10106):
+    # refused, but the reason said "buf_out = buf_out ... momentum is 0".
+    model = make_model(
+        [
+            node("Mul", ["buf", "m"], ["buf_scaled"]),
+            node("Add", ["buf_scaled", "g"], ["later"]),
+            node("Where", ["first", "g", "later"], ["buf_out"]),
+            *PLAIN_WEIGHTS,
+        ],
+        [*STATE, value("first", onnx.TensorProto.BOOL, [2, 1])],
+        [value("p_out"), value("buf_out")],
+        [scalar("m", 0.9), scalar("lr", 0.1)],
+    )
+    refusal = _refusal(model)
+    assert "momentum is 0" not in refusal.detail, refusal.detail
+    assert "condition first has 2 elements" in refusal.detail, refusal.detail

@@ -1928,7 +1928,28 @@ def _why_unread(index: GraphIndex, normaliser: Normaliser, v: str, buffer: str) 
             f"{format_shape(v_spec.shape)}; the SGD operator needs one shape for parameters, gradient and buffer.",
             score=4,
         )
-    for leaf in normaliser.form(v):
+    form = normaliser.form(v)
+    if set(form) == {v}:
+        # v itself is a leaf: the op computing it is one the algebra does not enter.
+        node = index.node(v)
+        if node is not None:
+            detail = ""
+            if node.op_type == "Where" and node.input:
+                condition = index.spec(node.input[0])
+                elements = _elements(condition.shape)
+                if elements is None or elements > 1:
+                    detail = (
+                        f" Its condition {node.input[0]} has {'an unknown number of' if elements is None else elements} "
+                        "elements: sgdfuse reads a first-step or skip selection by one boolean only."
+                    )
+            return Miss(
+                v,
+                "no-momentum-buffer",
+                f"{v} is computed by {node.op_type} node {node.name or '(unnamed)'}, which the algebra does not read "
+                f"through, so no momentum of the buffer {buffer} is seen in it.{detail}",
+                score=4,
+            )
+    for leaf in form:
         node = index.node(leaf) if leaf != ONE else None
         if node is None or buffer not in node.input:
             continue
