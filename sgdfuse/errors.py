@@ -13,6 +13,8 @@ __all__ = [
     "ModelLoadError",
     "ExternalDataError",
     "ModelNameError",
+    "GraphCycleError",
+    "DuplicateValueError",
     "OutputWriteError",
     "InvalidOutputError",
     "ContractError",
@@ -83,6 +85,38 @@ class ModelNameError(SgdfuseError):
     def in_file(self, path: str | os.PathLike) -> "ModelNameError":
         """The same error naming the model file ``path``."""
         return ModelNameError(self.name, self.where, os.fspath(path))
+
+
+class GraphCycleError(SgdfuseError):
+    """The graph's nodes form a cycle: a value is computed, through other nodes, from itself. ONNX graphs are
+    acyclic (IR spec, "Graphs": nodes are topologically sortable), so no runtime can run the model.
+
+    Attributes:
+        value: a value on the cycle.
+    """
+
+    def __init__(self, value: str) -> None:
+        super().__init__(
+            f"the graph has a cycle: {value} is computed from itself through other nodes; an ONNX graph must be "
+            "acyclic (no runtime can run this model): fix the model or the exporter that wrote it"
+        )
+        self.value = value
+
+
+class DuplicateValueError(SgdfuseError):
+    """Two nodes output the same value. ONNX graphs define each value once (IR spec: static single
+    assignment), so which one a reader sees is undefined, and onnxruntime refuses the model.
+
+    Attributes:
+        value: the value defined twice. first, second: the two nodes (name, or position and op type).
+    """
+
+    def __init__(self, value: str, first: str, second: str) -> None:
+        super().__init__(
+            f"the value {value} is the output of two nodes ({first} and {second}); an ONNX graph defines each value "
+            "once: rename one of them"
+        )
+        self.value, self.first, self.second = value, first, second
 
 
 class OutputWriteError(SgdfuseError):

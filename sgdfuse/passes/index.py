@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import onnx
 
-from sgdfuse.errors import ModelNameError
+from sgdfuse.errors import DuplicateValueError, GraphCycleError, ModelNameError
 
 from sgdfuse.contract import TensorSpec
 from sgdfuse.external_data import tensor_to_array
@@ -181,6 +181,7 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     data = _serialised(model) if native_available() else None
     nodes, own_node_names = _nodes_read(model, data)
     producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph, nodes)
+    _require_acyclic(nodes, producer, consumers)
     _require_text_names(graph, nodes, producer, consumers)
     _require_model_text(model)
     specs: dict[str, TensorSpec] = {}
@@ -266,10 +267,12 @@ def _sweep_nodes(graph: onnx.GraphProto, nodes: list[NodeFacts]) -> tuple[dict[s
     subgraph_reads: set[str] = set()
     subgraph_nodes: list[int] = []
     readers_of = consumers.get
+    defined = 0
     for index, (_, _, inputs, outputs, subgraph, _) in enumerate(nodes):
         for name in outputs:
             if name:
                 producer[name] = index
+                defined += 1
         for name in inputs:
             if name:
                 readers = readers_of(name)
@@ -285,7 +288,55 @@ def _sweep_nodes(graph: onnx.GraphProto, nodes: list[NodeFacts]) -> tuple[dict[s
                     held = True
             if held:
                 subgraph_nodes.append(index)
+    if defined != len(producer):
+        _raise_defined_twice(graph, nodes)
     return producer, consumers, subgraph_reads, subgraph_nodes
+
+
+def _raise_defined_twice(graph: onnx.GraphProto, nodes: list[NodeFacts]) -> None:
+    """Raise :class:`~sgdfuse.errors.DuplicateValueError` for the first value two nodes output."""
+    first: dict[str, int] = {}
+    for k, facts in enumerate(nodes):
+        for name in facts[3]:
+            if name and name in first:
+                label = lambda j: graph.node[j].name or f"#{j} ({nodes[j][0]})"
+                raise DuplicateValueError(name, label(first[name]), label(k))
+            if name:
+                first[name] = k
+
+
+def _require_acyclic(nodes: list[NodeFacts], producer: dict[str, int], consumers: dict[str, list[int]]) -> None:
+    """Raise :class:`~sgdfuse.errors.GraphCycleError` when the main graph's nodes form a cycle. A graph whose
+    every read comes after its value's producer (ONNX requires that order) has none: one pass over the
+    readers' lists (each in node order, so its first entry is its earliest reader). Only a graph out of
+    that order is sorted (Kahn's algorithm) to find out: a graph merely out of order is accepted (the
+    rewrite writes it sorted); the walks of the matcher would not end on a cycle."""
+    get = producer.get
+    if all(readers[0] > get(name, -1) for name, readers in consumers.items()):
+        return
+    pending = [0] * len(nodes)
+    for name, readers in consumers.items():
+        if name in producer:
+            for k in readers:
+                pending[k] += 1
+    ready = [k for k, count in enumerate(pending) if count == 0]
+    done = 0
+    while ready:
+        k = ready.pop()
+        done += 1
+        for name in nodes[k][3]:
+            for reader in consumers.get(name, ()) if name else ():
+                pending[reader] -= 1
+                if pending[reader] == 0:
+                    ready.append(reader)
+    if done < len(nodes):
+        # A node left is on a cycle or after one; walking back through producers left too ends on the cycle.
+        k = next(k for k, count in enumerate(pending) if count > 0)
+        seen: set[int] = set()
+        while k not in seen:
+            seen.add(k)
+            k = next(producer[name] for name in nodes[k][2] if name in producer and pending[producer[name]] > 0)
+        raise GraphCycleError(next((o for o in nodes[k][3] if o), f"node #{k}"))
 
 
 def _require_text_names(graph: onnx.GraphProto, nodes: list[NodeFacts], producer: dict, consumers: dict) -> None:

@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 import onnx
 
+from sgdfuse.errors import GraphCycleError
 from sgdfuse.external_data import tensor_to_array
 from sgdfuse.passes.index import GraphIndex
 
@@ -326,12 +327,18 @@ class Normaliser:
 
     # -- tensors -------------------------------------------------------------------------------------
     def form(self, value: str) -> Form:
-        """The linear form of ``value`` over its leaves (``{value: 1}`` when it is a leaf itself)."""
+        """The linear form of ``value`` over its leaves (``{value: 1}`` when it is a leaf itself).
+
+        Raises:
+            GraphCycleError: ``value`` depends on a cycle of nodes (no valid ONNX graph has one).
+        """
         cached = self._forms.get(value)
         if cached is not None:
             return cached
-        # Iterative post-order so that long chains do not hit Python's recursion limit.
+        # Iterative post-order so that long chains do not hit Python's recursion limit. A value met again with
+        # operands still unformed after they were all pushed is on a cycle (each push would repeat forever).
         stack = [value]
+        entered: set[str] = set()
         while stack:
             current = stack[-1]
             if current in self._forms:
@@ -339,6 +346,9 @@ class Normaliser:
                 continue
             missing = [i for i in self._operands(current) if i not in self._forms]
             if missing:
+                if current in entered:
+                    raise GraphCycleError(current)
+                entered.add(current)
                 stack.extend(missing)
                 continue
             stack.pop()

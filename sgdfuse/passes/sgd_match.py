@@ -2094,6 +2094,8 @@ def _origin_problem(index: GraphIndex, value: str, limit: int = 10_000) -> str |
     node computes (ONNX requires nodes in topological order). None when neither is found within ``limit``
     nodes. Asked only of a refusal: the walk costs nothing on the way to a fusion."""
     producer, nodes = index.producer, index.graph.node
+    if value not in producer and not index.is_input_name(value) and value not in index.initializers:
+        return f"{value} is read but nothing defines it (no node output, graph input or initializer of that name)."
     stack, seen = [value], {value}
     while stack and len(seen) < limit:
         k = producer.get(stack.pop())
