@@ -1238,9 +1238,11 @@ def _classify_inputs(index: GraphIndex, names: Sequence[str], views: Sequence[_U
     return inputs
 
 
-def _sources(values: Sequence[str], nodes: Sequence[onnx.NodeProto]) -> set[str]:
-    """``values`` and every value they are computed from within ``nodes``."""
-    producer = {o: node for node in nodes for o in node.output if o}
+def _sources(values: Iterable[str], nodes: Sequence[onnx.NodeProto], producer: Mapping[str, onnx.NodeProto] | None = None) -> set[str]:
+    """``values`` and every value they are computed from within ``nodes`` (subgraphs' outer reads included);
+    ``producer``: output → node of ``nodes``, when the caller asks many times of one graph."""
+    if producer is None:
+        producer = {o: node for node in nodes for o in node.output if o}
     found: set[str] = set()
     stack = list(values)
     while stack:
@@ -1250,7 +1252,7 @@ def _sources(values: Sequence[str], nodes: Sequence[onnx.NodeProto]) -> set[str]
         found.add(value)
         node = producer.get(value)
         if node is not None:
-            stack.extend(_node_reads(node))
+            stack.extend(name for name in _node_reads(node) if name)
     return found
 
 

@@ -250,28 +250,12 @@ def _input_roles(probe: onnx.ModelProto, inputs: list[str], momenta: set[str], n
     ``found_inf``) must be seen to skip: computed from a one-element float input (a loss scale), it is NaN on
     check's zero-gradient step (``g / 0``); computed from gradients alone, those are given the role
     "overflow" (+Inf on the "inf" step, sgdfuse.verify._feed)."""
-    from sgdfuse.verify import _node_reads
+    from sgdfuse.verify import _sources
 
-    graph_types = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
-    producers: dict[str, onnx.NodeProto] = {}
-    for node in probe.graph.node:
-        for output in node.output:
-            if output:
-                producers[output] = node
+    producers = {output: node for node in probe.graph.node for output in node.output if output}
 
     def sources(values) -> set[str]:
-        found: set[str] = set()
-        stack = list(values)
-        while stack:
-            value = stack.pop()
-            if value in found:
-                continue
-            found.add(value)
-            node = producers.get(value)
-            if node is not None:
-                reads = _node_reads(node) if any(a.type in graph_types for a in node.attribute) else node.input
-                stack.extend(name for name in reads if name)
-        return found
+        return _sources(values, (), producers)
 
     sgd = [node for node in probe.graph.node if is_sgd_node(node)]
     gradients = sources(node.input[1] for node in sgd if len(node.input) > 1)
