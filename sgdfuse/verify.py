@@ -1120,20 +1120,20 @@ def _overload_input_problem(node: onnx.NodeProto, constants: _ConstantInputs) ->
     if spec is None:
         return ""  # _overload_problem reports it
     inputs = node.input
-    if spec.stat_zero:
-        stat = inputs[5] if len(inputs) > 5 else ""
-        value = constants.value(stat) if stat else None
-        if value is None or not constants.holds(_all_positive_zero, value):
-            subject = node.name or "SGD node"
-            return (f"{subject}: its body {overload} assumes stat is +0 in every element, but {stat or 'its stat'} is not "
-                    "a constant +0; the device op reads stat and onnxruntime's body does not, so these numbers prove nothing")
-    if spec.momentum_nonzero:
-        momentum = inputs[4] if len(inputs) > 4 else ""
-        value = constants.value(momentum) if momentum else None
-        if value is None or not constants.holds(_all_nonzero, value):
-            subject = node.name or "SGD node"
-            return (f"{subject}: its body {node.overload} assumes momentum is a constant other than 0, but {momentum or 'its momentum'} "
-                    "is not one; the device op decides on momentum at run time, so these numbers prove nothing")
+    assumed = (
+        (spec.stat_zero, 5, "stat", _all_positive_zero, "is +0 in every element", "a constant +0",
+         "the device op reads stat and onnxruntime's body does not"),
+        (spec.momentum_nonzero, 4, "momentum", _all_nonzero, "is a constant other than 0", "one",
+         "the device op decides on momentum at run time"),
+    )
+    for applies, position, role, test, assumes, what, why in assumed:
+        if not applies:
+            continue
+        name = inputs[position] if len(inputs) > position else ""
+        value = constants.value(name) if name else None
+        if value is None or not constants.holds(test, value):
+            return (f"{node.name or 'SGD node'}: its body {overload} assumes {role} {assumes}, but {name or f'its {role}'} "
+                    f"is not {what}; {why}, so these numbers prove nothing")
     return ""
 
 
