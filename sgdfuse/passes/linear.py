@@ -160,6 +160,10 @@ def scale_form(form: Form, factor: Poly) -> Form:
 
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _PASS_THROUGH = {"Identity", "Cast", "CastLike"}
+
+LINEAR_OPS = frozenset(_PASS_THROUGH | {"Neg", "Add", "Sub", "Sum", "Mul", "Div"})
+"""Default-domain ops :meth:`Normaliser.form` reads as linear in an operand (``Mul``/``Div`` by a one-element
+factor); a node of any other op is a leaf of the forms that read it."""
 _SCALAR_SHAPE_OPS = {"Reshape", "Unsqueeze", "Squeeze", "Expand", "Flatten"}
 _FLOAT_TYPES = {
     onnx.TensorProto.FLOAT,

@@ -35,7 +35,7 @@ from sgdfuse.contract import TensorSpec, check_attributes, dtype_name, format_sh
 from sgdfuse.errors import ContractError, RolePinError
 from sgdfuse.passes.classes import find_by_class
 from sgdfuse.passes.index import GraphIndex
-from sgdfuse.passes.linear import ONE, Form, Normaliser, Poly, add_forms, format_form, format_poly, scale_form
+from sgdfuse.passes.linear import LINEAR_OPS, ONE, Form, Normaliser, Poly, add_forms, format_form, format_poly, scale_form
 from sgdfuse.passes.precision import FLOAT_DTYPES, SPACINGS, Precision, round_to_dtype, working_precision
 
 __all__ = ["Match", "Miss", "FirstStep", "Guard", "RolePins", "REASONS", "ROLE_EVIDENCE", "find_updates", "guarded_outputs", "previous_by_name"]
@@ -1980,7 +1980,7 @@ def _why_unread(index: GraphIndex, normaliser: Normaliser, v: str, buffer: str) 
                     "SGD operator takes one momentum for the whole tensor.",
                     score=4,
                 )
-        if node.op_type not in _LINEAR_OPS:
+        if node.op_type not in LINEAR_OPS:  # a linear op left a leaf: a factor it could not resolve, below
             return Miss(
                 v,
                 "no-momentum-buffer",
@@ -1999,11 +1999,6 @@ def _why_unread(index: GraphIndex, normaliser: Normaliser, v: str, buffer: str) 
                     score=4,
                 )
     return None
-
-
-_LINEAR_OPS = frozenset({"Mul", "Add", "Sub", "Neg", "Div", "Identity", "Cast"})
-"""Ops whose output the normaliser reads as linear in an operand (a leaf made by one of them that reads the
-buffer is a scaling the normaliser could not resolve, such as a non-finite constant, not another op)."""
 
 
 def _elements(shape) -> int | None:
