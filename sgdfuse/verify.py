@@ -2115,8 +2115,12 @@ def check_lowered(
         specs = list(inputs.values())
         numbered = list(enumerate(views))
         for pair in pairs:
-            for size in _sizes(specs):
+            for position, size in enumerate(_sizes(specs)):
                 label = _run_label(pair.label, size)
+                if position:
+                    # A fresh fused side per size: its state variables take their shapes from the run that
+                    # initialises them (a GE Variable of [N, 4] is made at one N), as on the device.
+                    pair = _Pair.of_sessions(pair.original, fused_session(pair.lifted, views), pair.lifted)
                 try:
                     skipped = _check_schedule(pair, specs, numbered, outputs, fused_names, original_pairs, output_tallies,
                                               state_tallies, steps=steps, size=size, seed=seed, loose=loose)

@@ -199,3 +199,25 @@ def test_a_skip_computed_from_the_gradient_alone_removed_from_the_ge_graph_fails
     check = verify_lowering(fused, lowered)
     assert not check.passed
     assert "(inf)" in check.message
+
+
+def test_a_symbolic_batch_dimension_is_verified_at_each_size_with_fresh_variables():
+    # Parameters ['N', 4] on the 950 line (dynamic shapes): the check runs N = 1 and N = 3, and the GE state
+    # variables take their shape from the run that initialises them; reusing the N = 1 variables at N = 3 failed
+    # every such model ("stat: must have the shape ... of parameters", a final trial's finding).
+    shape = ["N", 4]
+    nodes = [
+        helper.make_node("Mul", ["buf", "m"], ["bm"]),
+        helper.make_node("Add", ["bm", "g"], ["buf_out"]),
+        helper.make_node("Mul", ["buf_out", "lr"], ["st"]),
+        helper.make_node("Sub", ["p", "st"], ["p_out"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "step", [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("p", "g", "buf")],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("p_out", "buf_out")],
+        [onnx.numpy_helper.from_array(np.array(0.9, np.float32), "m"), onnx.numpy_helper.from_array(np.array(0.1, np.float32), "lr")],
+    )
+    fused = api.optimize(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])).model
+    assert any(is_sgd_node(n) for n in fused.graph.node)
+    check = verify_lowering(fused, lower(fused, soc="Ascend950PR_9599", optimise=False))
+    assert check.passed, check.message
