@@ -44,6 +44,14 @@ def _protobuf_rows(model: onnx.ModelProto) -> list[tuple]:
     return rows
 
 
+def _protobuf_non_text_name(model: onnx.ModelProto) -> int:
+    """The first node whose name or one of whose attributes' names protobuf returns as bytes (not UTF-8); -1."""
+    for k, node in enumerate(model.graph.node):
+        if not isinstance(node.name, str) or any(not isinstance(a.name, str) for a in node.attribute):
+            return k
+    return -1
+
+
 def _rows(table: scan.NodeTable) -> list[tuple]:
     return list(zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_attributes, table.has_subgraph))
 
@@ -69,6 +77,7 @@ def _check_all_readers(model: onnx.ModelProto, data: bytes) -> scan.NodeTable:
     native = scan.native_node_table(data)
     assert native.reader == "native"
     assert _rows(native) == expected
+    assert native.non_text_name == scan.python_node_table(model).non_text_name == _protobuf_non_text_name(model)
     assert native.prefixed_names is None
     assert _rows(scan.python_node_table(model)) == expected
     from_bytes = scan.node_table(model, data)
@@ -210,7 +219,13 @@ _names = st.one_of(
     st.text(max_size=6),
     st.sampled_from(["", "x", "lr", "/Mul_3_output_0", "ñ", "名前", "\x00", "😀"]).map(str),
 ).map(lambda s: s.encode())
-_raw_names = st.one_of(_names, _names, st.binary(max_size=5), st.sampled_from([b"\xff", b"\xed\xa0\x80", b"a\xc3"]))
+_EDGE_UTF8 = [
+    b"\xff", b"\xed\xa0\x80", b"a\xc3", b"\xc0\x80", b"\xc1\xbf", b"\xc2\x80", b"\xdf\xbf", b"\xe0\x80\xaf", b"\xe0\xa0\x80",
+    b"\xed\x9f\xbf", b"\xed\xbf\xbf", b"\xee\x80\x80", b"\xef\xbf\xbf", b"\xf0\x8f\xbf\xbf", b"\xf0\x90\x80\x80", b"\xf0\x9f\x98\x80",
+    b"\xf4\x8f\xbf\xbf", b"\xf4\x90\x80\x80", b"\xf5\x80\x80\x80", b"\xe2\x82", b"\xe2\x28\xa1", b"\x80", b"ok\xf0\x9f\x98",
+]
+"""Byte strings at the edges of UTF-8's rules (overlong forms, surrogates, the last code point, truncations)."""
+_raw_names = st.one_of(_names, _names, st.binary(max_size=5), st.sampled_from(_EDGE_UTF8))
 
 
 def _unknown_field(number: st.SearchStrategy[int]) -> st.SearchStrategy[bytes]:
@@ -235,7 +250,7 @@ _attribute_field = st.one_of(
     st.sampled_from([0, 1, 4, 5, 6, 10, 14, 15, 99, 2**32 + 5, 2**32 + 10, 2**64 - 1, 2**63 + 5]).map(lambda v: _field(20, 0, _varint(v))),
     st.sampled_from([b"", _field(2, 2, b"sub")]).map(lambda g: _field(6, 2, g)),  # g: an empty or a small graph
     st.sampled_from([b"", _field(1, 2, b"")]).map(lambda g: _field(11, 2, g)),  # graphs
-    _names.map(lambda n: _field(1, 2, n)),  # name
+    _raw_names.map(lambda n: _field(1, 2, n)),  # name (last wins; not always UTF-8)
     st.sampled_from([_field(6, 0, b"\x01"), _field(11, 5, b"\0\0\0\0"), _field(20, 2, _varint(5)), _field(20, 5, b"\x05\0\0\0")]),
     # unknown numbers, or string fields (any bytes parse), so that protobuf accepts what is generated
     _unknown_field(st.sampled_from([13, 21, 30, 1000, 2**29 - 1])),
@@ -247,6 +262,7 @@ _node_field = st.one_of(
     _raw_names.map(lambda n: _field(4, 2, n)),  # op_type (last wins)
     _raw_names.map(lambda n: _field(7, 2, n)),  # domain (last wins)
     _names.map(lambda n: _field(3, 2, n)),  # name
+    _raw_names.map(lambda n: _field(3, 2, n)),  # name, not always UTF-8
     st.lists(_attribute_field, max_size=4).map(lambda a: _field(5, 2, b"".join(a))),  # attribute
     # known fields with another wire type: unknown fields to protobuf
     st.sampled_from(
@@ -288,8 +304,11 @@ def test_hand_encoded_models_read_as_protobuf_reads_them(data):
     expected = _protobuf_rows(model)
     assert _rows(scan.native_node_table(data)) == expected
     assert _rows(scan.python_node_table(model)) == expected
+    non_text_name = _protobuf_non_text_name(model)
+    assert scan.native_node_table(data).non_text_name == scan.python_node_table(model).non_text_name == non_text_name
     graph_data = model.graph.SerializeToString()
     assert _rows(scan.native_node_table(graph_data, graph=True)) == expected
+    assert scan.native_node_table(graph_data, graph=True).non_text_name == non_text_name
     for prefix in PREFIXES:
         assert scan.native_node_table(data, name_prefix=prefix).prefixed_names == _protobuf_names(model, prefix)
 
@@ -340,6 +359,23 @@ def test_strings_that_are_not_utf8_come_back_as_bytes_as_protobuf_gives_them():
     model.ParseFromString(named)
     assert scan.native_node_table(named, name_prefix="sgdfuse/").prefixed_names == (b"sgdfuse/\xff",) == _protobuf_names(model, "sgdfuse/")
     assert scan.python_node_table(model, name_prefix="sgdfuse/").prefixed_names == (b"sgdfuse/\xff",)
+
+
+@pytest.mark.parametrize("name", _EDGE_UTF8 + [b"", b"plain", "名前".encode(), bytes(range(1, 128))])
+def test_the_first_node_with_a_name_protobuf_gives_as_bytes_is_found_as_python_decodes_it(name):
+    try:
+        name.decode("utf-8")
+        expected = -1
+    except UnicodeDecodeError:
+        expected = 1
+    for bad in (_field(3, 2, name), _field(5, 2, _field(1, 2, name) + _field(20, 0, _varint(1)))):  # node name, attribute name
+        nodes = _field(1, 2, _field(4, 2, b"Relu") + _field(3, 2, b"\xff") + _field(3, 2, b"fine")) + _field(1, 2, _field(4, 2, b"Relu") + bad)
+        data = _field(7, 2, nodes)
+        model = onnx.ModelProto()
+        model.ParseFromString(data)
+        assert _protobuf_non_text_name(model) == expected
+        assert scan.native_node_table(data).non_text_name == expected
+        assert scan.python_node_table(model).non_text_name == expected
 
 
 def test_repeated_singular_fields_keep_the_last_value_and_repeated_ones_append_in_order():

@@ -126,6 +126,8 @@ struct Table : Scan {
   const uint8_t* prefix = nullptr;
   size_t prefix_size = 0;
   const uint8_t* base = nullptr;
+  // The position of the first node whose name (field 3) or an attribute's name is not valid UTF-8; -1: none.
+  Py_ssize_t non_text_name = -1;
   // A name read again soon is not decoded and interned again (a learning rate is read by thousands of nodes).
   StringCache strings;
   bool python_error = false;  // a Python exception is set (out of memory)
@@ -133,15 +135,56 @@ struct Table : Scan {
 
 PyObject* make_string(Table& t, const uint8_t* data, size_t size) { return t.strings.get(data, size); }
 
-// AttributeProto: whether it holds a subgraph (type GRAPH or GRAPHS, or a g or graphs field).
-bool scan_attribute(Scan& t, Reader r, bool& subgraph) {
+// Whether these bytes are valid UTF-8 as Python's strict decoder takes it (RFC 3629: no overlong form, no
+// surrogate U+D800..U+DFFF, nothing above U+10FFFF), which is when protobuf's Python API hands a string field
+// out as str rather than bytes.
+bool utf8_valid(const uint8_t* p, size_t size) {
+  const uint8_t* end = p + size;
+  while (p < end) {
+    const uint8_t c = *p;
+    if (c < 0x80) {
+      ++p;
+      continue;
+    }
+    size_t length;
+    uint8_t low = 0x80, high = 0xBF;  // the range of the second byte
+    if (c >= 0xC2 && c <= 0xDF) {
+      length = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      length = 3;
+      if (c == 0xE0) low = 0xA0;        // overlong
+      if (c == 0xED) high = 0x9F;       // surrogates
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      length = 4;
+      if (c == 0xF0) low = 0x90;        // overlong
+      if (c == 0xF4) high = 0x8F;       // above U+10FFFF
+    } else {
+      return false;
+    }
+    if (size_t(end - p) < length || p[1] < low || p[1] > high) return false;
+    for (size_t i = 2; i < length; ++i) {
+      if ((p[i] & 0xC0) != 0x80) return false;
+    }
+    p += length;
+  }
+  return true;
+}
+
+// AttributeProto: whether it holds a subgraph (type GRAPH or GRAPHS, or a g or graphs field); with
+// ``text_name``, also whether its name (field 1, the last one wins) is valid UTF-8.
+bool scan_attribute(Scan& t, Reader r, bool& subgraph, bool* text_name = nullptr) {
   int32_t type = 0;  // UNDEFINED, the default
   bool holds_graph = false;
+  bool name_ok = true;
   while (r.p < r.end) {
     uint32_t field;
     int wire_type;
     if (!read_tag(t, r, field, wire_type)) return false;
-    if (field == 20 && wire_type == 0) {
+    if (text_name != nullptr && field == 1 && wire_type == 2) {
+      Reader name;
+      if (!read_bytes(t, r, name)) return false;
+      name_ok = utf8_valid(name.p, size_t(name.end - name.p));
+    } else if (field == 20 && wire_type == 0) {
       const uint8_t* at = r.p;
       uint64_t value;
       if (!read_varint(r, value)) return t.fail("truncated varint", at);
@@ -156,6 +199,7 @@ bool scan_attribute(Scan& t, Reader r, bool& subgraph) {
     }
   }
   subgraph = holds_graph || type == 5 || type == 10;
+  if (text_name != nullptr) *text_name = name_ok;
   return true;
 }
 
@@ -195,6 +239,7 @@ bool scan_node(Table& t, Reader r, std::vector<Span>& inputs, std::vector<Span>&
   Span name{nullptr, 0};
   bool attributes = false;
   bool subgraph = false;
+  bool attribute_names_text = true;
   while (r.p < r.end) {
     uint32_t field;
     int wire_type;
@@ -211,7 +256,9 @@ bool scan_node(Table& t, Reader r, std::vector<Span>& inputs, std::vector<Span>&
         case 7: domain = span; break;
         default: {  // 5: attribute
           bool held = false;
-          if (!scan_attribute(t, payload, held)) return false;
+          bool text_name = true;
+          if (!scan_attribute(t, payload, held, t.non_text_name < 0 ? &text_name : nullptr)) return false;
+          attribute_names_text = attribute_names_text && text_name;
           attributes = true;
           subgraph = subgraph || held;
         }
@@ -224,6 +271,9 @@ bool scan_node(Table& t, Reader r, std::vector<Span>& inputs, std::vector<Span>&
   if (op_type.data == nullptr) op_type.data = &kEmpty;
   if (domain.data == nullptr) domain.data = &kEmpty;
   if (name.data == nullptr) name.data = &kEmpty;
+  if (t.non_text_name < 0 && !(attribute_names_text && utf8_valid(name.data, name.size))) {
+    t.non_text_name = PyList_GET_SIZE(t.op_types);  // this node's position: the rows before it are appended
+  }
   if (t.prefixed_names != nullptr && name.size >= t.prefix_size && std::memcmp(name.data, t.prefix, t.prefix_size) == 0 &&
       !append(t, t.prefixed_names, make_string(t, name.data, name.size))) {
     return false;
@@ -272,8 +322,9 @@ void raise_failure(const Scan& s, const uint8_t* base, bool python_error) {
 }
 
 // scan(data, is_model, name_prefix=None) -> (op_types, domains, inputs, outputs, has_attributes, has_subgraph,
-// prefixed_names), seven lists; prefixed_names holds the names of the nodes whose name starts with the bytes
-// name_prefix, in node order (empty when name_prefix is None).
+// prefixed_names, non_text_name): seven lists and an int; prefixed_names holds the names of the nodes whose name
+// starts with the bytes name_prefix, in node order (empty when name_prefix is None); non_text_name is the
+// position of the first node whose name or one of whose attributes' names is not valid UTF-8, -1 when none.
 PyObject* scan(PyObject*, PyObject* args) {
   Py_buffer view;
   int is_model;
@@ -306,7 +357,8 @@ PyObject* scan(PyObject*, PyObject* args) {
       t.python_error = true;
     }
     if (done) {
-      result = PyTuple_Pack(7, t.op_types, t.domains, t.inputs, t.outputs, t.has_attributes, t.has_subgraph, names);
+      result = Py_BuildValue("(OOOOOOOn)", t.op_types, t.domains, t.inputs, t.outputs, t.has_attributes, t.has_subgraph, names,
+                             t.non_text_name);
     } else {
       raise_failure(t, t.base, t.python_error);
     }
@@ -895,7 +947,7 @@ PyObject* structure(PyObject*, PyObject* args) {
 PyMethodDef kMethods[] = {
     {"scan", scan, METH_VARARGS,
      "scan(data, is_model, name_prefix=None) -> seven lists: op_types, domains, inputs, outputs, has_attributes, "
-     "has_subgraph, and the node names starting with name_prefix."},
+     "has_subgraph, and the node names starting with name_prefix; and the first node with a name that is not UTF-8, or -1."},
     {"structure", structure, METH_VARARGS,
      "structure(data, is_model, wanted, sizes, outer) -> (error, found, subgraph, groups): the output guard's pass."},
     {nullptr, nullptr, 0, nullptr},

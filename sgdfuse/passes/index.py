@@ -385,12 +385,12 @@ def require_text_names(model: onnx.ModelProto, *, table: NodeTable | None = None
     for values, role in ((graph.input, "a graph input"), (graph.output, "a graph output"), (graph.initializer, "an initializer"),
                          (graph.value_info, "a value info")):
         _require_text([value.name for value in values], role)
-    listed = table.prefixed_names
-    # The table lists every node's name when it lists as many as there are nodes (made with the prefix "").
-    _require_text(listed if listed is not None and len(listed) == len(table) else [node.name for node in graph.node], "a node")
-    for k, attributed in enumerate(table.has_attributes):
-        if attributed:  # onnxruntime decodes every attribute name (it failed with four lines of its own first)
-            _require_text([a.name for a in graph.node[k].attribute], f"an attribute of node #{k} ({table.op_types[k]})")
+    k = table.non_text_name  # the first node whose name or an attribute's name is not text (-1: none)
+    if k >= 0:
+        node = graph.node[k]
+        _require_text([node.name], "a node")
+        # onnxruntime decodes every attribute name (it failed with four lines of its own first)
+        _require_text([a.name for a in node.attribute], f"an attribute of node #{k} ({table.op_types[k]})")
 
 
 def _require_model_text(model: onnx.ModelProto) -> None:

@@ -93,6 +93,9 @@ class NodeTable:
             starts with it, in node order (a name that is not UTF-8 is ``bytes`` and is compared as such);
             None when no prefix was asked for.
         reader: ``"native"`` or ``"python"``: which reader made the table (not compared by ``==``).
+        non_text_name: the position of the first node whose ``NodeProto.name`` (field 3) or one of whose
+            ``AttributeProto.name`` (field 1) is not valid UTF-8 (protobuf's Python API gives it as ``bytes``);
+            -1 when every one is text.
     """
 
     op_types: tuple[str, ...]
@@ -103,6 +106,7 @@ class NodeTable:
     has_subgraph: tuple[bool, ...]
     reader: str = dataclasses.field(default="python", compare=False)
     prefixed_names: tuple[str, ...] | None = None
+    non_text_name: int = -1
 
     def __len__(self) -> int:
         """The number of nodes."""
@@ -214,12 +218,12 @@ def native_node_table(data: bytes | bytearray | memoryview, *, graph: bool = Fal
     module = build_scanner().module
     prefix = None if name_prefix is None else name_prefix.encode()
     try:
-        op_types, domains, inputs, outputs, has_attributes, has_subgraph, names = module.scan(data, not graph, prefix)
+        op_types, domains, inputs, outputs, has_attributes, has_subgraph, names, non_text_name = module.scan(data, not graph, prefix)
     except ValueError as error:
         raise ScanError.from_message(str(error)) from None
     return NodeTable(
         tuple(op_types), tuple(domains), tuple(inputs), tuple(outputs), tuple(has_attributes), tuple(has_subgraph), "native",
-        None if name_prefix is None else tuple(names),
+        None if name_prefix is None else tuple(names), non_text_name,
     )
 
 
@@ -232,7 +236,8 @@ def python_node_table(model: onnx.ModelProto, *, name_prefix: str | None = None)
     has_attributes: list[bool] = []
     has_subgraph: list[bool] = []
     intern = sys.intern
-    for node in model.graph.node:
+    non_text_name = -1
+    for k, node in enumerate(model.graph.node):
         try:
             op_type, domain = intern(node.op_type), intern(node.domain)
             names_in, names_out = tuple(map(intern, node.input)), tuple(map(intern, node.output))
@@ -244,6 +249,8 @@ def python_node_table(model: onnx.ModelProto, *, name_prefix: str | None = None)
         inputs.append(names_in)
         outputs.append(names_out)
         attributes = node.attribute
+        if non_text_name < 0 and (type(node.name) is not str or any(type(a.name) is not str for a in attributes)):
+            non_text_name = k
         if attributes:
             has_attributes.append(True)
             has_subgraph.append(any(a.type in (_GRAPH, _GRAPHS) or a.HasField("g") or len(a.graphs) > 0 for a in attributes))
@@ -260,7 +267,7 @@ def python_node_table(model: onnx.ModelProto, *, name_prefix: str | None = None)
                 names.append(_intern_text(name))
     return NodeTable(
         tuple(op_types), tuple(domains), tuple(inputs), tuple(outputs), tuple(has_attributes), tuple(has_subgraph), "python",
-        None if names is None else tuple(names),
+        None if names is None else tuple(names), non_text_name,
     )
 
 
