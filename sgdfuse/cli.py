@@ -482,7 +482,7 @@ def check_command(
     tables = []  # read once, for the names' check and for the check itself
     for path in (original, fused):
         models.append(api.load_model(path, load_external_data=True))
-        tables.append(node_table(models[-1]))
+        tables.append(node_table(models[-1], details=True))  # check's class keys read overloads and attributes from it
         _require_text_names(models[-1], path, tables[-1])
     try:
         result = check_models(models[0], models[1], steps=steps, seed=seed, pinned=_pins(state, None).state,

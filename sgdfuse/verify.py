@@ -2336,7 +2336,7 @@ class _Side:
         # Inputs and outputs from the node table (read once from the serialised graph, no Python object per
         # field read); a node holding a subgraph also reads what its subgraphs read from outside.
         if table is None:
-            table = node_table(model)
+            table = node_table(model, details=True)
         if len(table) != len(nodes):
             raise ValueError(f"a node table of {len(table)} nodes for a graph of {len(nodes)}")
         reads = [
@@ -2847,6 +2847,14 @@ def _describe_plain_nodes(side: _Side, cache: dict) -> None:
         copy_what = setdefault(("Identity", "", "", (), 1), len(intern))
         for node, (value, name) in zip(nodes[len(table):], side.copies, strict=True):
             cache[id(node)] = (copy_what, (value, "", name))
+    if table.details is not None:
+        # The table's own overloads and attribute bytes (as they stand in the file: equal bytes are equal
+        # attributes, so equal descriptions still mean equal nodes), with no protobuf object made per node.
+        for node, op_type, domain, inputs, outputs, subgraph, (overload, attributes) in zip(
+                nodes, table.op_types, table.domains, table.inputs, table.outputs, table.has_subgraph, table.details):
+            if not subgraph:
+                cache[id(node)] = (setdefault((op_type, domain, overload, attributes, len(inputs)), len(intern)), (*inputs, "", *outputs))
+        return
     serialise = functools.partial(onnx.AttributeProto.SerializeToString, deterministic=True)
     for node, op_type, domain, inputs, outputs, attributed, subgraph in zip(
             nodes, table.op_types, table.domains, table.inputs, table.outputs, table.has_attributes, table.has_subgraph):

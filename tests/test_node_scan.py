@@ -52,6 +52,25 @@ def _protobuf_non_text_name(model: onnx.ModelProto) -> int:
     return -1
 
 
+def _protobuf_details(model: onnx.ModelProto) -> list[tuple]:
+    """Per node: its overload and each attribute, as protobuf parses them."""
+    return [(node.overload, list(node.attribute)) for node in model.graph.node]
+
+
+def _parsed_details(table: scan.NodeTable) -> list[tuple]:
+    """The table's details with each attribute's bytes parsed by protobuf (the bytes as they stand in a
+    hand-encoded model can differ from protobuf's serialisation of the attribute they parse to)."""
+    rows = []
+    for overload, attributes in table.details:
+        parsed = []
+        for data in attributes:
+            attribute = onnx.AttributeProto()
+            attribute.ParseFromString(data)
+            parsed.append(attribute)
+        rows.append((overload, parsed))
+    return rows
+
+
 def _rows(table: scan.NodeTable) -> list[tuple]:
     return list(zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_attributes, table.has_subgraph))
 
@@ -78,6 +97,10 @@ def _check_all_readers(model: onnx.ModelProto, data: bytes) -> scan.NodeTable:
     assert native.reader == "native"
     assert _rows(native) == expected
     assert native.non_text_name == scan.python_node_table(model).non_text_name == _protobuf_non_text_name(model)
+    assert native.details is None
+    detailed = scan.native_node_table(data, details=True)
+    assert _rows(detailed) == expected and detailed.details == scan.python_node_table(model, details=True).details
+    assert _parsed_details(detailed) == _protobuf_details(model)
     assert native.prefixed_names is None
     assert _rows(scan.python_node_table(model)) == expected
     from_bytes = scan.node_table(model, data)
@@ -306,6 +329,9 @@ def test_hand_encoded_models_read_as_protobuf_reads_them(data):
     assert _rows(scan.python_node_table(model)) == expected
     non_text_name = _protobuf_non_text_name(model)
     assert scan.native_node_table(data).non_text_name == scan.python_node_table(model).non_text_name == non_text_name
+    detailed = scan.native_node_table(data, details=True)
+    assert _rows(detailed) == expected and _parsed_details(detailed) == _protobuf_details(model)
+    assert _parsed_details(scan.python_node_table(model, details=True)) == _protobuf_details(model)
     graph_data = model.graph.SerializeToString()
     assert _rows(scan.native_node_table(graph_data, graph=True)) == expected
     assert scan.native_node_table(graph_data, graph=True).non_text_name == non_text_name

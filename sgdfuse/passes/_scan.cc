@@ -128,6 +128,8 @@ struct Table : Scan {
   const uint8_t* base = nullptr;
   // The position of the first node whose name (field 3) or an attribute's name is not valid UTF-8; -1: none.
   Py_ssize_t non_text_name = -1;
+  // When the caller asks: per node, (overload, (each attribute's bytes as they stand, ...)) (else null).
+  PyObject* details = nullptr;
   // A name read again soon is not decoded and interned again (a learning rate is read by thousands of nodes).
   StringCache strings;
   bool python_error = false;  // a Python exception is set (out of memory)
@@ -231,12 +233,29 @@ bool append_bool(Table& t, PyObject* list, bool value) {
 }
 
 // NodeProto: one row of the table.
-bool scan_node(Table& t, Reader r, std::vector<Span>& inputs, std::vector<Span>& outputs) {
+// A tuple of the bytes of each span (new reference), or null with an exception set.
+PyObject* bytes_tuple(const std::vector<Span>& spans) {
+  PyObject* tuple = PyTuple_New(Py_ssize_t(spans.size()));
+  if (tuple == nullptr) return nullptr;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    PyObject* item = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(spans[i].data), Py_ssize_t(spans[i].size));
+    if (item == nullptr) {
+      Py_DECREF(tuple);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(tuple, Py_ssize_t(i), item);
+  }
+  return tuple;
+}
+
+bool scan_node(Table& t, Reader r, std::vector<Span>& inputs, std::vector<Span>& outputs, std::vector<Span>& attribute_spans) {
   inputs.clear();
   outputs.clear();
+  attribute_spans.clear();
   Span op_type{nullptr, 0};
   Span domain{nullptr, 0};
   Span name{nullptr, 0};
+  Span overload{nullptr, 0};
   bool attributes = false;
   bool subgraph = false;
   bool attribute_names_text = true;
@@ -244,7 +263,8 @@ bool scan_node(Table& t, Reader r, std::vector<Span>& inputs, std::vector<Span>&
     uint32_t field;
     int wire_type;
     if (!read_tag(t, r, field, wire_type)) return false;
-    if (wire_type == 2 && (field == 1 || field == 2 || field == 3 || field == 4 || field == 5 || field == 7)) {
+    if (wire_type == 2 && (field == 1 || field == 2 || field == 3 || field == 4 || field == 5 || field == 7 ||
+                           (field == 8 && t.details != nullptr))) {
       Reader payload;
       if (!read_bytes(t, r, payload)) return false;
       const Span span{payload.p, size_t(payload.end - payload.p)};
@@ -254,7 +274,9 @@ bool scan_node(Table& t, Reader r, std::vector<Span>& inputs, std::vector<Span>&
         case 3: name = span; break;
         case 4: op_type = span; break;
         case 7: domain = span; break;
+        case 8: overload = span; break;
         default: {  // 5: attribute
+          if (t.details != nullptr) attribute_spans.push_back(span);
           bool held = false;
           bool text_name = true;
           if (!scan_attribute(t, payload, held, t.non_text_name < 0 ? &text_name : nullptr)) return false;
@@ -271,6 +293,15 @@ bool scan_node(Table& t, Reader r, std::vector<Span>& inputs, std::vector<Span>&
   if (op_type.data == nullptr) op_type.data = &kEmpty;
   if (domain.data == nullptr) domain.data = &kEmpty;
   if (name.data == nullptr) name.data = &kEmpty;
+  if (overload.data == nullptr) overload.data = &kEmpty;
+  if (t.details != nullptr) {
+    PyObject* overload_text = make_string(t, overload.data, overload.size);
+    PyObject* attribute_bytes = overload_text == nullptr ? nullptr : bytes_tuple(attribute_spans);
+    PyObject* row = attribute_bytes == nullptr ? nullptr : PyTuple_Pack(2, overload_text, attribute_bytes);
+    Py_XDECREF(overload_text);
+    Py_XDECREF(attribute_bytes);
+    if (!append(t, t.details, row)) return false;
+  }
   if (t.non_text_name < 0 && !(attribute_names_text && utf8_valid(name.data, name.size))) {
     t.non_text_name = PyList_GET_SIZE(t.op_types);  // this node's position: the rows before it are appended
   }
@@ -285,14 +316,14 @@ bool scan_node(Table& t, Reader r, std::vector<Span>& inputs, std::vector<Span>&
 }
 
 bool scan_graph(Table& t, Reader r) {
-  std::vector<Span> inputs, outputs;  // reused by every node
+  std::vector<Span> inputs, outputs, attribute_spans;  // reused by every node
   while (r.p < r.end) {
     uint32_t field;
     int wire_type;
     if (!read_tag(t, r, field, wire_type)) return false;
     if (field == 1 && wire_type == 2) {
       Reader node;
-      if (!read_bytes(t, r, node) || !scan_node(t, node, inputs, outputs)) return false;
+      if (!read_bytes(t, r, node) || !scan_node(t, node, inputs, outputs, attribute_spans)) return false;
     } else if (!skip_field(t, r, field, wire_type, 0)) {
       return false;
     }
@@ -312,6 +343,7 @@ void release(Table& t) {
   Py_XDECREF(t.has_attributes);
   Py_XDECREF(t.has_subgraph);
   Py_XDECREF(t.prefixed_names);
+  Py_XDECREF(t.details);
 }
 
 // The ValueError of a failed scan (unless a Python exception is set already).
@@ -321,17 +353,21 @@ void raise_failure(const Scan& s, const uint8_t* base, bool python_error) {
   PyErr_Format(PyExc_ValueError, "malformed protobuf at byte %zd: %s", offset, s.failure.reason);
 }
 
-// scan(data, is_model, name_prefix=None) -> (op_types, domains, inputs, outputs, has_attributes, has_subgraph,
-// prefixed_names, non_text_name): seven lists and an int; prefixed_names holds the names of the nodes whose name
-// starts with the bytes name_prefix, in node order (empty when name_prefix is None); non_text_name is the
-// position of the first node whose name or one of whose attributes' names is not valid UTF-8, -1 when none.
+// scan(data, is_model, name_prefix=None, details=False) -> (op_types, domains, inputs, outputs, has_attributes,
+// has_subgraph, prefixed_names, non_text_name, details): seven lists, an int and a list or None; prefixed_names
+// holds the names of the nodes whose name starts with the bytes name_prefix, in node order (empty when name_prefix
+// is None); non_text_name is the position of the first node whose name or one of whose attributes' names is not
+// valid UTF-8, -1 when none; details (when asked, else None) holds per node (overload, (the bytes of each
+// attribute as they stand in data, in order)).
 PyObject* scan(PyObject*, PyObject* args) {
   Py_buffer view;
   int is_model;
   Py_buffer prefix{};
   prefix.buf = nullptr;
-  if (!PyArg_ParseTuple(args, "y*p|z*", &view, &is_model, &prefix)) return nullptr;
+  int details = 0;
+  if (!PyArg_ParseTuple(args, "y*p|z*p", &view, &is_model, &prefix, &details)) return nullptr;
   Table t;
+  if (details) t.details = PyList_New(0);
   t.base = static_cast<const uint8_t*>(view.buf);
   t.op_types = PyList_New(0);
   t.domains = PyList_New(0);
@@ -347,7 +383,7 @@ PyObject* scan(PyObject*, PyObject* args) {
     t.prefix_size = size_t(prefix.len);
   }
   PyObject* result = nullptr;
-  if (t.op_types && t.domains && t.inputs && t.outputs && t.has_attributes && t.has_subgraph && names) {
+  if (t.op_types && t.domains && t.inputs && t.outputs && t.has_attributes && t.has_subgraph && names && (t.details || !details)) {
     const Reader r{t.base, t.base + view.len};
     bool done = false;
     try {
@@ -357,8 +393,8 @@ PyObject* scan(PyObject*, PyObject* args) {
       t.python_error = true;
     }
     if (done) {
-      result = Py_BuildValue("(OOOOOOOn)", t.op_types, t.domains, t.inputs, t.outputs, t.has_attributes, t.has_subgraph, names,
-                             t.non_text_name);
+      result = Py_BuildValue("(OOOOOOOnO)", t.op_types, t.domains, t.inputs, t.outputs, t.has_attributes, t.has_subgraph, names,
+                             t.non_text_name, t.details ? t.details : Py_None);
     } else {
       raise_failure(t, t.base, t.python_error);
     }
@@ -946,8 +982,9 @@ PyObject* structure(PyObject*, PyObject* args) {
 
 PyMethodDef kMethods[] = {
     {"scan", scan, METH_VARARGS,
-     "scan(data, is_model, name_prefix=None) -> seven lists: op_types, domains, inputs, outputs, has_attributes, "
-     "has_subgraph, and the node names starting with name_prefix; and the first node with a name that is not UTF-8, or -1."},
+     "scan(data, is_model, name_prefix=None, details=False) -> seven lists: op_types, domains, inputs, outputs, "
+     "has_attributes, has_subgraph, and the node names starting with name_prefix; the first node with a name that is not "
+     "UTF-8, or -1; and with details, per node (overload, attribute bytes), else None."},
     {"structure", structure, METH_VARARGS,
      "structure(data, is_model, wanted, sizes, outer) -> (error, found, subgraph, groups): the output guard's pass."},
     {nullptr, nullptr, 0, nullptr},

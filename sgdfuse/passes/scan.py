@@ -96,6 +96,11 @@ class NodeTable:
         non_text_name: the position of the first node whose ``NodeProto.name`` (field 3) or one of whose
             ``AttributeProto.name`` (field 1) is not valid UTF-8 (protobuf's Python API gives it as ``bytes``);
             -1 when every one is text.
+        details: when asked for (``details=True``), per node its ``NodeProto.overload`` (field 8; ``""`` when
+            absent) and the bytes of each ``NodeProto.attribute`` (field 5), in order (:data:`NodeDetails`); else
+            None. The native reader gives each attribute's bytes as they stand in the serialised model, the
+            Python reader its serialisation by protobuf: the same bytes for a model protobuf wrote, and for
+            any model equal bytes are equal attributes.
     """
 
     op_types: tuple[str, ...]
@@ -107,6 +112,7 @@ class NodeTable:
     reader: str = dataclasses.field(default="python", compare=False)
     prefixed_names: tuple[str, ...] | None = None
     non_text_name: int = -1
+    details: "tuple[NodeDetails, ...] | None" = None
 
     def __len__(self) -> int:
         """The number of nodes."""
@@ -170,7 +176,8 @@ def _native_enabled() -> bool:
     return True
 
 
-def node_table(model: onnx.ModelProto, data: bytes | None = None, *, graph: bool = False, name_prefix: str | None = None) -> NodeTable:
+def node_table(model: onnx.ModelProto, data: bytes | None = None, *, graph: bool = False, name_prefix: str | None = None,
+               details: bool = False) -> NodeTable:
     """The node table of ``model``'s main graph (:class:`NodeTable`), read natively when the scanner builds.
 
     Args:
@@ -180,35 +187,38 @@ def node_table(model: onnx.ModelProto, data: bytes | None = None, *, graph: bool
             ``model.graph.SerializeToString()``.
         graph: ``data`` is ``model.graph`` serialised, not the whole model.
         name_prefix: also list the names of the nodes that start with it (:attr:`NodeTable.prefixed_names`).
+        details: also read each node's overload and attributes' bytes (:attr:`NodeTable.details`).
 
     Falls back to :func:`python_node_table` (logged at debug level) when ``$SGDFUSE_NATIVE_SCAN`` is ``0``,
     when the scanner cannot be built, when ``data`` is not well-formed protobuf, or when it does not hold as
     many nodes as ``model``; the table is the same either way.
     """
     if not _native_enabled():
-        return python_node_table(model, name_prefix=name_prefix)
+        return python_node_table(model, name_prefix=name_prefix, details=details)
     nodes = model.graph.node
     try:
         if data is None:
-            table = native_node_table(model.graph.SerializeToString(), graph=True, name_prefix=name_prefix)
+            table = native_node_table(model.graph.SerializeToString(), graph=True, name_prefix=name_prefix, details=details)
         else:
-            table = native_node_table(data, graph=graph, name_prefix=name_prefix)
+            table = native_node_table(data, graph=graph, name_prefix=name_prefix, details=details)
     except ScanError as error:
         logger.debug("native node scanner refused the model's bytes, reading nodes through protobuf: %s", error)
-        return python_node_table(model, name_prefix=name_prefix)
+        return python_node_table(model, name_prefix=name_prefix, details=details)
     if len(table) != len(nodes):
         logger.debug("the bytes given hold %d nodes, the model %d; reading nodes through protobuf", len(table), len(nodes))
-        return python_node_table(model, name_prefix=name_prefix)
+        return python_node_table(model, name_prefix=name_prefix, details=details)
     return table
 
 
-def native_node_table(data: bytes | bytearray | memoryview, *, graph: bool = False, name_prefix: str | None = None) -> NodeTable:
+def native_node_table(data: bytes | bytearray | memoryview, *, graph: bool = False, name_prefix: str | None = None,
+                      details: bool = False) -> NodeTable:
     """The node table read by the native scanner from serialised bytes.
 
     Args:
         data: a serialised ``ModelProto`` (binary protobuf), or a ``GraphProto`` when ``graph``. Untrusted
             bytes are safe: every read is bounds-checked.
         name_prefix: also list the names of the nodes that start with it (their UTF-8 bytes start with its).
+        details: also read each node's overload and attributes' bytes (:attr:`NodeTable.details`).
 
     Raises:
         ScanError: ``data`` is not well-formed protobuf where the scanner reads it (a truncated field, a length
@@ -218,16 +228,17 @@ def native_node_table(data: bytes | bytearray | memoryview, *, graph: bool = Fal
     module = build_scanner().module
     prefix = None if name_prefix is None else name_prefix.encode()
     try:
-        op_types, domains, inputs, outputs, has_attributes, has_subgraph, names, non_text_name = module.scan(data, not graph, prefix)
+        op_types, domains, inputs, outputs, has_attributes, has_subgraph, names, non_text_name, rows = module.scan(
+            data, not graph, prefix, details)
     except ValueError as error:
         raise ScanError.from_message(str(error)) from None
     return NodeTable(
         tuple(op_types), tuple(domains), tuple(inputs), tuple(outputs), tuple(has_attributes), tuple(has_subgraph), "native",
-        None if name_prefix is None else tuple(names), non_text_name,
+        None if name_prefix is None else tuple(names), non_text_name, None if rows is None else tuple(rows),
     )
 
 
-def python_node_table(model: onnx.ModelProto, *, name_prefix: str | None = None) -> NodeTable:
+def python_node_table(model: onnx.ModelProto, *, name_prefix: str | None = None, details: bool = False) -> NodeTable:
     """The node table read through protobuf's Python API (the reader :func:`node_table` falls back to)."""
     op_types: list[str] = []
     domains: list[str] = []
@@ -268,6 +279,7 @@ def python_node_table(model: onnx.ModelProto, *, name_prefix: str | None = None)
     return NodeTable(
         tuple(op_types), tuple(domains), tuple(inputs), tuple(outputs), tuple(has_attributes), tuple(has_subgraph), "python",
         None if names is None else tuple(names), non_text_name,
+        tuple(python_node_details(model, range(len(op_types)))) if details else None,
     )
 
 
@@ -280,7 +292,7 @@ NodeDetails = tuple[str, tuple[bytes, ...]]
 attributes (field 5) serialised, in order."""
 
 
-def python_node_details(model: onnx.ModelProto, positions: list[int]) -> list[NodeDetails]:
+def python_node_details(model: onnx.ModelProto, positions: Sequence[int]) -> list[NodeDetails]:
     """:data:`NodeDetails` of the main graph's nodes at ``positions``, read through protobuf's Python API."""
     nodes = model.graph.node
     return [(_intern_text(nodes[k].overload), tuple(a.SerializeToString() for a in nodes[k].attribute)) for k in positions]
