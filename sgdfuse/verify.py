@@ -153,7 +153,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from sgdfuse import collector
-from sgdfuse.contract import TensorSpec
+from sgdfuse.contract import SgdAttributes, TensorSpec
 from sgdfuse.fused_op import DOMAIN, OP_TYPE, OP_VERSION, OVERLOAD_IR_VERSION, Specialisation, function_opset, read_sgd_attributes, sgd_functions_for, sgd_functions_for_overloads
 from sgdfuse.lift import FLOAT_TYPES, lift_to_double, missing_kernels, specialise
 from sgdfuse.passes.index import GraphIndex
@@ -2241,16 +2241,22 @@ def _fail_inconsistent_overloads(fused: onnx.ModelProto, views: Sequence[_Update
     onnxruntime runs) assumes other attributes than the node has (what the lowered GE op reads): the numbers
     of such a node prove nothing about the device. ``side``: the fused model's :class:`_Side` (its op types,
     domains and producers are then not read again)."""
+    kinds = None
     if side is None:
         nodes = [node for node in fused.graph.node if node.domain == DOMAIN and node.op_type == OP_TYPE]
         constants = _ConstantInputs(fused.graph)
     else:
-        nodes = [side.nodes[k] for k in _sgd_positions(side)]
+        positions = _sgd_positions(side)
+        nodes = [side.nodes[k] for k in positions]
         constants = _ConstantInputs(fused.graph, _Producers(side))
+        if side.table is not None and side.table.details is not None:
+            # overload and attribute bytes from the node table (equal bytes, equal attributes)
+            kinds = [side.table.details[k] for k in positions]
+    if kinds is None:
+        kinds = [(node.overload, tuple(a.SerializeToString(deterministic=True) for a in node.attribute)) for node in nodes]
     problems: dict[tuple, str] = {}  # per overload and attributes: a few hundred kinds of node at most
-    bodies = _foreign_bodies(fused, {node.overload for node in nodes})
-    for node, (k, view) in zip(nodes, enumerate(views)):
-        kind = (node.overload, tuple(a.SerializeToString(deterministic=True) for a in node.attribute))
+    bodies = _foreign_bodies(fused, {overload for overload, _ in kinds})
+    for node, kind, (k, view) in zip(nodes, kinds, enumerate(views)):
         problem = problems.get(kind)
         if problem is None:
             problem = problems[kind] = _overload_problem(node)
@@ -2986,7 +2992,10 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
     probe = _Probes(taken, shared=False)
     views: list[_UpdateView] = []
     added: list[str] = []
-    for node in [side.nodes[k] for k in sgd]:
+    details = side.table.details if side.table is not None else None
+    attributes_of: dict[tuple, SgdAttributes] = {}  # per attributes' bytes (equal bytes, equal attributes)
+    for k in sgd:
+        node = side.nodes[k]
         parameters = _trace_to_state(node.input[0], producers)
         accum = _trace_to_state(node.input[3], producers)
         for role, target in (("parameters", parameters), ("accum", accum)):
@@ -2998,7 +3007,12 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
         buffer_out = _forward_buffer(node.output[1], readers.get(node.output[1], []))
         parameters_out = _through_guard(node.output[0], parameters, readers.get(node.output[0], []))
         buffer_out = _through_guard(buffer_out, accum, readers.get(buffer_out, []))
-        attributes = read_sgd_attributes(node)
+        if details is None:
+            attributes = read_sgd_attributes(node)
+        else:
+            attributes = attributes_of.get(details[k][1])
+            if attributes is None:
+                attributes = attributes_of[details[k][1]] = read_sgd_attributes(node)
         for value in (parameters_out, buffer_out):
             if value not in declared:
                 added.append(value)
