@@ -8,6 +8,7 @@ static type, so that every later question is a dictionary look-up.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import sys
@@ -198,6 +199,7 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     if infer_shapes and not _inference_adds_nothing(graph, specs, producer, initializers, subgraph_nodes):
         data_propagation = _needs_data_propagation(model, nodes, producer, subgraph_nodes)
         _add_inferred(specs, _inferred_value_infos(model, subgraph_nodes, data, data_propagation=data_propagation), types)
+        _return_freed_heap()
     for name, tensor in initializers.items():
         specs[name] = TensorSpec(name, tuple(int(d) for d in tensor.dims), tensor.data_type)
 
@@ -218,6 +220,30 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
         nodes=nodes,
         own_node_names=own_node_names,
     )
+
+
+def _return_freed_heap() -> None:
+    """Hand the C heap's free pages back to the operating system (glibc's ``malloc_trim(0)``; nothing elsewhere).
+
+    ONNX shape inference builds its own C++ copy of the model and frees it on return (at 50,000 updates about
+    430 MB, more than the parsed model). glibc keeps freed heap for reuse, but the Python objects the passes make
+    next live in the interpreter's own arenas, so without this the freed inference heap stays resident and adds
+    to the peak of every later stage (measured: the peak of ``optimize --no-verify`` at 50,000 updates went
+    from 1,403 to 1,347 MB)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (ctypes), None where the C library has none (musl, macOS, Windows)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def _inference_adds_nothing(
