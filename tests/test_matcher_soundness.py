@@ -464,6 +464,19 @@ def test_a_sliced_parameter_output_is_named():
     assert r.reason == "hidden-update" and "Slice" in r.detail
 
 
+def test_a_norm_logged_of_fused_new_weights_is_no_refusal():
+    # ReduceSumSquare(p_out) beside the update's own output p_out: the update is the graph output and fuses, the
+    # norm only reads it. It was refused as a "hidden-update" that told the user to output the update, which
+    # the graph already does.
+    extra = [node("ReduceSumSquare", ["p_out"], ["p_norm2"], keepdims=0)]
+    original = plain_step(extra=extra)
+    original.graph.output.append(value("p_norm2", F32, ()))
+    result = sgdfuse.optimize(original)
+    assert [u.parameters for u in result.report.fused] == ["p"]
+    assert result.report.refused == []
+    assert "p_norm2" in {o.name for o in result.model.graph.output}
+
+
 # -- ONNX Momentum: one writer per state -------------------------------------------------------------------
 
 

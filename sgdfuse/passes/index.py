@@ -153,6 +153,10 @@ class GraphIndex:
             self.__dict__["_state_names_cache"] = cached
         return cached
 
+    def is_output_name(self, value: str) -> bool:
+        """True when ``value`` is a graph output of the main graph."""
+        return value in self._output_set
+
     def is_used(self, value: str) -> bool:
         """True when a node, a subgraph or a graph output reads ``value``."""
         return bool(self.consumers.get(value)) or value in self.subgraph_reads or value in self._output_set

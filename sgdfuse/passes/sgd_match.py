@@ -834,6 +834,10 @@ def _hidden_update(index: GraphIndex, normaliser: Normaliser, output: str) -> Mi
     for operand in node.input:
         if not operand or operand == output or index.spec(operand).dtype not in _EPS or index.producer.get(operand) is None:
             continue
+        if index.is_output_name(operand) and node.op_type != "Where":
+            # The update is a graph output itself (fused, or refused on its own name): this output only reads
+            # it, as a logged norm ``ReduceSumSquare(w_out)`` does, and hides nothing.
+            continue
         form = normaliser.form(operand)
         if not _looks_like_update(index, operand, form):
             continue
