@@ -187,6 +187,8 @@ CASES = {
             n("ReduceMax", ["x"], ["rmax_all"], keepdims=0),
             n("ReduceL2", ["x", "axes"], ["rl2"], keepdims=0),
             n("ReduceL2", ["x"], ["rl2_all"], keepdims=0),
+            n("ReduceSumSquare", ["x", "axes"], ["rss"], keepdims=1),
+            n("ReduceSumSquare", ["x"], ["rss_all"], keepdims=0),
         ],
         [("x", F, [2, 3, 4])],
         [("axes", _ints(0, -1))],

@@ -9,7 +9,8 @@
 - ``ReduceSum``/``ReduceMean``/``ReduceMax``/``ReduceMin``/``ReduceProd`` → the GE op of the same name
   with the axes as a ``Const`` input and ``keep_dims``. ONNX's "no axes" means "all axes" unless
   ``noop_with_empty_axes``; GE's empty axes mean no reduction, so the rule always writes the axes out
-  (which needs the input rank). ``ReduceL2`` is composed (square, ``ReduceSum``, ``Sqrt``).
+  (which needs the input rank). ``ReduceL2`` is composed (square, ``ReduceSum``, ``Sqrt``), ``ReduceSumSquare``
+  likewise without the root.
 - ``Softmax``/``LogSoftmax`` (opset >= 13: one axis) → ``SoftmaxV2``/``LogSoftmaxV2`` with ``axes``.
 """
 
@@ -152,24 +153,41 @@ register("ReduceMin")(_reduce("ReduceMin"))
 register("ReduceProd")(_reduce("ReduceProd"))
 
 
+def _summed_square(ctx: NodeLowering, *, last: bool) -> tuple[Tensor, TensorSpec]:
+    """``sum(x²)`` over the node's axes as ``Mul(x, x)`` then ``ReduceSum`` (the square alone when the node
+    reduces nothing), and the node's output spec; with ``last`` the final op writes that spec (the node's
+    output), else one of its own."""
+    x = ctx.input(0)
+    out = ctx.output_spec(0)
+    axes = reduce_axes(ctx)
+    square_spec = out if last and axes is None else _with_dims(out, f"{ctx.name}/square", ctx.input_spec(0).shape)
+    square = ctx.op("Mul", [("x1", x), ("x2", x)], [("y", square_spec)], suffix="square").output(0)
+    if axes is None:
+        return square, out
+    axes_tensor = ctx.const(np.array(axes, dtype=np.int64), "axes")
+    total = ctx.op(
+        "ReduceSum", [("x", square), ("axes", axes_tensor)], [("y", out if last else _with_dims(out, f"{ctx.name}/sum", out.shape))],
+        {"keep_dims": bool(ctx.attr("keepdims", 1))}, suffix="sum",
+    ).output(0)
+    return total, out
+
+
 @register("ReduceL2")
 def lower_reduce_l2(ctx: NodeLowering) -> None:
     """``ReduceL2`` = sqrt(sum(x²)) → ``Mul(x, x)``, ``ReduceSum``, ``Sqrt``: three ops because GE's
     ``LpNorm`` carries an ``epsilon`` whose effect the public prototype does not state; ONNX's definition
     composed from exact pieces rounds as onnxruntime's kernel does (square, sum, root)."""
-    x = ctx.input(0)
-    out = ctx.output_spec(0)
-    axes = reduce_axes(ctx)
-    square = ctx.op("Mul", [("x1", x), ("x2", x)], [("y", _with_dims(out, f"{ctx.name}/square", ctx.input_spec(0).shape))], suffix="square").output(0)
-    if axes is None:
-        total = square
-    else:
-        axes_tensor = ctx.const(np.array(axes, dtype=np.int64), "axes")
-        total = ctx.op(
-            "ReduceSum", [("x", square), ("axes", axes_tensor)], [("y", _with_dims(out, f"{ctx.name}/sum", out.shape))], {"keep_dims": bool(ctx.attr("keepdims", 1))}, suffix="sum"
-        ).output(0)
+    total, out = _summed_square(ctx, last=False)
     op = ctx.op("Sqrt", [("x", total)], [("y", out)])
     ctx.set_output(0, op.output(0))
+
+
+@register("ReduceSumSquare")
+def lower_reduce_sum_square(ctx: NodeLowering) -> None:
+    """``ReduceSumSquare`` = sum(x²) (ONNX operator definition) → ``Mul(x, x)``, ``ReduceSum``: the squared
+    norm a training step logs or clips by, composed as ``ReduceL2`` is, without its root."""
+    total, _ = _summed_square(ctx, last=True)
+    ctx.set_output(0, total)
 
 
 def _softmax(ge_type: str, in_port: str, out_port: str) -> Rule:
