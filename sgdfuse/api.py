@@ -226,6 +226,7 @@ def _optimize(model, *, verify: bool, steps: int, seed: int, tell: Callable[[str
     new_model = apply_plans(base, index, plans)
     _check_output(new_model, source_model, rewrite=(base, index, plans))
     report.nodes_after = len(new_model.graph.node)
+    report.sorted_nodes = bool(plans) and not index.in_order  # the rewrite writes the nodes it keeps sorted
     return OptimizeResult(new_model, report, source_dir, has_external_data=external)
 
 

@@ -395,6 +395,9 @@ def optimize_command(
         f"{report.nodes_before} → {report.nodes_after} nodes" if report.fused else f"{report.nodes_after} nodes, the input's graph unchanged"
     )
     _out.print(f"Wrote {destination} ({nodes}): {_summary(report)}", markup=False, highlight=False, soft_wrap=True)
+    if report.sorted_nodes:
+        _out.print(f"Note: {model.name}'s nodes were not in topological order (ONNX requires every node after the producers "
+                   "of its inputs); the output holds them sorted.", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("inspect")

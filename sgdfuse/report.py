@@ -377,6 +377,8 @@ class Report:
         nodes_before, nodes_after: node counts of the main graph.
         written: False for ``inspect`` (a dry run).
         already_fused: ``ai.sgdfuse::SGD`` nodes the input already had (a model optimised before).
+        sorted_nodes: the input's nodes were not in topological order (ONNX requires it): the output holds
+            them sorted.
     """
 
     source: str
@@ -388,6 +390,7 @@ class Report:
     nodes_after: int = 0
     written: bool = True
     already_fused: int = 0
+    sorted_nodes: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data: ``tool``, ``fused``, ``refused``, ``verification``, ``added_state``, ``model``,
@@ -409,7 +412,7 @@ class Report:
             "added_state": list(self.added_state),
             "model": {
                 "source": self.source, "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
-                "already_fused": self.already_fused,
+                "already_fused": self.already_fused, "sorted_nodes": self.sorted_nodes,
             },
             "memory_traffic": self.memory_traffic(),
         })

@@ -83,6 +83,35 @@ def test_nodes_out_of_order_without_a_cycle_are_still_optimised():
     model.graph.node.extend(reversed(nodes))
     result = sgdfuse.optimize(model)
     assert [f.parameters_out for f in result.report.fused] == ["p_out"]
+    assert result.report.sorted_nodes and result.report.to_dict()["model"]["sorted_nodes"]
+
+
+def _damped_step() -> onnx.ModelProto:
+    """Dampening written ``g - d*g``: a helper (``d*g``) that only another helper of the update reads."""
+    return graphs.make_model(
+        [node("Mul", ["buf", "m"], ["bm"]), node("Mul", ["g", "c"], ["dg"]), node("Sub", ["g", "dg"], ["gd"]),
+         node("Add", ["bm", "gd"], ["buf_out"]), node("Mul", ["buf_out", "lr"], ["st"]), node("Sub", ["p", "st"], ["p_out"])],
+        [graphs.value(n) for n in ("p", "g", "buf")], [graphs.value("p_out"), graphs.value("buf_out")],
+        [graphs.scalar("m", 0.9), graphs.scalar("lr", 0.1), graphs.scalar("c", 0.5)],
+    )
+
+
+def test_nodes_out_of_order_lose_every_helper_of_the_update_as_in_order(tmp_path):
+    # Reversed, the helper d*g came before its reader g - d*g, and the removal (last to first) kept it: a dead
+    # Mul stayed in the output. The CLI also says that the output is sorted.
+    in_order = sgdfuse.optimize(_damped_step())
+    assert not in_order.report.sorted_nodes
+    reversed_model = _damped_step()
+    nodes = list(reversed_model.graph.node)
+    del reversed_model.graph.node[:]
+    reversed_model.graph.node.extend(reversed(nodes))
+    result = sgdfuse.optimize(reversed_model)
+    assert [n.op_type for n in result.model.graph.node] == [n.op_type for n in in_order.model.graph.node] == ["ConstantOfShape", "SGD"]
+    onnx.save(reversed_model, tmp_path / "reversed.onnx")
+    done = subprocess.run([sys.executable, "-m", "sgdfuse.cli", "optimize", str(tmp_path / "reversed.onnx"), "-o", str(tmp_path / "out.onnx")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "not in topological order" in done.stdout and "sorted" in done.stdout
 
 
 def test_a_value_output_by_two_nodes_is_refused_naming_both():

@@ -64,6 +64,8 @@ class GraphIndex:
         own_node_names: the names of the graph's nodes that start with :data:`OWN_PREFIX` (every name sgdfuse
             makes does, so no other node name can equal one), read with the node table; None when not read
             (an index made by hand): then ask the graph.
+        in_order: every node comes after the producers of what it reads (the order ONNX requires); False
+            for a graph merely out of that order (accepted: the rewrite writes it sorted).
     """
 
     graph: onnx.GraphProto
@@ -77,6 +79,7 @@ class GraphIndex:
     subgraph_nodes: list[int] = dataclasses.field(default_factory=list)
     nodes: list[NodeFacts] = dataclasses.field(default_factory=list)
     own_node_names: frozenset[str] | None = None
+    in_order: bool = True
     _constants: dict[str, np.ndarray | None] = dataclasses.field(default_factory=dict)
 
     def node(self, value: str) -> onnx.NodeProto | None:
@@ -186,7 +189,7 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     data = _serialised(model) if native_available() else None
     nodes, own_node_names = _nodes_read(model, data)
     producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph, nodes)
-    _require_acyclic(nodes, producer, consumers)
+    in_order = _require_acyclic(nodes, producer, consumers)
     _require_text_names(graph, nodes, producer, consumers)
     _require_model_text(model)
     specs: dict[str, TensorSpec] = {}
@@ -223,6 +226,7 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
         subgraph_nodes=subgraph_nodes,
         nodes=nodes,
         own_node_names=own_node_names,
+        in_order=in_order,
     )
 
 
@@ -335,15 +339,16 @@ def _raise_defined_twice(graph: onnx.GraphProto, nodes: list[NodeFacts]) -> None
                 first[name] = k
 
 
-def _require_acyclic(nodes: list[NodeFacts], producer: dict[str, int], consumers: dict[str, list[int]]) -> None:
-    """Raise :class:`~sgdfuse.errors.GraphCycleError` when the main graph's nodes form a cycle. A graph whose
+def _require_acyclic(nodes: list[NodeFacts], producer: dict[str, int], consumers: dict[str, list[int]]) -> bool:
+    """Raise :class:`~sgdfuse.errors.GraphCycleError` when the main graph's nodes form a cycle; return whether
+    they are in topological order (True) or merely out of it (False). A graph whose
     every read comes after its value's producer (ONNX requires that order) has none: one pass over the
     readers' lists (each in node order, so its first entry is its earliest reader). Only a graph out of
     that order is sorted (Kahn's algorithm) to find out: a graph merely out of order is accepted (the
     rewrite writes it sorted); the walks of the matcher would not end on a cycle."""
     get = producer.get
     if all(readers[0] > get(name, -1) for name, readers in consumers.items()):
-        return
+        return True
     pending = [0] * len(nodes)
     for name, readers in consumers.items():
         if name in producer:
@@ -367,6 +372,7 @@ def _require_acyclic(nodes: list[NodeFacts], producer: dict[str, int], consumers
             seen.add(k)
             k = next(producer[name] for name in nodes[k][2] if name in producer and pending[producer[name]] > 0)
         raise GraphCycleError(next((o for o in nodes[k][3] if o), f"node #{k}"))
+    return False
 
 
 def _require_text_names(graph: onnx.GraphProto, nodes: list[NodeFacts], producer: dict, consumers: dict) -> None:

@@ -1049,6 +1049,20 @@ def _removed_nodes(
     # The loop below runs over every cone node (most of the graph in a pure optimizer step): the look-ups
     # are inlined, and the names read from the index's facts (an empty name, an omitted slot, is skipped).
     consumers_get = consumers.get
+    # Last to first removes a chain of helpers whole in a graph in topological order; in a graph out of it a
+    # helper can come before its reader, so the sweep is repeated until it removes nothing more.
+    while True:
+        removed_before = len(removed)
+        _sweep_cone(cone, removed, gone, facts, kept_anyway, outer, is_read, consumers_get)
+        if index.in_order or len(removed) == removed_before:
+            break
+    return removed, is_read
+
+
+def _sweep_cone(cone: set[int], removed: set[int], gone: bytearray, facts, kept_anyway: set[str], outer: dict,
+                is_read: Callable[[str], bool], consumers_get) -> None:
+    """One pass of :func:`_removed_nodes` over the cone's nodes not yet removed, last to first: a node none of whose
+    outputs is read after the rewrite is removed (added to ``removed``, marked in ``gone``)."""
     for i in sorted(cone - removed, reverse=True):
         read = False
         for o in facts[i][3]:
@@ -1068,7 +1082,6 @@ def _removed_nodes(
         if not read:
             removed.add(i)
             gone[i] = 1
-    return removed, is_read
 
 
 def _write_nodes(target, ordered: list) -> None:
