@@ -3059,8 +3059,9 @@ def _feed_update_readers(sides: tuple[_Side, _Side], views: Sequence[_UpdateView
 
     A reader is found on the fused side: a node that reads a graph output of an update (:attr:`_UpdateView.outputs`)
     and is not part of an update (no ``SGD`` node, and none of its outputs an update's value). In the original the
-    node that writes the same first output is rewired too, for the inputs it reads by those names; a fused
-    model whose node reads something else there then computes from another value than the original, and fails.
+    node that writes the same first output is rewired too, for the inputs it reads by those names, unless an
+    update's value is computed from it there (then neither is rewired); a fused model whose node reads something
+    else there computes from another value than the original, and fails.
     Each rewired node is a copy (the model is not modified), its position in :attr:`_Side.rewired`."""
     fused = sides[1]
     members = {name for view in views for name in (*view.outputs, *view.fused_state.values(), *view.original_state.values())}
@@ -3077,12 +3078,34 @@ def _feed_update_readers(sides: tuple[_Side, _Side], views: Sequence[_UpdateView
         found.append((k, [name for name in reads if name in updated]))
     if not found:
         return [], ""
+    original = sides[0]
+    readers: dict[str, list[int]] = {}  # the original's readers of each value, made once when needed
+    for j, reads in enumerate(original.reads):
+        for name in reads:
+            readers.setdefault(name, []).append(j)
+
+    def feeds_an_update(j: int) -> bool:
+        # Whether the original's node j is part of an update: an update's value is computed from it (the
+        # original's delta = lr*buf_out is both a graph output and the step p_out subtracts).
+        stack, seen = [j], {j}
+        while stack:
+            for name in original.writes[stack.pop()]:
+                if name in members:
+                    return True
+                for reader in readers.get(name, ()):
+                    if reader not in seen:
+                        seen.add(reader)
+                        stack.append(reader)
+        return False
+
     fed: dict[str, str] = {}
     rewired_outputs: list[str] = []
     for k, names in found:
         first = fused.writes[k][0] if fused.writes[k] else ""
-        j = sides[0].producer.get(first) if first else None
-        for side, position in ((fused, k), (sides[0], j)):
+        j = original.producer.get(first) if first else None
+        if j is not None and feeds_an_update(j):
+            continue  # compared as before: the original computes it inside the update
+        for side, position in ((fused, k), (original, j)):
             if position is None:
                 continue
             node = side.nodes[position]
