@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["LR", "MOMENTUM", "DAMPENING", "SHAPES", "Exported", "loss_scaled", "clipped", "fp16_round_trip", "broadcast_first_step", "ALL"]
+__all__ = ["LR", "MOMENTUM", "DAMPENING", "SHAPES", "GUARD_FORMS", "Exported", "loss_scaled", "clipped", "fp16_round_trip", "broadcast_first_step", "ALL"]
 
 LR, MOMENTUM, DAMPENING = 0.1, 0.9, 0.25
 SHAPES = ((4, 3), (4, 3), (3,))

@@ -802,8 +802,8 @@ def _guard(index: GraphIndex, output: str) -> Guard | None:
     ``condition`` may be that boolean negated or broadcast (``Not(found_inf)``, ``Expand(finite, shape)``:
     :func:`sgdfuse.passes.linear.boolean_root`); the guard names the boolean itself, with ``skip_when``
     turned for a negation, so that the parameters' ``Where(Not(found_inf), p_new, p)`` and the buffer's
-    ``Where(found_inf, buf, buf_new)`` are one guard. ``old`` may be an exact copy of the state input
-    (``Identity``, a ``Cast`` to its own dtype: ``p.detach()``, ``p.clone()``)."""
+    ``Where(found_inf, buf, buf_new)`` are one guard. ``old`` may be an ``Identity`` copy of the state input
+    (``p.detach()``, ``p.clone()``)."""
     node = index.node(_skip_copies(index, output))
     if node is None or node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.input) != 3:
         return None
@@ -832,19 +832,15 @@ def _guard(index: GraphIndex, output: str) -> Guard | None:
 
 
 def _exact_copy_source(index: GraphIndex, value: str) -> str:
-    """The value that ``value`` copies exactly: followed back through ``Identity`` and through ``Cast`` /
-    ``CastLike`` to the dtype they read (no rounding), else ``value`` itself."""
+    """The value that ``value`` copies through ``Identity`` nodes (``p.detach()``), else ``value`` itself.
+    Only ``Identity``: the lowering's write-back of a guard (sgdfuse.lowering.state) and the verification's
+    in-place pairing (``sgdfuse.verify``) recognise a kept state through those."""
     seen = {value}
     while True:
         node = index.node(value)
-        if node is None or node.domain not in ("", "ai.onnx") or not node.input or node.op_type not in _COPY_OPS:
+        if node is None or node.domain not in ("", "ai.onnx") or node.op_type != "Identity" or not node.input or node.input[0] in seen:
             return value
-        source = node.input[0]
-        if node.op_type != "Identity" and index.spec(source).dtype != index.spec(value).dtype:
-            return value
-        if source in seen:
-            return value
-        value = source
+        value = node.input[0]
         seen.add(value)
 
 
