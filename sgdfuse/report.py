@@ -268,7 +268,9 @@ class FusedUpdate:
             ``plausibility``; see ``sgdfuse.passes.sgd_match.ROLE_EVIDENCE``), ``"onnx-momentum"`` for a converted
             ``Momentum`` node.
         guard: when the graph skips the update under a condition (``"skipped where found_inf is true"``): the
-            graph's ``Where(condition, old, new)`` outputs stay and read the fused node's outputs; "" otherwise.
+            graph's ``Where(condition, old, new)`` outputs stay and read the fused node's outputs; a guard on one
+            state says which (``"parameters skipped where found_inf is true (the buffer is updated on every
+            step)"``); "" otherwise.
         rounded: hyper-parameters the op's dtype rounds (only with rounding allowed): name → the graph's value;
             ``learning_rate`` and ``momentum`` above are then the values the op uses.
     """

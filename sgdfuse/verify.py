@@ -146,7 +146,7 @@ import logging
 import marshal
 import os
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -806,13 +806,28 @@ def _forward_buffer(value: str, readers: Sequence[onnx.NodeProto]) -> str:
     return value
 
 
-def _through_guard(value: str, state: str, readers: Sequence[onnx.NodeProto]) -> str:
+def _through_guard(
+    value: str, state: str, readers: Sequence[onnx.NodeProto], producer: Callable[[str], onnx.NodeProto | None] = lambda name: None
+) -> str:
     """What is written into ``state``: ``value``, or the guard ``Where(condition, state, value)`` (either
-    branch order) that selects it, as a guarded update's graph keeps it after the fused node (the device
-    writes the selection back; sgdfuse.lowering.state)."""
+    branch order; ``state`` possibly through ``Identity`` copies, ``p.detach()``, found by ``producer``) that
+    selects it, as a guarded update's graph keeps it after the fused node (the device writes the selection
+    back; sgdfuse.lowering.state)."""
     for node in readers:
-        if node.op_type == "Where" and len(node.input) == 3 and value in node.input[1:] and state in node.input[1:] and value != state:
-            return node.output[0]
+        if node.op_type == "Where" and len(node.input) == 3 and value in node.input[1:] and value != state:
+            if state in {_identity_source(branch, producer) for branch in node.input[1:]}:
+                return node.output[0]
+    return value
+
+
+def _identity_source(value: str, producer: Callable[[str], onnx.NodeProto | None]) -> str:
+    """The value ``value`` copies through ``Identity`` nodes (itself when it is none's output)."""
+    seen = {value}
+    node = producer(value)
+    while node is not None and node.op_type == "Identity" and node.input and node.input[0] not in seen:
+        value = node.input[0]
+        seen.add(value)
+        node = producer(value)
     return value
 
 
@@ -942,6 +957,10 @@ def _build_slices(
     graph_readers: dict[str, list[onnx.NodeProto]] = {}
     for name in replaced_values:
         graph_readers[name] = [graph_nodes[k] for k in index.consumers.get(name, ())]
+
+    def producer_of(name: str) -> onnx.NodeProto | None:
+        k = index.producer.get(name)
+        return None if k is None else graph_nodes[k]
     for plan in plans:
         match = plan.match
         sgd = plan.sgd_node
@@ -950,7 +969,7 @@ def _build_slices(
         fused_state = {}
         for target, role in targets.items():
             written = sgd.output[0] if role == "w" else _forward_buffer(sgd.output[1], plan.nodes)
-            fused_state[target] = _through_guard(written, target, graph_readers.get(written, ()))
+            fused_state[target] = _through_guard(written, target, graph_readers.get(written, ()), producer_of)
         matched = {match.parameters: match.parameters_out, match.accum: match.accum_out}
         # A guarded update's next state is its guard's selection on both sides.
         matched.update({state: output for state, output in fused_state.items() if output in index.producer and output not in replaced_values})
@@ -3015,8 +3034,8 @@ def _fused_views(side: _Side, graph_inputs: set[str]) -> list[_UpdateView]:
                     "input: the fused model cannot be run with its state fed back"
                 )
         buffer_out = _forward_buffer(node.output[1], readers.get(node.output[1], []))
-        parameters_out = _through_guard(node.output[0], parameters, readers.get(node.output[0], []))
-        buffer_out = _through_guard(buffer_out, accum, readers.get(buffer_out, []))
+        parameters_out = _through_guard(node.output[0], parameters, readers.get(node.output[0], []), producers.get)
+        buffer_out = _through_guard(buffer_out, accum, readers.get(buffer_out, []), producers.get)
         if details is None:
             attributes = read_sgd_attributes(node)
         else:

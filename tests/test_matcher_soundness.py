@@ -572,8 +572,10 @@ def test_a_float16_gradient_cast_up_to_float_parameters_is_the_gradient():
 
 
 @pytest.mark.parametrize("guarded", ["parameters", "buffer"])
-def test_a_guard_on_one_side_only_is_refused_as_a_guarded_update(guarded):
-    # The loss scaler skips the weights but the buffer still moves (or the other way round): not exact.
+def test_a_guard_on_one_side_only_fuses_and_keeps_that_side_alone(guarded):
+    # The loss scaler skips the weights but the buffer still moves (or the other way round): the fused node
+    # computes both updates, as the graph does, and the graph's one Where keeps that state (it was refused
+    # as guarded-update; the public hunt's case 2).
     nodes = [node("Mul", ["buf", "mom"], ["bm"]), node("Add", ["bm", "g"], ["bnew"]), node("Mul", ["bnew", "lr"], ["st"]),
              node("Sub", ["p", "st"], ["pnew"])]
     if guarded == "parameters":
@@ -582,10 +584,21 @@ def test_a_guard_on_one_side_only_is_refused_as_a_guarded_update(guarded):
         nodes += [node("Identity", ["pnew"], ["p_out"]), node("Where", ["skip", "buf", "bnew"], ["buf_out"])]
     original = model(nodes, [value("p"), value("g"), value("buf"), value("skip", T.BOOL, ())], [value("p_out"), value("buf_out")],
                      [const("mom", 0.9), const("lr", 0.1)])
+    result = fused_one(original)
+    assert result.report.fused[0].guard.startswith(f"{guarded} skipped where skip is true"), result.report.fused[0].guard
+    # feeds_for alternates the guard true/false over the steps: skipped and applied steps both checked.
+    assert_in_place_equal(original, result.model, {"p_out": "p", "buf_out": "buf"})
+
+
+def test_a_guard_keeping_another_tensor_than_its_state_is_refused():
+    # p_out = Where(skip, q, p_new): the skipped step writes q, not p's old value, into p.
+    nodes = [node("Mul", ["buf", "mom"], ["bm"]), node("Add", ["bm", "g"], ["bnew"]), node("Mul", ["bnew", "lr"], ["st"]),
+             node("Sub", ["p", "st"], ["pnew"]), node("Where", ["skip", "q", "pnew"], ["p_out"]), node("Identity", ["bnew"], ["buf_out"])]
+    original = model(nodes, [value("p"), value("g"), value("buf"), value("q"), value("skip", T.BOOL, ())], [value("p_out"), value("buf_out")],
+                     [const("mom", 0.9), const("lr", 0.1)])
     result = sgdfuse.optimize(original)
     assert not result.report.fused
-    assert {r.reason for r in result.report.refused} == {"guarded-update"}, result.report.refused
-    assert "skip" in result.report.refused[0].detail
+    assert any(r.reason == "parameters-not-own-previous" and "q" in r.detail for r in result.report.refused), result.report.refused
 
 
 def test_an_ema_buffer_with_a_runtime_momentum_fuses_with_its_own_scaled_gradient():

@@ -24,7 +24,7 @@ from sgdfuse.errors import GraphCycleError
 from sgdfuse.external_data import tensor_to_array
 from sgdfuse.passes.index import GraphIndex
 
-__all__ = ["Monomial", "Poly", "Form", "ONE", "Normaliser", "format_form", "format_poly"]
+__all__ = ["Monomial", "Poly", "Form", "ONE", "Normaliser", "boolean_root", "format_form", "format_poly"]
 
 ONE = ""
 """The leaf of the constant term: ``Add(v, 1.0)`` normalises to ``1·v + 1.0·ONE``."""
@@ -494,8 +494,11 @@ class Normaliser:
 
     # -- selections ----------------------------------------------------------------------------------
     def where_branches(self, value: str) -> tuple[str, str, str] | None:
-        """``(condition, if_true, if_false)`` when ``value`` is a ``Where`` whose condition is one boolean
-        (a step-counter test, say) and whose branches are float tensors of the value's dtype; else None.
+        """``(condition, if_true, if_false)``, the inputs of ``value``'s node, when ``value`` is a ``Where``
+        whose condition is one boolean (a step-counter test, say) or a broadcast of one (``Expand``,
+        ``Reshape``, ``Unsqueeze``, ``Not``: :func:`boolean_root`), and whose branches are float tensors of the
+        value's dtype; else None. The condition is the ``Where``'s own input (what a rewrite or a verification
+        slice reads), not its root.
 
         Such a selection is linear within each branch, which is how a first-step rule is matched.
         """
@@ -503,8 +506,7 @@ class Normaliser:
         if node is None or node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.input) != 3:
             return None
         condition, if_true, if_false = node.input
-        spec = self.index.spec(condition)
-        if spec.dtype != onnx.TensorProto.BOOL or spec.num_elements() != 1:
+        if boolean_root(self.index, condition) is None:
             return None
         dtype = self.index.spec(value).dtype
         if self.index.spec(if_true).dtype != dtype or self.index.spec(if_false).dtype != dtype:
@@ -630,6 +632,48 @@ class _BranchNormaliser(Normaliser):
 
     def _form_from_operands(self, value: str) -> Form:
         return self.outer.form(value) if self._is_outer(value) else super()._form_from_operands(value)
+
+
+_BOOLEAN_COPIES = frozenset({"Identity", "Not", "Expand", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Cast", "CastLike"})
+"""Ops through which :func:`boolean_root` follows a boolean: copies, broadcasts and reshapes keep every
+element's value the one of the value they read; ``Not`` negates it."""
+
+
+def boolean_root(index: GraphIndex, condition: str) -> tuple[str, bool] | None:
+    """``(root, negated)`` when the BOOL value ``condition`` holds one boolean ``root`` of one element in every
+    element, negated when ``negated``: ``condition`` is ``root`` itself, or ``root`` through ``Identity``,
+    ``Not``, ``Expand``/``Reshape``/``Unsqueeze``/``Squeeze``/``Flatten`` and BOOL-to-BOOL ``Cast``/``CastLike``
+    (a loss scaler's ``Not(found_inf)``, JAX's ``jnp.where`` broadcasting its scalar predicate). None when
+    ``condition`` is not BOOL or its root has several elements (a per-element mask) or an unknown shape.
+
+    The root is the value nearest ``condition`` that has one element, so that two conditions written apart
+    (``Not(found_inf)`` once per parameter) compare equal by their roots."""
+    if index.spec(condition).dtype != onnx.TensorProto.BOOL:
+        return None
+    negated, value, seen = False, condition, {condition}
+    while index.spec(value).num_elements() != 1:
+        node = index.node(value)
+        if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in _BOOLEAN_COPIES or not node.input:
+            return None
+        source = node.input[0]
+        if index.spec(source).dtype != onnx.TensorProto.BOOL or source in seen:
+            return None
+        negated ^= node.op_type == "Not"
+        value = source
+        seen.add(value)
+    # One element: follow the negations and copies of one element too, so that Not(c) and c are one guard.
+    while True:
+        node = index.node(value)
+        if node is None or node.domain not in ("", "ai.onnx") or node.op_type not in _BOOLEAN_COPIES or not node.input:
+            break
+        source = node.input[0]
+        spec = index.spec(source)
+        if spec.dtype != onnx.TensorProto.BOOL or spec.num_elements() != 1 or source in seen:
+            break
+        negated ^= node.op_type == "Not"
+        value = source
+        seen.add(value)
+    return value, negated
 
 
 def _symbols_of(polys: Iterable[Poly]) -> set[str]:

@@ -35,7 +35,7 @@ from sgdfuse.contract import TensorSpec, check_attributes, dtype_name, format_sh
 from sgdfuse.errors import ContractError, RolePinError
 from sgdfuse.passes.classes import find_by_class
 from sgdfuse.passes.index import GraphIndex
-from sgdfuse.passes.linear import LINEAR_OPS, ONE, Form, Normaliser, Poly, add_forms, format_form, format_poly, scale_form
+from sgdfuse.passes.linear import LINEAR_OPS, ONE, Form, Normaliser, Poly, add_forms, boolean_root, format_form, format_poly, scale_form
 from sgdfuse.passes.precision import FLOAT_DTYPES, SPACINGS, Precision, round_to_dtype, working_precision
 
 __all__ = ["Match", "Miss", "FirstStep", "Guard", "RolePins", "REASONS", "ROLE_EVIDENCE", "find_updates", "guarded_outputs", "previous_by_name"]
@@ -418,6 +418,8 @@ class Guard:
     Attributes:
         output: the graph output; new: the updated value it selects; old: the state input it keeps.
         condition: a boolean of one element; skip_when: the condition's value that keeps ``old``.
+        only: on a match, ``"parameters"`` or ``"buffer"`` when the guard keeps that state alone and the
+            graph writes the other one's update on every step; ``""`` when it keeps both.
     """
 
     output: str
@@ -425,10 +427,16 @@ class Guard:
     old: str
     condition: str
     skip_when: bool
+    only: str = ""
 
     def describe(self) -> str:
-        """``"skipped where found_inf is true"``."""
-        return f"skipped where {self.condition} is {'true' if self.skip_when else 'false'}"
+        """``"skipped where found_inf is true"``; for a guard on one state, ``"parameters skipped where
+        found_inf is true (the buffer is updated on every step)"``."""
+        text = f"skipped where {self.condition} is {'true' if self.skip_when else 'false'}"
+        if self.only:
+            other = "buffer" if self.only == "parameters" else "parameters"
+            text = f"{self.only} {text} (the {other} {'is' if other == 'buffer' else 'are'} updated on every step)"
+        return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,7 +496,9 @@ def find_updates(
     guard_outputs = {g.output for g in guards.values()} | set(guards)
     # An unguarded output met by a one-sided guard is reported there, not again as an update without a buffer.
     involved = {name for miss in guarded_misses if miss.reason == "guarded-update" for name in (miss.candidate, miss.buffer) if name}
-    misses = [miss for miss in misses if miss.candidate not in guard_outputs and miss.candidate not in involved] + guarded_misses
+    # The unguarded state output of an update fused with a guard on its other state is that update's.
+    involved |= {canonical.get(name, name) for match in guarded_matches for name in _outputs_of(match)}
+    misses = [miss for miss in misses if miss.candidate not in guard_outputs and miss.candidate not in involved and canonical.get(miss.candidate) not in involved] + guarded_misses
     combined, shared = _one_writer(matches + guarded_matches)
     return combined, misses + shared
 
@@ -787,7 +797,13 @@ def guarded_outputs(index: GraphIndex) -> dict[str, Guard]:
 
 def _guard(index: GraphIndex, output: str) -> Guard | None:
     """``output = Where(condition, old, new)`` with ``condition`` one boolean and ``old`` a state input of
-    ``output``'s shape and dtype (either branch): a guarded update, else None."""
+    ``output``'s shape and dtype (either branch): a guarded update, else None.
+
+    ``condition`` may be that boolean negated or broadcast (``Not(found_inf)``, ``Expand(finite, shape)``:
+    :func:`sgdfuse.passes.linear.boolean_root`); the guard names the boolean itself, with ``skip_when``
+    turned for a negation, so that the parameters' ``Where(Not(found_inf), p_new, p)`` and the buffer's
+    ``Where(found_inf, buf, buf_new)`` are one guard. ``old`` may be an ``Identity`` copy of the state input
+    (``p.detach()``, ``p.clone()``)."""
     node = index.node(_skip_copies(index, output))
     if node is None or node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.input) != 3:
         return None
@@ -796,11 +812,13 @@ def _guard(index: GraphIndex, output: str) -> Guard | None:
         # the first step's buf = Where(first, g, m*buf + (1-d)*g) that the parameter update reads.
         return None
     condition, if_true, if_false = node.input
-    spec = index.spec(condition)
-    if spec.dtype != onnx.TensorProto.BOOL or spec.num_elements() != 1:
+    root = boolean_root(index, condition)
+    if root is None:
         return None
+    condition, negated = root
     out_spec = index.spec(output)
-    for old, new, skip_when in ((if_true, if_false, True), (if_false, if_true, False)):
+    for old_value, new, skip_when in ((if_true, if_false, True), (if_false, if_true, False)):
+        old = _exact_copy_source(index, old_value)
         old_spec = index.spec(old)
         if (
             index.is_input_name(old)
@@ -809,8 +827,21 @@ def _guard(index: GraphIndex, output: str) -> Guard | None:
             and _same_shape(old_spec, out_spec)
             and index.spec(new).dtype == out_spec.dtype
         ):
-            return Guard(output, new, old, condition, skip_when)
+            return Guard(output, new, old, condition, skip_when != negated)
     return None
+
+
+def _exact_copy_source(index: GraphIndex, value: str) -> str:
+    """The value that ``value`` copies through ``Identity`` nodes (``p.detach()``), else ``value`` itself.
+    Only ``Identity``: the lowering's write-back of a guard (sgdfuse.lowering.state) and the verification's
+    in-place pairing (``sgdfuse.verify``) recognise a kept state through those."""
+    seen = {value}
+    while True:
+        node = index.node(value)
+        if node is None or node.domain not in ("", "ai.onnx") or node.op_type != "Identity" or not node.input or node.input[0] in seen:
+            return value
+        value = node.input[0]
+        seen.add(value)
 
 
 def _hidden_update(index: GraphIndex, normaliser: Normaliser, output: str) -> Miss | None:
@@ -886,9 +917,12 @@ def _read_only_by_copies(index: GraphIndex, value: str) -> bool:
 
 
 def _check_guards(matches: list[Match], guards: dict[str, Guard]) -> tuple[list[Match], list[Miss]]:
-    """Keep a guarded match only when its parameters and its buffer are guarded alike, each keeping its own
-    old value: then the graph's Where nodes, left reading the fused node's outputs, skip the whole update
-    (the op's stat output is not used, so stat is unchanged too). Anything else is ``guarded-update``."""
+    """Keep a guarded match when its parameters and its buffer are guarded alike, each keeping its own old
+    value: then the graph's Where nodes, left reading the fused node's outputs, skip the whole update (the
+    op's stat output is not used, so stat is unchanged too). Keep it too when one guard keeps one state and
+    the graph writes the other's update on every step (the weights frozen while the buffer moves): the fused
+    node computes both updates, as the graph does, and the one Where, left reading its output, keeps that
+    state as the graph does. Anything else is ``guarded-update``."""
     kept: list[Match] = []
     misses: list[Miss] = []
     for match in matches:
@@ -898,8 +932,11 @@ def _check_guards(matches: list[Match], guards: dict[str, Guard]) -> tuple[list[
             continue
         problem, bare = "", ""
         if gw is None or gv is None:
-            guarded, bare = (match.parameters_out, match.accum_out) if gw is not None else (match.accum_out, match.parameters_out)
-            problem = f"{guarded} is selected by a guard but {bare} is not: a skipped step would still move one of them"
+            one, state = (gw, match.parameters) if gw is not None else (gv, match.accum)
+            if one.old == state:
+                kept.append(dataclasses.replace(match, guard=dataclasses.replace(one, only="parameters" if gw is not None else "buffer")))
+                continue
+            problem = f"the guard {one.output} keeps {one.old}, not the update's own state {state}"
         elif (gw.condition, gw.skip_when) != (gv.condition, gv.skip_when):
             problem = f"the parameters are {gw.describe()}, the buffer {gv.describe()}: one guard must skip both"
         elif (gw.old, gv.old) != (match.parameters, match.accum):
@@ -1091,6 +1128,9 @@ def _solve_selection(
                     "boolean whose branches compute the buffer elementwise.",
                     score=2,
                 )
+            per_element = _per_element_selection(index, w, v, source_node, pins)
+            if per_element is not None:
+                return per_element
             return _solve_pair(index, normaliser, w, v, form_w, normaliser.form(v), rel, None)
         condition, form_true, form_false, _ = selected
     best: Miss | None = None
@@ -1103,6 +1143,34 @@ def _solve_selection(
             best = result
     assert best is not None
     return best
+
+
+def _per_element_selection(index: GraphIndex, w: str, v: str, node: onnx.NodeProto | None, pins: RolePins) -> Miss | None:
+    """Why the buffer ``v`` is not read when it is ``Where(mask, a, b)`` on a boolean of several elements that
+    is no broadcast of one (:func:`sgdfuse.passes.linear.boolean_root`): a first step, or a skip, chosen per
+    element (``guarded-update`` when a branch is the buffer ``v``'s name says it replaces). Else None."""
+    if node is None or node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.input) != 3:
+        return None
+    condition = node.input[0]
+    spec = index.spec(condition)
+    if spec.dtype != onnx.TensorProto.BOOL or boolean_root(index, condition) is not None:
+        return None
+    count = spec.num_elements()
+    elements = f"{count} elements" if count is not None else "an unknown number of elements"
+    branches = node.input[1:]
+    previous = _previous_by_name(index, v, pins)
+    skip = previous is not None and previous in {_exact_copy_source(index, b) for b in branches}
+    return Miss(
+        w,
+        "guarded-update" if skip else "first-step-unsupported",
+        f"the buffer {v} = Where({condition}, {', '.join(branches)}) selects per element: its condition {condition} has "
+        f"{elements} and is no broadcast of one boolean, so {'some elements skip the step' if skip else 'some elements take the first-step rule'} "
+        "and others do not. sgdfuse fuses a first step or a skipped step selected by one boolean for the whole "
+        "tensor (the step counter's test, found_inf; also negated, or broadcast with Expand, Reshape or "
+        "Unsqueeze), whose verification runs both branches; compute the condition once for the tensor "
+        "(step == 0, not per element) to fuse it.",
+        score=2,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1415,6 +1483,14 @@ def _solve_roles(
         # Cast of a FLOAT16 gradient) is no news about the update.
         if best is None or (result.score > best.score and result.reason not in ("mixed-precision", "dtype-mismatch")):
             best = result
+    if chosen is None:
+        # No reading with the graph's own hyper-parameters or with a value holding the whole term fits. A
+        # value holding a constant part of the term (the clipped g*clip_coef inside (1 - d)*g*clip_coef) is
+        # the gradient with that part as dampening: the one a first step without dampening needs.
+        for g, k, absorbs_decay in _scaled_readings(normaliser, v, rest_v, vp, p, a, rel.precision, readings):
+            result = _try_reading(index, normaliser, solved, g, k, Poly.const(0) if absorbs_decay else vp, rel, absorbs_decay)
+            if isinstance(result, Match) and (chosen is None or _reading_cost(result) < _reading_cost(chosen)):
+                chosen = result
     if chosen is not None and _cancellation_gain(chosen) > MAX_CANCELLATION_GAIN:
         return Miss(
             w,
@@ -1858,6 +1934,29 @@ def _gradient_readings(
     return readings + more
 
 
+def _scaled_readings(
+    normaliser: Normaliser, v: str, rest: Form, vp: Poly, p: str, a: str, precision: Precision, tried: list[tuple[str, Poly, bool]]
+) -> list[tuple[str, Poly, bool]]:
+    """The readings :func:`_gradient_readings` leaves out: values of ``v``'s cone that compute a constant
+    multiple ``rest = k·form(g)`` of the gradient term with ``k`` neither 1 nor -1, so that ``1 - d = |k|``
+    (``g*clip_coef`` in ``0.9*buf + 0.75*g*clip_coef``). Tried only when no other reading fits: such a
+    reading says no more than the value that holds the whole term, unless a first step tells them apart."""
+    seen = {g for g, _, _ in tried} | {v, a, p, ONE}
+    targets = [(rest, False)] + ([(add_forms(rest, {p: vp}), True)] if not vp.is_zero else [])
+    _, values = normaliser.cone(v)
+    found: list[tuple[str, Poly, bool]] = []
+    for value in sorted(values - seen):
+        if normaliser.index.spec(value).dtype not in FLOAT_DTYPES:
+            continue
+        form = normaliser.form(value)
+        for target, absorbs in targets:
+            k = _proportional(target, form, precision)
+            if k is not None and k.is_constant and abs(k.constant_value) not in (0.0, 1.0):
+                found.append((value, k, absorbs))
+    found.sort(key=lambda r: r[2])
+    return found
+
+
 def _poly_ratio(a: Poly, b: Poly) -> Poly | None:
     """``q`` with ``a = q·b`` exactly for a monomial ``q`` (``-0.1 + 0.1·m`` over ``1 - m`` is ``-0.1``), or
     None: the ratio of two sums of terms, where :meth:`Poly.inverse` has none."""
@@ -2118,6 +2217,26 @@ def _origin_problem(index: GraphIndex, value: str, limit: int = 10_000) -> str |
     return None
 
 
+def _reached_without(index: GraphIndex, root: str, values: set[str], stop: str) -> set[str]:
+    """The values among ``values`` (a cone of ``root``) that ``root`` reads without passing through ``stop``:
+    what the fused update computes itself when ``stop`` (its gradient) is one of its inputs."""
+    if stop not in values or stop == root:
+        return values
+    reached: set[str] = set()
+    stack = [root]
+    while stack:
+        value = stack.pop()
+        if value in reached or value not in values:
+            continue
+        reached.add(value)
+        if value == stop:
+            continue
+        k = index.producer.get(value)
+        if k is not None:
+            stack.extend(name for name in index.graph.node[k].input if name)
+    return reached
+
+
 def _typing_problem(
     index: GraphIndex, normaliser: Normaliser, w: str, v: str, p: str, a: str, g: str
 ) -> Miss | None:
@@ -2162,6 +2281,13 @@ def _typing_problem(
     # a rounding midway, so only each cone's own root is exempt.
     for root in (w, v):
         _, values = normaliser.cone(root)
+        # The gradient is the op's input: how the graph computes it (a FLOAT gradient round-tripped through
+        # FLOAT16, a compressed gradient) is kept as it is, not fused; only what the update reads besides it
+        # must be in one precision. Unless the update also reads what the gradient is computed from another
+        # way: forms read a rounding Cast as a copy, so 0.5*round(g0) + 0.5*g0 would read as round(g0).
+        outside = _reached_without(index, root, values, g)
+        if not outside & (set(normaliser.form(g)) - {ONE}):
+            values = outside
         for value in sorted(values):
             spec = index.spec(value)
             if value in (p, g, a, root) or value == ONE or spec.num_elements() == 1 or index.producer.get(value) is None:
