@@ -114,6 +114,15 @@ def test_momentum_zero_is_refused_as_no_momentum_buffer():
     assert _names(refusal.detail, "p_out"), refusal.detail
 
 
+def test_a_learning_rate_of_zero_is_refused_saying_so():
+    # p_out = p - 0*buf_out folds to p_out = p: the refusal was on buf_out as "reads no momentum buffer
+    # (momentum 0 or absent)", about the buffer itself (a wrong-numbers trial's finding).
+    refusal = _refusal(momentum_sgd(lr=0.0), candidate="buf_out")
+    assert refusal.reason == "no-momentum-buffer", refusal
+    assert "learning rate of 0" in refusal.detail and _names(refusal.detail, "p_out") and _names(refusal.detail, "p"), refusal.detail
+    assert "momentum 0 or absent" not in refusal.detail
+
+
 def test_parameter_update_that_reads_the_old_buffer_is_refused():
     # buf_out = m*buf + g is computed, but p_out = p - lr*buf reads the *old* buffer: not momentum SGD.
     model = _momentum_step(

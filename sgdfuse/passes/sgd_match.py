@@ -737,7 +737,10 @@ def _find(
                 if v != w and v not in buffers and canonical[v] != canonical[w] and set(normaliser.form(v)) - {ONE} <= leaves_w:
                     buffers.append(v)
         if not buffers:
-            misses.append(_no_buffer_miss(index, w, form_w, outputs_by_canonical))
+            miss = _no_buffer_miss(index, w, form_w, outputs_by_canonical)
+            if miss.reason == "no-momentum-buffer":
+                miss = _frozen_parameters_miss(index, normaliser, w, canonical) or miss
+            misses.append(miss)
             continue
         best: Miss | None = None
         found: Match | None = None
@@ -1056,6 +1059,43 @@ def _no_buffer_miss(index: GraphIndex, w: str, form_w: Form, outputs_by_canonica
         equation=f"{w} = {format_form(form_w, order)}",
         score=0,
     )
+
+
+def _frozen_parameters_miss(index: GraphIndex, normaliser: Normaliser, v: str, canonical: dict[str, str]) -> Miss | None:
+    """The refusal of a buffer-like update ``v`` that another graph output reads only to leave a state input
+    unchanged (``w_out = w - 0*v``: a learning rate of 0 folded away), None when no output does: the update
+    then has no parameters to write, which the SGD operator always does, and the message says why rather
+    than that ``v`` reads no buffer."""
+    # The graph outputs computed from v, a few nodes on at most (a step of lr*v and a subtraction).
+    reached: list[str] = []
+    stack, seen = [v], {v}
+    while stack and len(seen) <= 16:
+        for k in index.consumers.get(stack.pop(), ()):
+            for name in index.nodes[k][3]:
+                if name and name not in seen:
+                    seen.add(name)
+                    stack.append(name)
+                    if index.is_output_name(name) and name in canonical:
+                        reached.append(name)
+    for o in reached:
+        form = normaliser.form(o)
+        if len(form) != 1:
+            continue
+        (state, coefficient), = form.items()
+        if state == ONE or not index.is_input_name(state) or not coefficient.is_constant or coefficient.terms.get((), 0.0) != 1.0:
+            continue
+        if canonical[v] not in normaliser.cone(o)[1]:
+            continue
+        return Miss(
+            v,
+            "no-momentum-buffer",
+            f"{o} = {state}: the graph reads {v} to update {state} but multiplies it by 0 (a learning rate of 0), so "
+            f"the parameters never change and {v} = {format_form(normaliser.form(v), [])} is a buffer update with no "
+            "parameter update to fuse it with: left as it is. With a learning rate other than 0 it fuses.",
+            equation=f"{o} = {state}",
+            score=1,
+        )
+    return None
 
 
 def _looks_like_update(index: GraphIndex, w: str, form_w: Form) -> bool:
