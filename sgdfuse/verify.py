@@ -3128,13 +3128,13 @@ def _feed_update_readers(sides: tuple[_Side, _Side], views: Sequence[_UpdateView
             if position is None:
                 continue
             node = side.nodes[position]
-            if not any(name in names for name in node.input):
+            if not any(name in names for name in side.reads[position]):
                 continue
             copy = onnx.NodeProto()
             copy.CopyFrom(node)
-            for slot, name in enumerate(copy.input):
-                if name in names:
-                    copy.input[slot] = fed.setdefault(name, UPDATE_FEED_PREFIX + name)
+            for name in names:
+                fed.setdefault(name, UPDATE_FEED_PREFIX + name)
+            _rename_reads(copy, {name: fed[name] for name in names})
             side.nodes[position] = copy
             side.reads[position] = [fed.get(name, name) for name in side.reads[position]]
             side.rewired.add(position)
@@ -3149,6 +3149,22 @@ def _feed_update_readers(sides: tuple[_Side, _Side], views: Sequence[_UpdateView
     note = (f"{shown} read the new value of an update (the models compute it within the update's bound, not identically): "
             "checked from the same fed value of it on both sides, which must give identical numbers")
     return list(fed.values()), note
+
+
+def _rename_reads(node: onnx.NodeProto, renames: Mapping[str, str]) -> None:
+    """Make ``node`` read ``renames[name]`` wherever it reads ``name``: its inputs, and the outer-scope references
+    of its subgraphs (an ``If`` branch that logs ``ReduceSumSquare(w_out)`` reads ``w_out`` from the enclosing
+    graph, not through an input), except where a subgraph defines that name itself."""
+    for slot, name in enumerate(node.input):
+        if name in renames:
+            node.input[slot] = renames[name]
+    for attribute in node.attribute:
+        for sub in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs):
+            defined = {i.name for i in sub.input} | {t.name for t in sub.initializer} | {o for n in sub.node for o in n.output}
+            inner = {name: new for name, new in renames.items() if name not in defined}
+            if inner:
+                for child in sub.node:
+                    _rename_reads(child, inner)
 
 
 def _probe_original_gradients(side: _Side, views: Sequence[_UpdateView]) -> None:

@@ -126,3 +126,57 @@ def test_the_update_itself_a_little_off_still_fails_with_readers_fed():
 
     check = check_models(original, _edit(fused, lr_up))
     assert not check.passed and not _entry(check, "w_out")["passed"]
+
+
+def _step_logging_in_an_if() -> onnx.ModelProto:
+    """The step of :func:`_step` with its norm logged inside an ``If`` (on the steps a condition computed from the
+    gradient selects; here every step) and no mean: the branch reads ``w_out`` from the enclosing graph, not
+    through an input."""
+    model = _step()
+    graph = model.graph
+    graph.node.remove(_node(graph, "w_norm2"))
+    graph.node.remove(_node(graph, "w_mean"))  # the If alone reads the new weights
+    graph.output.remove(next(o for o in graph.output if o.name == "w_mean"))
+    then_branch = helper.make_graph([helper.make_node("ReduceSumSquare", ["w_out"], ["logged"], keepdims=0)], "then", [],
+                                    [_vi("logged", [])])
+    else_branch = helper.make_graph([helper.make_node("Identity", ["zero"], ["skipped"])], "else", [], [_vi("skipped", [])])
+    graph.node.extend([
+        helper.make_node("ReduceSum", ["g"], ["g_sum"], keepdims=0),
+        helper.make_node("Greater", ["g_sum", "low"], ["log_now"]),
+        helper.make_node("If", ["log_now"], ["w_norm2"], then_branch=then_branch, else_branch=else_branch),
+    ])
+    graph.initializer.extend([numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+                              numpy_helper.from_array(np.array(-1e30, np.float32), "low")])
+    return model
+
+
+def test_a_norm_logged_inside_an_if_branch_is_fed_too():
+    # The branch reads w_out as an outer-scope name: the reader was found (and the note said it was fed) but
+    # only the node's inputs were renamed, so the branch read each side's own w_out and the norm was compared
+    # exactly against the update's rounding: "the models disagree" (2.4e-4 of 2165) for a correct fusion.
+    original = _step_logging_in_an_if()
+    result = sgdfuse.optimize(original)
+    assert [u.parameters for u in result.report.fused] == ["w"]
+    check = check_models(original, result.model)
+    assert check.passed, [e["message"] for e in check.outputs + check.in_place if not e["passed"]]
+    assert _entry(check, "w_norm2")["max_abs_error"] == 0.0
+
+
+def _branch_reads_old_weights(graph):
+    branch = next(a.g for a in _node(graph, "w_norm2").attribute if a.name == "then_branch")
+    branch.node[0].input[0] = "w"
+
+
+def _branch_scaled(graph):
+    branch = next(a.g for a in _node(graph, "w_norm2").attribute if a.name == "then_branch")
+    branch.node[0].output[0] = "raw"
+    branch.node.append(helper.make_node("Mul", ["raw", "almost_one"], ["logged"]))
+    graph.initializer.append(numpy_helper.from_array(np.array(1 + 2.0**-20, np.float32), "almost_one"))
+
+
+@pytest.mark.parametrize("edit", [_branch_reads_old_weights, _branch_scaled], ids=["reads-old-weights", "scaled"])
+def test_a_norm_logged_inside_an_if_branch_edited_in_the_fused_model_fails(edit):
+    original = _step_logging_in_an_if()
+    check = check_models(original, _edit(sgdfuse.optimize(original).model, edit))
+    assert not check.passed and not _entry(check, "w_norm2")["passed"]
+    assert _entry(check, "w_out")["passed"]

@@ -312,3 +312,37 @@ def test_an_output_that_a_degenerate_feed_leaves_to_rounding_gets_a_bound_as_wid
     assert float(session.loose("energy", degenerate)) >= spread
     plain = session.run(["energy"], {**feeds, "x": rng.standard_normal((8, 2, 1, 1)).astype(np.float32)})["energy"]
     assert float(session.loose("energy", plain)) < 1e-3 * float(plain)  # a well-conditioned value keeps a tight bound
+
+
+def test_gelu_tanh_in_the_lifted_run_uses_the_onnx_function_body_constants():
+    # onnxruntime 1.32 has no DOUBLE Gelu kernel and runs ONNX's function body, whose sqrt(2/pi) and 0.044715 are
+    # FLOAT Constants CastLike'd to the input. The executor's exact DOUBLE constants differed from it by ~2.5e-9
+    # of |x| + 1, above DOUBLE's tolerance (2^-30): every step with a GPT-2 style Gelu(approximate="tanh") failed
+    # lower's check ("output loss: double ... exceeds the bound").
+    from sgdfuse.lowering.executor import Op
+    from sgdfuse.lowering.kernels_nn import _gelu
+
+    x = np.random.default_rng(0).standard_normal(4096) * 2
+    body = (0.5 * x) * (1 + np.tanh(np.sqrt(np.float64(np.float32(0.63661975))) * (x + np.float64(np.float32(0.044715)) * x**3)))
+    op = Op(name="gelu", type="GeluV2", inputs=[None], controls=[], attrs={"approximate": "tanh"},
+            output_dtypes=[np.dtype(np.float64)], output_shapes=[[4096]], position=0)
+    got = _gelu(op, [x])[0]
+    assert np.max(np.abs(got - body) / (np.abs(x) + 1)) < 2.0**-45
+
+    f = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Gelu", ["x"], ["y"], approximate="tanh"),
+        helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+        helper.make_node("Transpose", ["y"], ["yt"], perm=[1, 0]),
+        helper.make_node("MatMul", ["yt", "x"], ["g"]),
+        helper.make_node("Mul", ["buf", "m"], ["kept"]),
+        helper.make_node("Add", ["kept", "g"], ["buf_out"]),
+        helper.make_node("Mul", ["buf_out", "lr"], ["step"]),
+        helper.make_node("Sub", ["w", "step"], ["w_out"]),
+    ]
+    graph = helper.make_graph(nodes, "step", [_vi("x", f, [8, 16]), _vi("w", f, [16, 16]), _vi("buf", f, [16, 16])],
+                              [_vi("loss", f, []), _vi("w_out", f, [16, 16]), _vi("buf_out", f, [16, 16])],
+                              [_constant("m", 0.9, f), _constant("lr", 0.05, f)])
+    fused = _fused(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=9))
+    check = verify_lowering(fused, lower(fused, soc=SOC, optimise=False))
+    assert check.passed, check.message

@@ -55,10 +55,18 @@ def erf(x: np.ndarray) -> np.ndarray:
     return np.asarray(_erf(x.astype(np.float64)), dtype=np.float64).astype(x.dtype)
 
 
+_GELU_TWO_OVER_PI = np.float32(0.63661975)
+_GELU_C0 = np.float32(0.044715)
+"""The constants of ONNX's ``Gelu`` (opset 20) ``approximate="tanh"`` function body: FLOAT ``Constant``s that
+the body ``CastLike``s to the input's dtype, then ``Sqrt(TwoOverPi)``. onnxruntime 1.32 has no DOUBLE ``Gelu``
+kernel and runs that body, so in a lifted DOUBLE run its ``sqrt(2/pi)`` and ``0.044715`` are these FLOAT values
+widened: the exact DOUBLE constants differed from it by ~2.5e-9 of ``|x| + 1``, above DOUBLE's tolerance."""
+
+
 def _gelu(op: Op, inputs: list) -> list:
     x = _wide(inputs[0])
     if op.attrs.get("approximate", "none") == "tanh":
-        inner = np.sqrt(2.0 / np.pi).astype(x.dtype) * (x + np.asarray(0.044715, x.dtype) * x * x * x)
+        inner = np.sqrt(_GELU_TWO_OVER_PI.astype(x.dtype)) * (x + _GELU_C0.astype(x.dtype) * x * x * x)
         return [_out(op, np.asarray(0.5, x.dtype) * x * (1 + np.tanh(inner)))]
     return [_out(op, np.asarray(0.5, x.dtype) * x * (1 + erf(x / np.sqrt(np.asarray(2.0, x.dtype)))))]
 
