@@ -346,3 +346,48 @@ def test_gelu_tanh_in_the_lifted_run_uses_the_onnx_function_body_constants():
     fused = _fused(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=9))
     check = verify_lowering(fused, lower(fused, soc=SOC, optimise=False))
     assert check.passed, check.message
+
+
+def _layer_norm_step() -> onnx.ModelProto:
+    """``y = LayerNorm(x; gamma, beta)`` over the last axis, ``g = y * dy``, and the update of ``gamma`` by the
+    batch sum of ``g`` (m 0.9, lr 0.1), with ``y`` an output."""
+    f = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["y"], axis=-1, epsilon=1e-5),
+        helper.make_node("Mul", ["y", "dy"], ["gy"]),
+        helper.make_node("ReduceSum", ["gy", "axis0"], ["g"], keepdims=0),
+        helper.make_node("Mul", ["buf", "m"], ["kept"]),
+        helper.make_node("Add", ["kept", "g"], ["buf_out"]),
+        helper.make_node("Mul", ["buf_out", "lr"], ["step"]),
+        helper.make_node("Sub", ["gamma", "step"], ["gamma_out"]),
+    ]
+    inputs = [_vi("x", f, [5, 4]), _vi("dy", f, [5, 4]), _vi("gamma", f, [4]), _vi("beta", f, [4]), _vi("buf", f, [4])]
+    outputs = [_vi("gamma_out", f, [4]), _vi("buf_out", f, [4]), _vi("y", f, [5, 4])]
+    constants = [_constant("m", 0.9, f), _constant("lr", 0.1, f), onnx.numpy_helper.from_array(np.array([0], np.int64), "axis0")]
+    graph = helper.make_graph(nodes, "step", inputs, outputs, constants)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def _set_layer_norm_params_axis(lowered) -> None:
+    [op] = [op for op in lowered.graph.op if op.type == "LayerNorm"]
+    op.attr["begin_params_axis"].i = 0
+
+
+def _set_an_output_shape(lowered) -> None:
+    [op] = [op for op in lowered.graph.op if op.type == "LayerNorm"]
+    op.output_desc[0].shape.dim[0] = 6
+
+
+@pytest.mark.parametrize("edit", [_set_layer_norm_params_axis, _set_an_output_shape], ids=["begin_params_axis", "output-descriptor"])
+def test_a_ge_graph_that_contradicts_itself_fails_as_wrong_not_as_unverifiable(edit):
+    # A LayerNorm's begin_params_axis the executor never read (an edit 1 -> 0 passed), and a descriptor that its
+    # op's result contradicts, which "cannot verify ...; pass --no-verify to write it unchecked" advised writing
+    # anyway (a bug-report hunt's findings): both are graphs that fail or compute otherwise on the device.
+    fused = _fused(_layer_norm_step())
+    lowered = lower(fused, soc=SOC, optimise=False)
+    check = verify_lowering(fused, lowered)
+    assert check.passed, check.message
+    edit(lowered)
+    check = verify_lowering(fused, lowered)
+    assert not check.passed
+    assert "contradicts itself" in check.message and "--no-verify" not in check.message, check.message

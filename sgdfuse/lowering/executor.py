@@ -49,7 +49,14 @@ WRITERS = frozenset({"SGD", "Assign"})
 
 class ExecutorError(SgdfuseError):
     """The executor cannot run a graph: unknown op types, missing feeds, an uninitialised variable, or an
-    op result that contradicts its descriptor."""
+    op result that contradicts its descriptor (:class:`GraphContradictionError`)."""
+
+
+class GraphContradictionError(ExecutorError):
+    """The GE graph contradicts itself: an op's result has another dtype or shape than its output descriptor
+    says, its operands do not fit its own attributes, an ``Assign`` changes a variable's shape, or an op returns
+    a view its aliasing rules say it does not. On the device such a graph fails or computes something else, so
+    it is a wrong graph (a bug of the lowering that made it), not a graph the executor cannot run."""
 
 
 _GE_TO_ONNX = {ge: onnx for onnx, ge in ge_ir.ONNX_TO_GE_DTYPE.items()}
@@ -278,7 +285,7 @@ class GEExecutor:
         value = np.asarray(value)
         if isinstance(ref, _Uninitialised) or ref.shape != value.shape:
             if op.attrs.get("validate_shape") and not isinstance(ref, _Uninitialised):
-                raise ExecutorError(f"Assign {op.name}: shape {value.shape} differs from variable {name} {ref.shape}")
+                raise GraphContradictionError(f"Assign {op.name}: shape {value.shape} differs from variable {name} {ref.shape}")
             self.variables[name] = np.array(value, copy=True)
         else:
             ref[...] = value
@@ -298,7 +305,7 @@ def _check_alias(op: Op, ops: Mapping[str, Op], inputs: list, outputs: list) -> 
         return
     for value in outputs:
         if isinstance(value, np.ndarray) and any(np.may_share_memory(value, x) for x in arrays):
-            raise ExecutorError(f"op {op.name} ({op.type}) returned a view of its input, which sgdfuse.lowering.alias says it copies")
+            raise GraphContradictionError(f"op {op.name} ({op.type}) returned a view of its input, which sgdfuse.lowering.alias says it copies")
 
 
 def _checked(value, reader: str):
@@ -312,12 +319,12 @@ def _check_output(op: Op, index: int, value: np.ndarray) -> None:
         return
     expected = op.output_dtypes[index]
     if expected is not None and value.dtype != expected:
-        raise ExecutorError(f"op {op.name} ({op.type}) output {index}: dtype {value.dtype}, descriptor says {expected}")
+        raise GraphContradictionError(f"op {op.name} ({op.type}) output {index}: dtype {value.dtype}, descriptor says {expected}")
     dims = op.output_shapes[index]
     if dims == [-2]:
         return
     if len(dims) != value.ndim or any(d >= 0 and d != s for d, s in zip(dims, value.shape)):
-        raise ExecutorError(f"op {op.name} ({op.type}) output {index}: shape {list(value.shape)}, descriptor says {dims}")
+        raise GraphContradictionError(f"op {op.name} ({op.type}) output {index}: shape {list(value.shape)}, descriptor says {dims}")
 
 
 def _may_alias(op: Op, ops: Mapping[str, Op]) -> bool:

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from sgdfuse.lowering import ge_ir
-from sgdfuse.lowering.executor import ExecutorError, Op, kernel
+from sgdfuse.lowering.executor import ExecutorError, GraphContradictionError, Op, kernel
 from sgdfuse.runtime import onnx_to_numpy_dtype
 
 __all__: list[str] = []
@@ -366,6 +366,15 @@ def _batch_norm(op: Op, inputs: list) -> list:
 def _layer_norm(op: Op, inputs: list) -> list:
     x, gamma, beta = (np.asarray(_wide(a)) for a in inputs)
     axis = int(op.attrs.get("begin_norm_axis", 0)) % x.ndim
+    params_axis = int(op.attrs.get("begin_params_axis", 0)) % x.ndim
+    for name, value in (("gamma", gamma), ("beta", beta)):
+        # GE's LayerNorm applies gamma and beta over the dimensions from begin_params_axis on (the prototype's
+        # contract); numpy would broadcast any trailing shape, so a mismatch is the graph's, named here.
+        if value.shape != x.shape[params_axis:]:
+            raise GraphContradictionError(
+                f"op {op.name} (LayerNorm): {name} has shape {list(value.shape)}, but begin_params_axis {params_axis} of an "
+                f"input of shape {list(x.shape)} needs {list(x.shape[params_axis:])}"
+            )
     axes = tuple(range(axis, x.ndim))
     mean = np.mean(x, axis=axes, keepdims=True)
     variance = np.mean(np.square(x - mean), axis=axes, keepdims=True)

@@ -477,7 +477,7 @@ def _run_parts(setup: _Setup, parts, chunk: list, lowered_outputs: set[str], ste
     """Run ``chunk`` (parts of :class:`sgdfuse.lowering.parts.LoweredParts`) together: their GE ops in the
     executor against their ONNX nodes in onnxruntime, by :func:`sgdfuse.verify.check_lowered` (module
     docstring); the largest differences go into ``worst``."""
-    from sgdfuse.lowering.executor import ExecutorError
+    from sgdfuse.lowering.executor import ExecutorError, GraphContradictionError
     from sgdfuse.verify import check_lowered
 
     sub = parts.sub_model(chunk)
@@ -534,6 +534,9 @@ def _run_parts(setup: _Setup, parts, chunk: list, lowered_outputs: set[str], ste
         for ge in sessions:
             if ge.error is not None:
                 raise ge.error
+    except GraphContradictionError as error:  # a wrong graph, not one the executor cannot run
+        return LoweringCheck(steps, False, worst, f"the GE graph contradicts itself: {error} (a bug of the lowering: the graph "
+                             "would fail or compute something else on the device; please report it with the model)")
     except ExecutorError as error:
         raise _cannot_verify(str(error)) from error
     except LoweringError:
