@@ -424,7 +424,7 @@ def require_text_names(model: onnx.ModelProto, *, table: NodeTable | None = None
     k = table.non_text_name  # the first node whose name or an attribute's name is not text (-1: none)
     if k >= 0:
         node = graph.node[k]
-        _require_text([node.name], "a node")
+        _require_text([node.name], f"the name of node #{k} ({table.op_types[k]})")
         # onnxruntime decodes every attribute name (it failed with four lines of its own first)
         _require_text([a.name for a in node.attribute], f"an attribute of node #{k} ({table.op_types[k]})")
 
