@@ -235,7 +235,7 @@ def test_check_names_a_node_name_that_is_not_utf8(native, tmp_path, monkeypatch)
     model.graph.output.append(helper.make_tensor_value_info("p_copy", onnx.TensorProto.FLOAT, [4, 3]))
     path = names._with_bytes(model, b"NODENAME", tmp_path / "bad_node.onnx")
     code, err = names._run(["check", path, path])
-    assert code == 1 and err.startswith(f"error: {path}: a node (b'\\xff\\xfe") and "not valid UTF-8" in err, err
+    assert code == 1 and err.startswith(f"error: {path}: the name of node #") and "(b'\\xff\\xfe" in err and "not valid UTF-8" in err, err
     from sgdfuse.errors import ModelNameError
     from sgdfuse.passes.index import require_text_names
     from sgdfuse.passes.scan import node_table
