@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["LR", "MOMENTUM", "DAMPENING", "SHAPES", "GUARD_FORMS", "Exported", "loss_scaled", "clipped", "fp16_round_trip", "broadcast_first_step", "ALL"]
+__all__ = ["LR", "MOMENTUM", "DAMPENING", "SHAPES", "GUARD_FORMS", "Exported", "loss_scaled", "clipped", "fp16_round_trip", "broadcast_first_step", "reads_fused_update", "READER_GRADIENTS", "ALL"]
 
 LR, MOMENTUM, DAMPENING = 0.1, 0.9, 0.25
 SHAPES = ((4, 3), (4, 3), (3,))
@@ -232,6 +232,53 @@ def broadcast_first_step(*, per_element: bool = False, shapes=SHAPES) -> onnx.Mo
     return b.model([*zip(new_params, shapes), *zip(new_bufs, shapes)])
 
 
+READER_GRADIENTS = ("twice_new_weights", "new_weights_times_c", "twice_new_buffer", "new_weights_plus_input")
+"""How :func:`reads_fused_update`'s second update computes its gradient from the first one's new values."""
+
+
+def reads_fused_update(gradient: str = "twice_new_weights", *, first_step: bool = True, chain: int = 2, decoupled_decay: bool = False,
+                       shape=(4, 3)) -> onnx.ModelProto:
+    """``chain`` momentum-SGD updates in which update ``i + 1``'s gradient is computed elementwise from update
+    ``i``'s *new* values (update 0 reads the input ``g0``), dampening 0.25, PyTorch's first step ``buf = g`` as
+    ``where(step == 0, g, m*buf + (1-d)*g)`` broadcast with ``Expand`` when ``first_step``::
+
+        twice_new_weights:      g_{i+1} = 2 * p_i_new         (Mul by a constant initializer)
+        new_weights_times_c:    g_{i+1} = p_i_new * c         (c = 0.5, operands swapped: Mul(c, p_i_new))
+        twice_new_buffer:       g_{i+1} = 2 * buf_i_new
+        new_weights_plus_input: g_{i+1} = 2 * p_i_new + h_{i+1}   (h an input)
+
+    ``decoupled_decay``: the last update is ``p - lr*buf - 0.01*p`` (decoupled weight decay, not momentum
+    SGD: ``extra-term``). The outputs are each update's new parameters and new buffer, in update order."""
+    b = Exported()
+    params = [b.input(f"p{i}", F32, shape) for i in range(chain)]
+    bufs = [b.input(f"b{i}", F32, shape) for i in range(chain)]
+    grad = b.input("g0", F32, shape)
+    step = b.input("step", TensorProto.INT64) if first_step else None
+    outputs = []
+    for i in range(chain):
+        later = b.momentum(bufs[i], grad)
+        if first_step:
+            first = b.op("Expand", [b.op("Equal", [step, b.const(0, np.int64)], "eq"), b.const(shape, np.int64, (len(shape),))], "expand")
+            new_buf = b.op("Where", [first, grad, later], "where")
+        else:
+            new_buf = later
+        new_p = b.step(params[i], new_buf)
+        if decoupled_decay and i == chain - 1:
+            new_p = b.op("Sub", [new_p, b.op("Mul", [params[i], b.const(0.01)], "mul")], "sub")
+        outputs += [(new_p, shape), (new_buf, shape)]
+        if gradient == "twice_new_weights":
+            grad = b.op("Mul", [new_p, b.const(2.0)], "mul")
+        elif gradient == "new_weights_times_c":
+            grad = b.op("Mul", [b.const(0.5), new_p], "mul")
+        elif gradient == "twice_new_buffer":
+            grad = b.op("Mul", [new_buf, b.const(2.0)], "mul")
+        elif gradient == "new_weights_plus_input":
+            grad = b.op("Add", [b.op("Mul", [new_p, b.const(2.0)], "mul"), b.input(f"h{i + 1}", F32, shape)], "add")
+        else:
+            raise ValueError(f"unknown gradient form {gradient!r}; one of {READER_GRADIENTS}")
+    return b.model(outputs)
+
+
 ALL = {
     **{f"loss_scaled_{form}": (lambda form=form: loss_scaled(form)) for form in GUARD_FORMS},
     "loss_scaled_parameters_only": lambda: loss_scaled("isfinite_all", guarded="parameters"),
@@ -243,6 +290,9 @@ ALL = {
     "fp16_round_trip_mixed": lambda: fp16_round_trip(mixed=True),
     "broadcast_first_step": broadcast_first_step,
     "per_element_first_step": lambda: broadcast_first_step(per_element=True),
+    **{f"reads_fused_{form}": (lambda form=form: reads_fused_update(form)) for form in READER_GRADIENTS},
+    "reads_fused_chain_of_three": lambda: reads_fused_update(chain=3),
+    "reads_fused_decoupled_decay": lambda: reads_fused_update(decoupled_decay=True),
 }
 """Every graph of this module by file stem."""
 

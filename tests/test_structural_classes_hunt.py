@@ -61,7 +61,12 @@ def _both(model, monkeypatch):
     index = build_index(model)
     by_class = find_updates(index, Normaliser(index))
     index = build_index(model)
-    direct = sgd_match._find(index, Normaliser(index), list(dict.fromkeys(index.graph_outputs)), RolePins(), False, {})
+    normaliser, outputs = Normaliser(index), list(dict.fromkeys(index.graph_outputs))
+    direct = sgd_match._find(index, normaliser, outputs, RolePins(), False, {})
+    # The outputs that read a fused update's new values are solved after matching, over the whole graph, as
+    # find_updates does (the readers of an update, lr*buf_out, are dropped there).
+    canonical = {o: sgd_match._skip_copies(index, o) for o in outputs}
+    direct = sgd_match._solve_readers_of_fused(index, normaliser, outputs, canonical, *direct, RolePins(), False)
     return _plain(by_class), _plain(direct)
 
 

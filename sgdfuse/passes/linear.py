@@ -180,8 +180,12 @@ class Normaliser:
     :attr:`visited_nodes` per root, so callers know the cone a form was read from.
     """
 
-    def __init__(self, index: GraphIndex) -> None:
+    def __init__(self, index: GraphIndex, *, opaque: frozenset[str] = frozenset()) -> None:
+        """``opaque``: values read as leaves although their nodes are elementwise (the outputs of updates
+        already fused, which the rewrite gives to an ``ai.sgdfuse`` node: :func:`sgdfuse.passes.sgd_match.find_updates`
+        solves the updates reading them this way)."""
         self.index = index
+        self.opaque = opaque
         self._forms: dict[str, Form] = {}
         self._scalars: dict[str, Poly | None] = {}
         self._plans: dict[str, tuple[str, list[tuple[str, Poly]]] | None] = {}
@@ -194,6 +198,11 @@ class Normaliser:
         """Values whose form or scalar lost a leaf or a symbol that its operands had (``(x + z) - z``,
         ``0*z``, ``(x*s)/s``): value → what cancelled. Exact in real arithmetic, not in floating point (a
         large, infinite or zero ``z`` or ``s`` changes the number), so an update read through one is refused."""
+
+    def _node(self, value: str) -> onnx.NodeProto | None:
+        """The node computing ``value``, None for a graph input, an initializer or an :attr:`opaque` value (read
+        as the output of a node of another domain: a leaf, and a scalar symbol when it has one element)."""
+        return None if value in self.opaque else self.index.node(value)
 
     # -- scalars -------------------------------------------------------------------------------------
     def scalar(self, value: str) -> Poly | None:
@@ -230,7 +239,7 @@ class Normaliser:
 
     def _scalar_operands(self, value: str) -> list[str]:
         """The values :meth:`_scalar` asks :meth:`scalar` about for ``value`` (the same cases, in order)."""
-        node = self.index.node(value)
+        node = self._node(value)
         if node is None or node.domain not in ("", "ai.onnx") or self.index.constant(value) is not None:
             return []
         inputs = [i for i in node.input]
@@ -251,7 +260,7 @@ class Normaliser:
             if not math.isfinite(flat[0]):
                 return None
             return Poly.const(float(flat[0]))
-        node = self.index.node(value)
+        node = self._node(value)
         if node is None or node.domain not in ("", "ai.onnx"):
             return self._symbol(value)
         op, inputs = node.op_type, [i for i in node.input]
@@ -378,7 +387,7 @@ class Normaliser:
             return plan
 
     def _make_plan(self, value: str) -> tuple[str, list[tuple[str, Poly]]] | None:
-        node = self.index.node(value)
+        node = self._node(value)
         if node is None or node.domain not in ("", "ai.onnx"):
             return None
         spec = self.index.spec(value)
@@ -502,7 +511,7 @@ class Normaliser:
 
         Such a selection is linear within each branch, which is how a first-step rule is matched.
         """
-        node = self.index.node(value)
+        node = self._node(value)
         if node is None or node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.input) != 3:
             return None
         condition, if_true, if_false = node.input
@@ -517,7 +526,7 @@ class Normaliser:
         """``(condition, then_form, else_form, outer_reads)`` when ``value`` is the one output of an ``If`` on
         one boolean whose branches compute it elementwise from outer values; else None. The branch forms are
         over the outer graph's leaves (through :class:`_BranchNormaliser`)."""
-        node = self.index.node(value)
+        node = self._node(value)
         if node is None or node.op_type != "If" or node.domain not in ("", "ai.onnx") or len(node.output) != 1:
             return None
         spec = self.index.spec(node.input[0])

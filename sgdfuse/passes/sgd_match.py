@@ -485,7 +485,7 @@ def find_updates(
         claimed = {canonical[name] if name in canonical else _skip_copies(index, name) for name in fused}
     guards = {g.new: g for g in (_guard(index, o) for o in outputs if canonical[o] not in claimed) if g is not None}
     if not guards:
-        return matches, misses
+        return _solve_readers_of_fused(index, normaliser, outputs, canonical, matches, misses, pins, allow_rounding)
     guarded_pins = dataclasses.replace(pins, state={**{g.new: g.old for g in guards.values()}, **pins.state}, guarded=frozenset(guards))
     # The unguarded outputs take part too: a guard on the parameters alone must meet its bare buffer (and
     # be refused as guarded-update, not as an update without a buffer).
@@ -500,7 +500,73 @@ def find_updates(
     involved |= {canonical.get(name, name) for match in guarded_matches for name in _outputs_of(match)}
     misses = [miss for miss in misses if miss.candidate not in guard_outputs and miss.candidate not in involved and canonical.get(miss.candidate) not in involved] + guarded_misses
     combined, shared = _one_writer(matches + guarded_matches)
-    return combined, misses + shared
+    return _solve_readers_of_fused(index, normaliser, outputs, canonical, combined, misses + shared, pins, allow_rounding)
+
+
+_KEPT_FOR_READERS = frozenset({"shared-state", "parameters-not-own-previous", "guarded-update"})
+"""Refusals :func:`_find` keeps for an output that reads a fused update's new values (they are about that
+output as a writer of state, not about how it reads the fused update), and :func:`_solve_readers_of_fused`
+does not solve again."""
+
+
+def _solve_readers_of_fused(
+    index: GraphIndex,
+    normaliser: Normaliser,
+    outputs: list[str],
+    canonical: Mapping[str, str],
+    matches: list[Match],
+    misses: list[Miss],
+    pins: RolePins,
+    allow_rounding: bool,
+) -> tuple[list[Match], list[Miss]]:
+    """``matches`` and ``misses`` with the updates that read a fused update's new values solved again.
+
+    Read through the fused update's nodes, such an update (``g2 = 2*w1_new`` as the gradient of ``w2``) mixes
+    the other update's state into its own gradient: :func:`_find` dropped it as a reader of the fused update
+    (its rule for ``delta = lr*buf_out`` beside ``p_out = p - delta``), so it was neither fused nor refused, or
+    refused it for the other update's terms (``computed-state`` for the other's first-step ``Where``). After
+    the rewrite those new values are outputs of an ``ai.sgdfuse`` node, so each output that reads them, looks
+    like an update and is not fused is solved again with every fused update's outputs as opaque leaves
+    (:class:`~sgdfuse.passes.linear.Normaliser`'s ``opaque``): it fuses (its SGD node reads the other's output;
+    the rewrite orders nodes topologically, and verification runs it against the original), is refused with
+    that reading's reason, keeps its first refusal when that reading still sees an update but says nothing of
+    it, or is dropped as a reader when it is no update then (``lr*buf_out`` is one leaf). Repeated while
+    updates fuse: a chain of them. Solved directly, not per structural class: these are few, and the class key
+    knows nothing of ``opaque``."""
+    named_next: dict[str, str] | None = None
+    while matches:
+        fused = frozenset(name for match in matches for name in (*_outputs_of(match), match.guard.output if match.guard else "") if name)
+
+        def reads_fused(output: str) -> bool:
+            return not fused.isdisjoint(normaliser.cone(output)[1] - {output})
+
+        again = [miss for miss in misses if miss.reason not in _KEPT_FOR_READERS and reads_fused(miss.candidate)]
+        kept = [miss for miss in misses if miss not in again] if again else misses
+        accounted = set(fused) | {name for miss in kept for name in (miss.candidate, miss.buffer) if name}
+        accounted |= {canonical.get(name, name) for name in accounted}
+        open_outputs = [o for o in outputs if o not in accounted and canonical[o] not in accounted and index.spec(o).dtype in _EPS]
+        readers = {o for o in open_outputs if _looks_like_update(index, o, normaliser.form(o)) and reads_fused(o)}
+        if not readers:
+            return matches, kept
+        opaque = Normaliser(index, opaque=fused)
+        if named_next is None:
+            named_next = _named_next(index, [o for o in outputs if index.spec(o).dtype in _EPS], pins, canonical)
+        # The open outputs are the readers and the buffers they may read (a reader's new buffer reads the
+        # fused update too); outputs fused or refused for another reason are not solved twice.
+        found, refused = _find(index, opaque, open_outputs, pins, allow_rounding, {}, named_next)
+        found = [m for m in found if not readers.isdisjoint(_outputs_of(m))]
+        accepted, shared = _one_writer(matches + found)
+        new = accepted[len(matches):]
+        refused = [miss for miss in refused if miss.candidate in readers] + shared
+        explained = {name for match in new for name in _outputs_of(match)} | {miss.candidate for miss in refused}
+        # A first refusal stands when the opaque reading still sees an update but says nothing of it; an
+        # output that is no update once the fused values are leaves is a reader of them (lr*buf_out).
+        unexplained = [miss for miss in again if miss.candidate not in explained and _looks_like_update(index, miss.candidate, opaque.form(miss.candidate))]
+        misses = kept + unexplained + refused
+        matches = accepted
+        if not new:
+            break
+    return matches, misses
 
 
 def _check_pins(index: GraphIndex, pins: RolePins) -> None:
@@ -769,15 +835,14 @@ def _find(
     misses.extend(shared)
     # A buffer output is reported through the parameter update that reads it, not as a candidate itself.
     tried_buffers |= {m.accum_out for m in accepted}
-    # An output computed from a fused update's new values (delta = lr*buf_out beside p_out = p - delta) is a
-    # reader of that update, not a refused update of its own.
-    fused_outputs = {name for m in accepted for name in (m.parameters_out, m.accum_out)}
-    misses = [
-        miss for miss in misses
-        if miss.reason in ("shared-state", "parameters-not-own-previous", "guarded-update")
-        or not (fused_outputs & normaliser.cone(miss.candidate)[1] - {miss.candidate})
-    ]
-    misses = [miss for miss in misses if miss.candidate not in tried_buffers or miss.reason == "shared-state"]
+    # An output computed from a fused update's new values (delta = lr*buf_out beside p_out = p - delta) is
+    # refused here as read through the update's nodes; find_updates solves it again with those values opaque
+    # (_solve_readers_of_fused), over the whole graph, so that the fused updates of other clusters count too.
+    # A buffer output is dropped only when it is reported there (as a match's buffer, a refused shared-state
+    # match's included, or a refusal's): an output tried as the buffer of an update that was solved with
+    # another buffer (p1_new in the cone of p2_new, when p2's gradient reads p1_new) is a candidate of its own.
+    reported_buffers = {m.accum_out for m in matches} | {miss.buffer for miss in misses if miss.buffer and miss.candidate != miss.buffer}
+    misses = [miss for miss in misses if miss.candidate not in tried_buffers or miss.candidate not in reported_buffers or miss.reason == "shared-state"]
     # (W, V) and (V, W) are one pair read two ways: report the reading that got further.
     best_of_pair: dict[frozenset, Miss] = {}
     for miss in misses:
