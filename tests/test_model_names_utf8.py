@@ -17,6 +17,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+import sgdfuse
 from sgdfuse.cli import main
 
 BAD = b"\xff\xfe_grad"
@@ -82,19 +83,40 @@ def test_a_value_name_that_is_not_utf8_is_one_error_naming_the_file_and_the_node
     assert not (tmp_path / "out.onnx").exists() and not (tmp_path / "out.air").exists()
 
 
-def test_a_node_name_that_is_not_utf8_is_refused_by_lower_naming_the_file(tmp_path):
-    # A node's name becomes a GE op's name; onnx and the matcher never compare node names, so optimize keeps it.
+def _bad_node_name_model(tmp_path) -> Path:
     model = _update_model()
-    # A node outside the update (the rewrite keeps it): a copy of the weights, returned as an output.
+    # A node outside the update (the rewrite would keep it): a copy of the weights, returned as an output.
     model.graph.node.append(helper.make_node("Identity", ["p"], ["p_copy"], name="NODENAME"))
     model.graph.output.append(helper.make_tensor_value_info("p_copy", TensorProto.FLOAT, [4, 3]))
-    path = _with_bytes(model, b"NODENAME", tmp_path / "bad_node.onnx")
-    fused = tmp_path / "fused.onnx"
-    assert _run(["optimize", path, "-o", fused])[0] == 0
-    code, err = _run(["lower", fused, "--soc", "Ascend910B2", "-o", tmp_path / "out.air"])
-    assert code == 1
-    assert err.startswith(f"error: {fused}: the name of node #") and "(b'\\xff\\xfe" in err, err
-    assert not (tmp_path / "out.air").exists()
+    return _with_bytes(model, b"NODENAME", tmp_path / "bad_node.onnx")
+
+
+def test_a_node_name_that_is_not_utf8_is_refused_by_every_command_with_one_error(tmp_path):
+    # A node's name becomes a GE op's name and onnxruntime decodes it: check and lower refused it, optimize
+    # and inspect accepted it and wrote a model the other two refuse. Now all four say the same: the node by
+    # its position (#4, the fifth node) and op type, the bytes, and what to do.
+    path = _bad_node_name_model(tmp_path)
+    want = f"error: {path}: the name of node #4 (Identity) (b'\\xff\\xfe_grad_') is not valid UTF-8"
+    for argv in (["optimize", path, "-o", tmp_path / "out.onnx", "--report", tmp_path / "r.json"], ["inspect", path],
+                 ["lower", path, "--soc", "Ascend910B2", "-o", tmp_path / "out.air"], ["check", path, path]):
+        code, err = _run(argv)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 1 and len(lines) == 1 and lines[0].startswith(want), (argv, err)
+        assert "rename it in the exporter or with onnx's Python API" in lines[0], err
+    assert not any((tmp_path / name).exists() for name in ("out.onnx", "r.json", "out.air", "out.init.air"))
+
+
+def test_the_library_api_refuses_a_node_name_that_is_not_utf8(tmp_path):
+    from sgdfuse.errors import ModelNameError
+
+    path = _bad_node_name_model(tmp_path)
+    model = onnx.load(path)
+    for call in (sgdfuse.optimize, sgdfuse.inspect):
+        with pytest.raises(ModelNameError) as raised:
+            call(model)
+        assert raised.value.where == "the name of node #4 (Identity)" and raised.value.name == b"\xff\xfe_grad_"
+        with pytest.raises(ModelNameError, match=r"bad_node\.onnx: the name of node #4 \(Identity\)"):
+            call(path)
 
 
 @pytest.mark.parametrize("field", ["producer_name", "op_type", "attribute_name"])
@@ -115,12 +137,13 @@ def test_other_model_strings_that_are_not_utf8_are_one_error_too(field, tmp_path
         model.graph.output.append(helper.make_tensor_value_info("p_leaky", TensorProto.FLOAT, [4, 3]))
         placeholder = b"alpha"
     path = _with_bytes(model, placeholder, tmp_path / "bad.onnx")
-    commands = [["lower", path, "--soc", "Ascend910B2", "-o", tmp_path / "out.air"], ["check", path, path]]
-    if field != "attribute_name":
-        # optimize reads no attribute name outside the updates (an input's own fault stays in its output, as
-        # for any node the checker rejects); lower and check hand every node to onnxruntime.
-        commands.append(["optimize", path, "-o", tmp_path / "out.onnx"])
+    # Every command refuses it the same way: optimize and inspect too (an attribute name outside the updates
+    # was copied into optimize's output, which check and lower then refused).
+    commands = [["lower", path, "--soc", "Ascend910B2", "-o", tmp_path / "out.air"], ["check", path, path],
+                ["optimize", path, "-o", tmp_path / "out.onnx"], ["inspect", path]]
     for argv in commands:
         code, err = _run(argv)
         assert code == 1 and err.startswith(f"error: {path}: ") and "not valid UTF-8" in err, (argv, err)
+        if field == "attribute_name":
+            assert err.startswith(f"error: {path}: an attribute of node #4 (LeakyRelu) (b'\\xff\\xfe_gr')"), (argv, err)
         assert not (tmp_path / "out.onnx").exists() and not (tmp_path / "out.air").exists()

@@ -181,16 +181,24 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     Inference is skipped when it could add nothing (:func:`_inference_adds_nothing`: every value already has
     a declared shape and there is no subgraph). Inference failures are logged and tolerated: unknown shapes
     only make the matcher more careful.
+
+    Raises:
+        ModelNameError: a name :func:`require_text_names` refuses (a value's, a node's, an attribute's, an op
+            type, a domain, the model's own strings), named by what carries it (a node by position and op type).
+        GraphCycleError, DuplicateValueError: the graph is not a valid ONNX graph.
     """
     graph = model.graph
     # One serialisation of the model serves the node table, the declared value infos and, when no
     # initializer needs stripping, shape inference (which would serialise it again); without the native
     # scanners every one of them is read through protobuf's Python API as before.
     data = _serialised(model) if native_available() else None
-    nodes, own_node_names = _nodes_read(model, data)
+    nodes, own_node_names, non_text_name = _nodes_read(model, data)
     producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph, nodes)
     in_order = _require_acyclic(nodes, producer, consumers)
     _require_text_names(graph, nodes, producer, consumers)
+    # A node's or an attribute's name, as check and lower refuse it (require_text_names): the rewrite copies
+    # the node into its output, which onnxruntime and lowering then fail on.
+    _require_node_names(graph, non_text_name, [facts[0] for facts in nodes])
     _require_model_text(model)
     specs: dict[str, TensorSpec] = {}
     types: dict[bytes, tuple | None] = {}
@@ -283,11 +291,12 @@ def _node_facts(model: onnx.ModelProto, data: bytes | None = None) -> list[NodeF
     return _nodes_read(model, data)[0]
 
 
-def _nodes_read(model: onnx.ModelProto, data: bytes | None = None) -> tuple[list[NodeFacts], frozenset[str]]:
-    """:func:`_node_facts`, and the node names that start with :data:`OWN_PREFIX` (read in the same pass)."""
+def _nodes_read(model: onnx.ModelProto, data: bytes | None = None) -> tuple[list[NodeFacts], frozenset[str], int]:
+    """:func:`_node_facts`, the node names that start with :data:`OWN_PREFIX` (read in the same pass), and
+    :attr:`NodeTable.non_text_name` (-1 when every node's and attribute's name is text)."""
     table = node_table(model, data, name_prefix=OWN_PREFIX)
     facts = list(zip(table.op_types, table.domains, table.inputs, table.outputs, table.has_subgraph, table.has_attributes))
-    return facts, frozenset(table.prefixed_names or ())
+    return facts, frozenset(table.prefixed_names or ()), table.non_text_name
 
 
 _GRAPH_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
@@ -399,7 +408,7 @@ def require_text_names(model: onnx.ModelProto, *, table: NodeTable | None = None
     types and domains of the nodes, and the model's own strings (protobuf hands a ``string`` field holding other bytes
     out as ``bytes``, which onnxruntime, onnx's checker and every name table here then fail on). For commands
     that read a model without indexing it first (``check``, ``lower`` of a fused model); :func:`build_index`
-    checks the same names as it reads them.
+    checks the same names as it reads them (``optimize`` and ``inspect`` refuse what ``check`` and ``lower`` do).
 
     ``table``: ``node_table(model)``, when the caller has it (it is then not read again; made with
     ``name_prefix=""``, its names are those of the nodes).
@@ -421,12 +430,17 @@ def require_text_names(model: onnx.ModelProto, *, table: NodeTable | None = None
     for values, role in ((graph.input, "a graph input"), (graph.output, "a graph output"), (graph.initializer, "an initializer"),
                          (graph.value_info, "a value info")):
         _require_text([value.name for value in values], role)
-    k = table.non_text_name  # the first node whose name or an attribute's name is not text (-1: none)
+    _require_node_names(graph, table.non_text_name, table.op_types)
+
+
+def _require_node_names(graph: onnx.GraphProto, k: int, op_types) -> None:
+    """Raise :class:`~sgdfuse.errors.ModelNameError` naming node ``k`` by its position and op type when its
+    name or one of its attributes' names is not text; ``k``: :attr:`NodeTable.non_text_name` (-1: none)."""
     if k >= 0:
         node = graph.node[k]
-        _require_text([node.name], f"the name of node #{k} ({table.op_types[k]})")
+        _require_text([node.name], f"the name of node #{k} ({op_types[k]})")
         # onnxruntime decodes every attribute name (it failed with four lines of its own first)
-        _require_text([a.name for a in node.attribute], f"an attribute of node #{k} ({table.op_types[k]})")
+        _require_text([a.name for a in node.attribute], f"an attribute of node #{k} ({op_types[k]})")
 
 
 def _require_model_text(model: onnx.ModelProto) -> None:
