@@ -540,8 +540,10 @@ def _solve_readers_of_fused(
         def reads_fused(output: str) -> bool:
             return not fused.isdisjoint(normaliser.cone(output)[1] - {output})
 
-        again = [miss for miss in misses if miss.reason not in _KEPT_FOR_READERS and reads_fused(miss.candidate)]
-        kept = [miss for miss in misses if miss not in again] if again else misses
+        again: list[Miss] = []
+        kept: list[Miss] = []
+        for miss in misses:  # one pass: a list's `in` compares dataclasses, quadratic over many refusals
+            (again if miss.reason not in _KEPT_FOR_READERS and reads_fused(miss.candidate) else kept).append(miss)
         accounted = set(fused) | {name for miss in kept for name in (miss.candidate, miss.buffer) if name}
         accounted |= {canonical.get(name, name) for name in accounted}
         open_outputs = [o for o in outputs if o not in accounted and canonical[o] not in accounted and index.spec(o).dtype in _EPS]
