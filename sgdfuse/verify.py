@@ -3077,13 +3077,17 @@ def _feed_update_readers(sides: tuple[_Side, _Side], views: Sequence[_UpdateView
     which proves them unchanged, while the update's outputs are compared within their bound as before.
 
     A reader is found on the fused side: a node that reads a graph output of an update (:attr:`_UpdateView.outputs`)
-    and is not part of an update (no ``SGD`` node, and none of its outputs an update's value). In the original the
+    and is not part of an update (no ``SGD`` node, none of its outputs an update's value, and no probe of what an
+    SGD node reads: the probe of a chained update's gradient ``add_1``, the new weights of the update before it
+    (``g2 = 2*w1_new`` fused as ``SGD(p1, w1_new, ...)``), must read what that SGD node reads, or the bound
+    takes its gradient from the fed value, 0 on the zero-gradient step, instead of ``w1_new``). In the original the
     node that writes the same first output is rewired too, for the inputs it reads by those names, unless an
     update's value is computed from it there (then neither is rewired); a fused model whose node reads something
     else there computes from another value than the original, and fails.
     Each rewired node is a copy (the model is not modified), its position in :attr:`_Side.rewired`."""
     fused = sides[1]
     members = {name for view in views for name in (*view.outputs, *view.fused_state.values(), *view.original_state.values())}
+    probes = {name for view in views for name in (view.gradient, view.learning_rate, view.momentum)}
     outputs = set(fused.outputs)
     updated = {name for view in views for name in view.outputs if name in outputs}
     if not updated:
@@ -3094,6 +3098,8 @@ def _feed_update_readers(sides: tuple[_Side, _Side], views: Sequence[_UpdateView
             continue
         if fused.op_types[k] == OP_TYPE and fused.domains[k] == DOMAIN or not members.isdisjoint(fused.writes[k]):
             continue
+        if not probes.isdisjoint(fused.writes[k]):
+            continue  # a probe of an SGD node's operand: it reads what the SGD node reads
         found.append((k, [name for name in reads if name in updated]))
     if not found:
         return [], ""
