@@ -97,7 +97,12 @@ terms that cancel: with ``k = 1 - d``, ``grad = g + wd·p`` and ``a`` the buffer
   of the same name, which the rewrite keeps), ``g`` in every term is the larger magnitude of the two, and
   ``B_v += |k|·Δg``, ``B_w += |lr·k|·Δg`` (Nesterov ``|lr|·(1 + |m·k|)·Δg``), with ``Δg`` measured where it is
   finite. Not in lockstep, where both sides compute the gradient from the same state (a gradient computed
-  otherwise fails there), and 0 wherever the gradient is fed or does not read the weights.
+  otherwise fails there), and 0 wherever the gradient is fed or does not read the weights. One exception: a
+  gradient that is another fused update's output itself (a chain ``g2 = 2·w1_new`` fused as ``SGD(p1, w1_new)``,
+  the 2 folded into the dampening) differs between the sides by that update's rounding on every step, in
+  lockstep and in :func:`verify_plans` too, and that rounding is absolute (``w1_new`` near 0 after
+  cancellation): its measured difference is propagated likewise on every step, while the value itself is
+  compared within its own update's bound (:attr:`_UpdateView.upstream_gradient`).
 * Roundoff: natively, each side rounds each operation once; with at most :data:`OPERATIONS` roundings per
   side and u the unit roundoff of the parameters' dtype, ``2·OPERATIONS·u·S`` covers both, where S sums the
   magnitudes of every term either side forms (``|m·a| + (1+|d|)·(|g| + wd·|p|)`` for the buffer,
@@ -921,6 +926,12 @@ class _UpdateView:
     what their difference feeds through (:func:`_bounds`)."""
     gradient_operand: str = ""
     """``check``: the value the fused SGD node reads as its gradient (what :attr:`gradient` probes)."""
+    upstream_gradient: str = ""
+    """When the gradient is another fused update's output itself (a chain ``g2 = 2*w1_new`` whose ``2*(1-d)``
+    folded into the next node's dampening: ``SGD(p1, w1_new, ...)``), that output's name, the same in both
+    runs and compared there within that update's bound: the two sides' values of it differ by that update's
+    rounding, which is absolute (``ulp(|p| + lr·|v|)``, large beside a ``w1_new`` near 0), so on every step,
+    lockstep too, the bound propagates their measured difference (:func:`_view_terms`). "" otherwise."""
 
 
 @dataclasses.dataclass
@@ -989,6 +1000,7 @@ def _build_slices(
             )
         )
         wanted_original.extend(outputs)
+    _mark_upstream_gradients(views, [view.gradient for view in views])
 
     # The original's next values named by evidence may lie outside the matched cone: add what computes them.
     cone_produced = {o for i in cone for o in graph_nodes[i].output if o}
@@ -1027,6 +1039,16 @@ def _build_slices(
     return _Slices(original, fused, inputs, original_outputs, fused_outputs, views)
 
 
+
+
+def _mark_upstream_gradients(views: Sequence[_UpdateView], gradients: Sequence[str], compared: set[str] | None = None) -> None:
+    """Set :attr:`_UpdateView.upstream_gradient` of each view whose gradient, ``gradients[k]`` (the value its SGD
+    node reads), is another view's output, compared between the two sides (with ``compared``, only those
+    of its names: ``check``'s graph outputs)."""
+    owner = {name: k for k, view in enumerate(views) for name in view.outputs if compared is None or name in compared}
+    for k, (view, gradient) in enumerate(zip(views, gradients, strict=True)):
+        if owner.get(gradient, k) != k:
+            view.upstream_gradient = gradient
 
 
 def _overload_problem(node: onnx.NodeProto) -> str:
@@ -1379,20 +1401,28 @@ def _state_difference(original, fused) -> np.ndarray | float:
 def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fused_out, *, carried: bool = False) -> _Terms:
     """The bound's values for one update in one step (module docstring, "Values"). With ``carried`` (``check``'s
     in-place run, each side carrying its own state) and the original's gradient probed, the two gradients
-    (each computed from its side's weights) give ``dg`` and ``g`` the larger magnitude of the two."""
+    (each computed from its side's weights) give ``dg`` and ``g`` the larger magnitude of the two; so, on every
+    step, do the two sides' values of a gradient that is another update's output (:attr:`_UpdateView.upstream_gradient`)."""
     gradient = _gradient_of(view, original_feeds, original_out, fused_out)
     p = original_feeds[view.parameters]
     a = original_feeds[view.accum]
     dp = _state_difference(p, fused_feeds.get(view.parameters))
     da = _state_difference(a, fused_feeds.get(view.accum))
     dg: np.ndarray | float = 0.0
-    original_gradient = original_out.get(view.original_gradient) if carried and view.original_gradient else None
-    if original_gradient is not None and gradient is not None and np.shape(original_gradient) == np.shape(gradient):
+    if view.upstream_gradient:
+        # A gradient that is another update's output: each side reads its own value of it (compared there).
+        original_gradient, fused_gradient = original_out.get(view.upstream_gradient), fused_out.get(view.upstream_gradient)
+    else:
+        original_gradient = original_out.get(view.original_gradient) if carried and view.original_gradient else None
+        fused_gradient = gradient
+    if (original_gradient is not None and fused_gradient is not None and gradient is not None
+            and np.shape(original_gradient) == np.shape(gradient) == np.shape(fused_gradient)):
         with np.errstate(invalid="ignore"):
-            dg = difference(original_gradient, gradient)
+            dg = difference(original_gradient, fused_gradient)
             # A NaN or Inf on one side only is no allowance: the outputs it reaches then differ and fail.
             dg = np.where(np.isfinite(dg), dg, 0.0)
-            gradient = np.maximum(np.abs(_float_array(gradient)), np.abs(_float_array(original_gradient)))
+            gradient = np.maximum(np.abs(_float_array(gradient)), np.maximum(
+                np.abs(_float_array(original_gradient)), np.abs(_float_array(fused_gradient))))
     return _Terms(
         p=p, g=gradient, a=a, lr=_scalar(fused_out[view.learning_rate]), m=_scalar(fused_out[view.momentum]),
         d=view.dampening, wd=view.weight_decay, nesterov=view.nesterov, dtype=view.dtype, dp=dp, da=da, dg=dg,
@@ -1634,6 +1664,7 @@ def _describe_view(view: _UpdateView, rename) -> list:
         [rename(n) for n in (view.parameters, view.accum, view.gradient, view.learning_rate, view.momentum)],
         view.gradient_side, repr(view.dampening), repr(view.weight_decay), view.nesterov, view.dtype,
         rename(view.original_gradient) if view.original_gradient else "",
+        rename(view.upstream_gradient) if view.upstream_gradient else "",
     ]
 
 
@@ -1983,6 +2014,7 @@ def check_models(
         sides = (_Side.of(original, tables[0]), _Side.of(fused, tables[1]))
         views = _fused_views(sides[1], set(original_inputs))
         _probe_original_gradients(sides[0], views)
+        _mark_upstream_gradients(views, [view.original_gradient for view in views], set(outputs))
         original_pairs = _original_pairs(index, original, views, pinned)
         for view in views:
             view.original_state = {s: original_pairs[s] for s in view.roles if s in original_pairs}
@@ -3077,13 +3109,17 @@ def _feed_update_readers(sides: tuple[_Side, _Side], views: Sequence[_UpdateView
     which proves them unchanged, while the update's outputs are compared within their bound as before.
 
     A reader is found on the fused side: a node that reads a graph output of an update (:attr:`_UpdateView.outputs`)
-    and is not part of an update (no ``SGD`` node, and none of its outputs an update's value). In the original the
+    and is not part of an update (no ``SGD`` node, none of its outputs an update's value, and no probe of what an
+    SGD node reads: the probe of a chained update's gradient ``add_1``, the new weights of the update before it
+    (``g2 = 2*w1_new`` fused as ``SGD(p1, w1_new, ...)``), must read what that SGD node reads, or the bound
+    takes its gradient from the fed value, 0 on the zero-gradient step, instead of ``w1_new``). In the original the
     node that writes the same first output is rewired too, for the inputs it reads by those names, unless an
     update's value is computed from it there (then neither is rewired); a fused model whose node reads something
     else there computes from another value than the original, and fails.
     Each rewired node is a copy (the model is not modified), its position in :attr:`_Side.rewired`."""
     fused = sides[1]
     members = {name for view in views for name in (*view.outputs, *view.fused_state.values(), *view.original_state.values())}
+    probes = {name for view in views for name in (view.gradient, view.learning_rate, view.momentum)}
     outputs = set(fused.outputs)
     updated = {name for view in views for name in view.outputs if name in outputs}
     if not updated:
@@ -3094,6 +3130,8 @@ def _feed_update_readers(sides: tuple[_Side, _Side], views: Sequence[_UpdateView
             continue
         if fused.op_types[k] == OP_TYPE and fused.domains[k] == DOMAIN or not members.isdisjoint(fused.writes[k]):
             continue
+        if not probes.isdisjoint(fused.writes[k]):
+            continue  # a probe of an SGD node's operand: it reads what the SGD node reads
         found.append((k, [name for name in reads if name in updated]))
     if not found:
         return [], ""
