@@ -195,6 +195,7 @@ class _Setup:
     """What the verification of one lowered model feeds and compares, shared by the runs of its parts."""
 
     probe: onnx.ModelProto
+    fused: onnx.ModelProto
     pairs: dict[str, str]  # next value (probe output) -> state input
     initial: dict[str, np.ndarray]
     dtypes: dict[str, int]
@@ -243,7 +244,7 @@ def _setup(fused: onnx.ModelProto, lowered: GEModel) -> _Setup:
     momenta = {n.input[4] for n in fused.graph.node if is_sgd_node(n) and len(n.input) > 4} & {i.name for i in inputs}
     non_negative = frozenset(non_negative_inputs(probe.graph.node))
     return _Setup(
-        probe, pairs, initial, {o.name: o.type.tensor_type.elem_type for o in probe.graph.output}, {i.name: i for i in inputs},
+        probe, fused, pairs, initial, {o.name: o.type.tensor_type.elem_type for o in probe.graph.output}, {i.name: i for i in inputs},
         momenta, non_negative, _input_roles(probe, [i.name for i in inputs], momenta, non_negative,
                                             [v.guarded_by for v in lowered.state if v.guarded_by], set(pairs.values())),
     )
@@ -351,6 +352,38 @@ def _sgd_ops_by_variable(sub: GEModel) -> dict[str, str]:
             source, seen = ops[source].input[0].rpartition(":")[0], seen + 1
         found[source] = name
     return found
+
+
+def _sgd_attributes_differ(fused: onnx.ModelProto, sub: GEModel) -> str:
+    """The first GE ``SGD`` op of ``sub`` whose ``dampening``, ``weight_decay`` or ``nesterov`` is not its fused
+    node's (FLOAT values compared as stored, absent ones as the contract's defaults), or whose ``reference`` is
+    not true (GE then gives the op a new output buffer and the variable is not updated), described; else "".
+
+    Lowering copies these attributes, so they must be equal, not merely close: the comparison of numbers gives a
+    coefficient up to COEFFICIENT_ROUNDINGS FLOAT roundings (an exporter's folding), and a weight decay or
+    dampening a relative 1e-4 off hid there (or wholly, where the lifted run cannot run)."""
+    from sgdfuse.fused_op import read_sgd_attributes
+
+    ops = {op.name: op for op in sub.graph.op}
+    by_variable = _sgd_ops_by_variable(sub)
+    for variable in sub.state:
+        name = by_variable.get(variable.name) if variable.role == "parameters" else None
+        if name is None:
+            continue
+        op, node = ops[name], fused.graph.node[variable.node]
+        want = read_sgd_attributes(node)
+        for key, wanted, default in (("dampening", want.dampening, 0.0), ("weight_decay", want.weight_decay, 0.0),
+                                     ("nesterov", want.nesterov, False)):
+            attr = op.attr.get(key)
+            have = default if attr is None else (attr.b if key == "nesterov" else attr.f)
+            if (bool(have) != bool(wanted)) if key == "nesterov" else not np.float32(have) == np.float32(wanted):
+                return (f"the GE SGD op {name} has {key} {have!r}, the fused node {node.name or variable.node_name} "
+                        f"{wanted!r} (a bug of the lowering; please report it with the model)")
+        reference = op.attr.get("reference")
+        if reference is None or not reference.b:
+            return (f"the GE SGD op {name} is not marked reference (attribute reference true): GE would not write its "
+                    "parameters in place (a bug of the lowering; please report it with the model)")
+    return ""
 
 
 def _fixed_tolerance(want: np.ndarray) -> np.ndarray:
@@ -512,6 +545,9 @@ def _run_parts(setup: _Setup, parts, chunk: list, lowered_outputs: set[str], ste
         sessions.append(_GESession(sub, lifted=lifted, inputs=inputs, state_variables=state_variables, returned=returned, probes=probes))
         return sessions[-1]
 
+    problem = _sgd_attributes_differ(setup.fused, sub)
+    if problem:
+        return LoweringCheck(steps, False, worst, problem)
     try:
         problem = _check_init(setup, sub, seed)
         if problem:
@@ -530,7 +566,7 @@ def _run_parts(setup: _Setup, parts, chunk: list, lowered_outputs: set[str], ste
             return _fixed_tolerance(np.asarray(want))
 
         result = check_lowered(model, session, original_pairs=original_pairs, written=written, input_roles=setup.input_roles,
-                               loose=loose, original_wrapper=conditioned, steps=steps, seed=seed)
+                               loose=loose, original_wrapper=conditioned, exact_attributes=True, steps=steps, seed=seed)
         for ge in sessions:
             if ge.error is not None:
                 raise ge.error
@@ -548,11 +584,13 @@ def _run_parts(setup: _Setup, parts, chunk: list, lowered_outputs: set[str], ste
             raise _cannot_verify(f"onnxruntime failed ({_first_line(error)})") from error
         raise
     message = ""
-    for entry in result.outputs + result.in_place:
+    # A coefficient the GE graph gets wrong fails every update that reads it, too: its own failure names the cause.
+    for entry in sorted(result.outputs + result.in_place, key=lambda entry: entry["kind"] != "coefficient"):
         if entry["name"] in lowered_outputs and entry["kind"] != "in place":
             worst[entry["name"]] = max(worst.get(entry["name"], 0.0), float(entry["max_abs_error"]))
         if not entry["passed"] and not message:
-            what = "the GE graph's write into state " if entry["kind"] == "in place" else "output " if entry["kind"] != "gradient" else "SGD gradient "
+            what = {"in place": "the GE graph's write into state ", "gradient": "SGD gradient ",
+                    "coefficient": "SGD learning rate or momentum "}.get(entry["kind"], "output ")
             message = (f"{what}{entry['name']}: {entry['message']} (the GE graph in the executor is the 'fused' side, "
                        "onnxruntime on the fused ONNX model the 'original')")
     if message:
