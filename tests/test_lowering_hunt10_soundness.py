@@ -131,3 +131,57 @@ def test_a_learning_rate_computed_through_exp_is_compared_within_rounding_and_pa
     constants = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in (("base", 0.1), ("m", 0.9))]
     graph = helper.make_graph(nodes, "step", inputs, values[3:], constants)
     _lowered(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8))
+
+
+# --- in-place writes: every other access of the variable ordered against them ------------------------------
+
+
+def _drop_control_edges(op) -> None:
+    kept = [entry for entry in op.input if not entry.endswith(":-1")]
+    del op.input[:]
+    op.input.extend(kept)
+
+
+def test_the_buffer_copy_taken_before_the_write_it_waits_for_fails():
+    # accum_out is a TensorMove of the buffer after the SGD op's write (a control edge). Without the edge the device
+    # may copy the old buffer; the executor ran readers of variables last, so it always copied the new one, and the
+    # graph passed.
+    fused, lowered = _torch("sgd_wd_dynamo.onnx")
+    copy = lowered.op(lowered.sgd_ops[0] + "/accum_after_write")
+    assert copy.type == "TensorMove" and any(entry.endswith(":-1") for entry in copy.input)
+    _drop_control_edges(copy)
+    check = verify_lowering(fused, lowered)
+    assert not check.passed
+    assert "accesses variable buf_w" in check.message and "no data or control edge" in check.message, check.message
+
+
+def _chained():
+    """Two updates, the second one's gradient twice the first one's new weights (``g2 = 2*w1_new``,
+    tests/hunt_graphs.py), fused and lowered: the GE ``Mul`` of the gradient reads the first ``SGD`` op's output."""
+    from hunt_graphs import reads_fused_update
+
+    fused, lowered = _lowered(reads_fused_update("twice_new_weights", chain=2))
+    first = lowered.sgd_ops[0]
+    (mul,) = [op for op in lowered.graph.op if op.type == "Mul" and f"{first}:0" in op.input]
+    return fused, lowered, first, mul
+
+
+def test_a_gradient_that_reads_the_new_weights_from_the_variable_unordered_fails():
+    # The Mul reads the Variable itself instead of the SGD op's output: new weights only if the device happens to run
+    # the SGD op first. The executor did (readers of variables last), and the graph passed.
+    fused, lowered, first, mul = _chained()
+    parameters = lowered.op(first).input[0]
+    mul.input[list(mul.input).index(f"{first}:0")] = parameters
+    check = verify_lowering(fused, lowered)
+    assert not check.passed
+    assert f"op {mul.name} (Mul) accesses variable {parameters.rpartition(':')[0]}" in check.message, check.message
+
+
+def test_a_gradient_that_reads_the_old_weights_fails():
+    # Regression guard: the same read ordered before the write (a control edge Mul -> SGD) reads the old weights,
+    # and the second update's gradient fails on its numbers.
+    fused, lowered, first, mul = _chained()
+    mul.input[list(mul.input).index(f"{first}:0")] = lowered.op(first).input[0]
+    lowered.op(first).input.append(f"{mul.name}:-1")
+    check = verify_lowering(fused, lowered)
+    assert not check.passed and check.message.startswith("SGD gradient"), check.message

@@ -20,7 +20,9 @@ GE semantics it keeps, because lowering depends on them:
   (``SGD``, ``Assign``) go first and the readers of variable memory (a ``Variable``, the ref output of an
   ``SGD`` or ``Assign``, or an alias of one) last. So a read of an old value that
   lowering forgot to order before the write sees the new value and the comparison with onnxruntime fails,
-  as it could on the device.
+  as it could on the device. And before any op runs, every access of a variable's memory must be ordered
+  against each in-place write of it by a path of edges (:func:`_check_state_order`): a read that must follow
+  the write (the copy of the buffer an ``SGD`` op wrote) but lost its edge ran after it here all the same.
 
 Every output is checked against its descriptor (dtype, and every static dimension).
 """
@@ -228,7 +230,9 @@ class GEExecutor:
         unknown = sorted({op.type for op in ops.values()} - set(KERNELS) - {"Data", "Variable", "NetOutput", "Assign"})
         if unknown:
             raise ExecutorError(f"graph {graph.name}: no executor kernel for op type(s) {', '.join(unknown)}")
-        return RunPlan(ops, _schedule(ops))
+        order = _schedule(ops)
+        _check_state_order(ops, order)
+        return RunPlan(ops, order)
 
     def run(self, graph, feeds: Mapping[str, np.ndarray], *, plan: "RunPlan | None" = None, watch=frozenset()) -> list[np.ndarray]:
         """Run ``graph`` once with ``feeds`` (``Data`` op name → array); return ``NetOutput``'s inputs, copied.
@@ -383,6 +387,86 @@ def _schedule(ops: Mapping[str, Op]) -> list[Op]:
     if len(order) != len(ops):
         raise ExecutorError("the graph has a cycle")
     return order
+
+
+_IN_PLACE_PORTS = {"SGD": (0, 3, 5), "Assign": (0,)}
+"""The inputs each in-place writer writes into (SGD: ``parameters``, ``accum``, ``stat``; Assign: ``ref``)."""
+
+_METADATA_READERS = frozenset({"Shape", "Size", "Rank"})
+"""Ops that read a tensor's description only, not its elements: no access to order against a write."""
+
+
+def _check_state_order(ops: Mapping[str, Op], order: Sequence[Op]) -> None:
+    """Every access to a variable's memory must be ordered against every in-place write of it, by a path of
+    data or control edges: otherwise the device may run the two in either order, and the read sees the old
+    value or the new one as it happens (GE orders ops by their edges only).
+
+    The executor's schedule is adversarial one way (writers first, readers of variables last), which exposes a
+    read that must come before a write but was left unordered; a read that must come *after* the write (the
+    ``TensorMove`` copy of the buffer an ``SGD`` op wrote, another update's gradient computed from its new
+    weights) was then always run after it, and a graph that lost that control edge passed. So the orders are
+    checked here, whatever the schedule: an access is any op reading the memory through a ``Variable``, the ref
+    output of a writer, or ops that may alias it (an aliasing op itself counts, as it may copy), but ``Shape``
+    and the like; a write is an ``SGD`` op's ``parameters``, ``accum`` and ``stat`` and an ``Assign``'s ref.
+
+    Raises:
+        GraphContradictionError: a write and another access of one variable with no path between them.
+    """
+    memory: dict[tuple[str, int], str] = {}
+    accesses: dict[str, list[str]] = {}
+    writes: dict[str, list[str]] = {}
+    for op in order:
+        held = [(port, memory.get(source)) for port, source in enumerate(op.inputs) if source is not None]
+        for port, variable in held:
+            if variable is None or op.type in _METADATA_READERS:
+                continue
+            accesses.setdefault(variable, []).append(op.name)
+            if port in _IN_PLACE_PORTS.get(op.type, ()):
+                writes.setdefault(variable, []).append(op.name)
+        if op.type == "Variable":
+            memory[(op.name, 0)] = op.name
+        elif op.inputs and op.inputs[0] is not None and op.inputs[0] in memory and (op.type in WRITERS or _may_alias(op, ops)):
+            memory[(op.name, 0)] = memory[op.inputs[0]]
+    if not writes:
+        return
+    position = {op.name: k for k, op in enumerate(order)}
+    predecessors = {op.name: [s[0] for s in op.inputs if s is not None] + list(op.controls) for op in order}
+    successors: dict[str, list[str]] = {}
+    for name, sources in predecessors.items():
+        for source in sources:
+            successors.setdefault(source, []).append(name)
+
+    def reached(start: str, edges: Mapping[str, list[str]], inside) -> set[str]:
+        # The ops reached from ``start`` along ``edges`` through ops whose position ``inside`` accepts: an op
+        # on a path between two ops lies between them in any topological order.
+        seen, stack = {start}, [start]
+        while stack:
+            for other in edges.get(stack.pop(), ()):
+                if other not in seen and inside(position[other]):
+                    seen.add(other)
+                    stack.append(other)
+        return seen
+
+    for variable, writers in writes.items():
+        others = list(dict.fromkeys(accesses[variable]))
+        for writer in dict.fromkeys(writers):
+            here = position[writer]
+            before = [name for name in others if position[name] < here]
+            after = [name for name in others if position[name] > here]
+            unordered = []
+            if before:
+                low = min(position[name] for name in before)
+                ancestors = reached(writer, predecessors, lambda k: k >= low)
+                unordered += [name for name in before if name not in ancestors]
+            if after:
+                high = max(position[name] for name in after)
+                descendants = reached(writer, successors, lambda k: k <= high)
+                unordered += [name for name in after if name not in descendants]
+            if unordered:
+                raise GraphContradictionError(
+                    f"op {unordered[0]} ({ops[unordered[0]].type}) accesses variable {variable}, which op {writer} "
+                    f"({ops[writer].type}) writes in place, and no data or control edge orders the two: the device may "
+                    "run them in either order (a control edge missing)")
 
 
 # ---- kernels ------------------------------------------------------------------------------------------
