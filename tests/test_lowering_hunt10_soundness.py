@@ -185,3 +185,104 @@ def test_a_gradient_that_reads_the_old_weights_fails():
     lowered.op(first).input.append(f"{mul.name}:-1")
     check = verify_lowering(fused, lowered)
     assert not check.passed and check.message.startswith("SGD gradient"), check.message
+
+
+# --- attributes: none that changes an op's meaning goes unread ---------------------------------------------
+
+STEPS = Path(__file__).resolve().parent.parent / "testdata" / "steps"
+
+
+def _set(op_type: str, key: str, value):
+    def edit(lowered) -> None:
+        op = next(op for op in lowered.graph.op if op.type == op_type)
+        attribute = op.attr[key]
+        setattr(attribute, attribute.WhichOneof("value"), value)
+
+    return edit
+
+
+def _swap_data_indices(lowered) -> None:
+    first, second = [op for op in lowered.graph.op if op.type == "Data"][:2]
+    first.attr["index"].i, second.attr["index"].i = second.attr["index"].i, first.attr["index"].i
+
+
+UNREAD_CASES = [
+    # (model, edit, what the message names); each passed: the executor never read the attribute.
+    ("cnn_frozen", _set("Conv2D", "data_format", b"NHWC"), "data_format"),
+    ("cnn_frozen", _set("MaxPoolV3", "global_pooling", True), "global_pooling"),
+    ("cnn_frozen", _set("AvgPoolV2", "divisor_override", 3), "divisor_override"),
+    ("cnn_frozen", _set("BatchNorm", "data_format", b"NHWC"), "data_format"),
+    ("cnn_bn", _set("StridedSliceV2", "begin_mask", 1), "begin_mask"),
+    ("cnn_bn", _set("Reshape", "axis", 1), "axis"),
+    ("gpt_tiny", _set("SplitV", "num_split", 2), "num_split"),
+    ("sgd_wd", _swap_data_indices, "graph input 0"),
+]
+
+
+@pytest.mark.parametrize("model, edit, named", UNREAD_CASES, ids=[f"{c[0]}-{c[2]}" for c in UNREAD_CASES])
+def test_an_attribute_the_executor_did_not_read_fails(model, edit, named):
+    fused, lowered = _torch(f"{model}_dynamo.onnx") if model.startswith("sgd_") else _lowered(onnx.load(STEPS / f"{model}.onnx"))
+    edit(lowered)
+    check = verify_lowering(fused, lowered)
+    assert not check.passed
+    assert named in check.message, check.message
+
+
+def test_a_negative_gather_index_without_negative_index_support_fails():
+    # ``Gather(x, -2)``: lowering writes negative_index_support true; false reads out of range on the device,
+    # where numpy's take (the executor's kernel) counted from the end all the same, and the graph passed.
+    nodes = [helper.make_node("Gather", ["x", "idx"], ["g"], axis=0),
+             helper.make_node("Mul", ["buf", "m"], ["kept"]), helper.make_node("Add", ["kept", "g"], ["buf_out"]),
+             helper.make_node("Mul", ["buf_out", "lr"], ["step"]), helper.make_node("Sub", ["w", "step"], ["w_out"])]
+    values = [helper.make_tensor_value_info(n, F, [4, 3]) for n in ("w", "buf", "w_out", "buf_out")]
+    constants = [numpy_helper.from_array(np.array(-2, np.int64), "idx"), numpy_helper.from_array(np.array(0.9, np.float32), "m"),
+                 numpy_helper.from_array(np.array(0.1, np.float32), "lr")]
+    graph = helper.make_graph(nodes, "step", [helper.make_tensor_value_info("x", F, [5, 4, 3])] + values[:2], values[2:], constants)
+    fused, lowered = _lowered(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8))
+    (gather,) = [op for op in lowered.graph.op if op.type == "GatherV2"]
+    assert gather.attr["negative_index_support"].b
+    gather.attr["negative_index_support"].b = False
+    check = verify_lowering(fused, lowered)
+    assert not check.passed and "negative_index_support" in check.message, check.message
+
+
+def test_every_attribute_lowering_writes_is_read_by_its_kernel_or_pinned(monkeypatch):
+    """Every attribute of every op in the lowered committed steps is read by the executor's kernel, or pinned to the
+    value the kernel computes for (``ASSUMED_ATTRIBUTES``), or listed as changing nothing (``IGNORED_ATTRIBUTES``):
+    a rule that starts writing an attribute the executor ignores fails here instead of passing lower's check."""
+    from collections.abc import Mapping
+
+    from sgdfuse.lowering import executor
+
+    read: dict[str, set[str]] = {}
+    present: dict[str, set[str]] = {}
+
+    class Recording(Mapping):
+        def __init__(self, inner, op_type):
+            self.inner, self.op_type = inner, op_type
+
+        def __getitem__(self, key):
+            read.setdefault(self.op_type, set()).add(key)
+            return self.inner[key]
+
+        def __iter__(self):
+            return iter(self.inner)
+
+        def __len__(self):
+            return len(self.inner)
+
+    decode = executor._decode
+
+    def recording_decode(op, position, lifted=False):
+        decoded = decode(op, position, lifted)
+        present.setdefault(decoded.type, set()).update(key for key in op.attr if not key.startswith("_"))
+        decoded.attrs = Recording(decoded.attrs, decoded.type)
+        return decoded
+
+    monkeypatch.setattr(executor, "_decode", recording_decode)
+    for name in ("cnn_frozen", "cnn_bn", "gpt_tiny", "mlp_amp"):
+        _lowered(onnx.load(STEPS / f"{name}.onnx"))
+    unread = {(op_type, key) for op_type, keys in present.items() for key in keys - read.get(op_type, set())
+              if key not in executor.ASSUMED_ATTRIBUTES.get(op_type, {}) and (op_type, key) not in executor.IGNORED_ATTRIBUTES}
+    assert not unread, sorted(unread)
+    assert {"Conv2D", "MaxPoolV3", "AvgPoolV2", "StridedSliceV2", "SplitV", "GatherV2"} <= set(present)

@@ -44,7 +44,8 @@ from sgdfuse.lowering import ge_ir
 from sgdfuse.lowering.alias import keeps_layout, may_alias
 from sgdfuse.runtime import onnx_to_numpy_dtype
 
-__all__ = ["ExecutorError", "GEExecutor", "GEModelRunner", "KERNELS", "RunPlan", "kernel", "numpy_dtype"]
+__all__ = ["ASSUMED_ATTRIBUTES", "ExecutorError", "GEExecutor", "GEModelRunner", "GraphContradictionError", "IGNORED_ATTRIBUTES", "KERNELS", "RunPlan", "kernel",
+           "numpy_dtype"]
 
 WRITERS = frozenset({"SGD", "Assign"})
 
@@ -230,6 +231,8 @@ class GEExecutor:
         unknown = sorted({op.type for op in ops.values()} - set(KERNELS) - {"Data", "Variable", "NetOutput", "Assign"})
         if unknown:
             raise ExecutorError(f"graph {graph.name}: no executor kernel for op type(s) {', '.join(unknown)}")
+        for op in ops.values():
+            _check_assumed_attributes(op)
         order = _schedule(ops)
         _check_state_order(ops, order)
         return RunPlan(ops, order)
@@ -387,6 +390,48 @@ def _schedule(ops: Mapping[str, Op]) -> list[Op]:
     if len(order) != len(ops):
         raise ExecutorError("the graph has a cycle")
     return order
+
+
+_NO_MASKS = {mask: 0 for mask in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+
+ASSUMED_ATTRIBUTES: dict[str, dict[str, object]] = {
+    "AvgPoolV2": {"data_format": "NCHW", "divisor_override": 0, "global_pooling": False, "padding_mode": "CALCULATED"},
+    "MaxPoolV3": {"data_format": "NCHW", "global_pooling": False, "padding_mode": "CALCULATED"},
+    "BatchNorm": {"data_format": "NCHW"},
+    "Conv2D": {"data_format": "NCHW", "offset_x": 0},
+    "Conv2DTranspose": {"data_format": "NCHW", "offset_x": 0},
+    "Conv3D": {"data_format": "NCDHW", "offset_x": 0},
+    "MatMulV2": {"offset_x": 0},
+    "BatchMatMulV2": {"offset_x": 0},
+    "Cast": {"truncate": False},
+    "GatherV2": {"batch_dims": 0},
+    "Reshape": {"axis": 0, "num_axes": -1},
+    "StridedSliceV2": _NO_MASKS,
+}
+"""Op type → the attributes its kernel does not read, with the one value it computes for (what lowering writes):
+an op with another value is refused (:func:`_check_assumed_attributes`), so that no kernel computes something
+else than the op means. A ``data_format`` of NHWC, a ``global_pooling``, a ``begin_mask`` or a Reshape ``axis``
+each changed the op's meaning and passed lower's check, the kernel never looking at it."""
+
+IGNORED_ATTRIBUTES: dict[tuple[str, str], str] = {
+    ("Assign", "use_locking"): "a lock changes no value",
+    ("Data", "index"): "the executor feeds Data ops by name; lower's check compares each index with the graph's input list",
+    ("SGD", "reference"): "lower's check requires it true (sgdfuse.lowering.verify)",
+}
+"""(op type, attribute) that no kernel reads and whose value changes nothing here, with where it is checked."""
+
+
+def _check_assumed_attributes(op: Op) -> None:
+    """Refuse an op whose attribute of :data:`ASSUMED_ATTRIBUTES` has another value than the kernel computes for.
+
+    Raises:
+        GraphContradictionError: naming the op, the attribute, its value and the value computed for.
+    """
+    for key, assumed in ASSUMED_ATTRIBUTES.get(op.type, {}).items():
+        if key in op.attrs and op.attrs[key] != assumed:
+            raise GraphContradictionError(
+                f"op {op.name} ({op.type}) has {key} {op.attrs[key]!r}; lowering writes {assumed!r}, the value the "
+                "executor computes the op for")
 
 
 _IN_PLACE_PORTS = {"SGD": (0, 3, 5), "Assign": (0,)}
@@ -672,7 +717,12 @@ def _concat(op: Op, inputs: list) -> list:
 @kernel("GatherV2")
 def _gather(op: Op, inputs: list) -> list:
     x, indices, axis = inputs
-    return [np.take(x, np.asarray(indices), axis=int(np.asarray(axis)))]
+    indices = np.asarray(indices)
+    if not op.attrs.get("negative_index_support", False) and indices.size and int(indices.min()) < 0:
+        # GE counts a negative index from the end only when told to; numpy's take always does.
+        raise GraphContradictionError(f"op {op.name} (GatherV2) reads index {int(indices.min())} with "
+                                      "negative_index_support false: out of range on the device")
+    return [np.take(x, indices, axis=int(np.asarray(axis)))]
 
 
 def _softmax(log: bool) -> Kernel:
