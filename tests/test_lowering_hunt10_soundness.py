@@ -286,3 +286,28 @@ def test_every_attribute_lowering_writes_is_read_by_its_kernel_or_pinned(monkeyp
               if key not in executor.ASSUMED_ATTRIBUTES.get(op_type, {}) and (op_type, key) not in executor.IGNORED_ATTRIBUTES}
     assert not unread, sorted(unread)
     assert {"Conv2D", "MaxPoolV3", "AvgPoolV2", "StridedSliceV2", "SplitV", "GatherV2"} <= set(present)
+
+
+# --- the conditioning allowance is each element's, not the output's largest ---------------------------------
+
+
+def test_a_small_gradient_element_a_little_off_beside_large_ones_fails():
+    # g = x * [1e6, 1]: under the nudge of x, the first column moves a million times more than the second. The
+    # allowance was 16 times the largest change of any element, for every element (1e-5 here, lifted): the GE
+    # Const's second entry a relative 1e-6 off (|g| ~ 1, an error of ~1e-6) passed. Numpy: the edit changes
+    # g[:, 1] by 1e-6 * x, which no allowance of x's own conditioning (2^-40 relative) covers.
+    nodes = [helper.make_node("Mul", ["x", "c"], ["g"]),
+             helper.make_node("Mul", ["buf", "m"], ["kept"]), helper.make_node("Add", ["kept", "g"], ["buf_out"]),
+             helper.make_node("Mul", ["buf_out", "lr"], ["step"]), helper.make_node("Sub", ["w", "step"], ["w_out"])]
+    values = [helper.make_tensor_value_info(n, F, [4, 2]) for n in ("x", "w", "buf", "w_out", "buf_out")]
+    constants = [numpy_helper.from_array(np.array([1e6, 1.0], np.float32), "c"),
+                 numpy_helper.from_array(np.array(0.9, np.float32), "m"), numpy_helper.from_array(np.array(0.1, np.float32), "lr")]
+    graph = helper.make_graph(nodes, "step", values[:3], values[3:], constants)
+    fused, lowered = _lowered(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8))
+    (const,) = [op for op in lowered.graph.op if op.type == "Const" and len(op.attr["value"].t.data) == 8]
+    scales = np.frombuffer(const.attr["value"].t.data, np.float32).copy()
+    assert scales.tolist() == [1e6, 1.0]
+    scales[1] *= 1 + 1e-6
+    const.attr["value"].t.data = scales.tobytes()
+    check = verify_lowering(fused, lowered)
+    assert not check.passed and check.message.startswith("SGD gradient"), check.message
