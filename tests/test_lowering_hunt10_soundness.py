@@ -311,3 +311,47 @@ def test_a_small_gradient_element_a_little_off_beside_large_ones_fails():
     const.attr["value"].t.data = scales.tobytes()
     check = verify_lowering(fused, lowered)
     assert not check.passed and check.message.startswith("SGD gradient"), check.message
+
+
+# --- the executor's SGD kernel: the contract's own example, not the reference's code -----------------------
+
+
+@pytest.mark.parametrize("lifted", [False, True])
+@pytest.mark.parametrize("momentum, parameters, accum, stat", [
+    # /work/shared/SGD-OPERATOR.md's worked example (FLOAT, lr 0.1, dampening 0.1, weight decay 0.01), worked by
+    # hand: grad = g + 0.01*p; accum_t = m*a + grad - grad*(1 - stat)*0.1; p - 0.1*accum_t.
+    (0.9, [0.944, 1.9352, -np.inf], [0.56, 0.648, np.inf], [0.0, 0.0, 0.0]),
+    (0.0, [0.989, 1.9802, np.nan], [0.5, 0.5, np.inf], [1.0, 0.0, 0.0]),  # m = 0: 0*Inf = NaN; accum, stat kept
+])
+def test_the_executors_sgd_kernel_computes_the_contracts_example(lifted, momentum, parameters, accum, stat):
+    # The executor's SGD kernel (reference.sgd natively, its own DOUBLE transcription lifted) is the fused side of
+    # lower's check; onnxruntime runs the fused node's function body. Both are held here to the contract's numbers.
+    from sgdfuse.lowering.executor import KERNELS, Op
+
+    dtype = np.float64 if lifted else np.float32
+    arrays = [np.array(v, dtype) for v in ([1, 2, 3], [0.1, 0.2, 0.3], [0.1], [0.5, 0.5, np.inf], [momentum], [1, 0, 0])]
+    op = Op(name="sgd", type="SGD", inputs=[None] * 6, controls=[], attrs={"dampening": 0.1, "weight_decay": 0.01, "nesterov": False},
+            output_dtypes=[np.dtype(dtype)], output_shapes=[[3]], position=0, lifted=lifted)
+    (out,) = KERNELS["SGD"](op, arrays)
+    tolerance = dict(rtol=1e-6, atol=0) if not lifted else dict(rtol=1e-7, atol=0)
+    np.testing.assert_allclose(out, parameters, **tolerance)
+    np.testing.assert_allclose(arrays[3], accum, **tolerance)  # written in place
+    np.testing.assert_array_equal(arrays[5], stat)
+    assert out is arrays[0]  # the output is the parameters' own memory
+
+
+# --- known gap: where the lifted comparison cannot run --------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap (hunt10): onnxruntime 1.32 has no DOUBLE kernel for LayerNormalization (nor Conv, Col2Im), so lower's "
+    "lifted comparison is skipped for gpt_tiny (and the cnn/resnet steps; the console's Note), and FLOAT's fixed rtol "
+    "1e-4 lets through the ~5e-6 relative change of LayerNorm outputs that a doubled epsilon (1e-5 -> 2e-5 at unit "
+    "variance) makes; closing it needs a DOUBLE original for those ops (expanding LayerNormalization to its ONNX "
+    "function body when lifting would cover that one)"))
+def test_a_layer_norm_epsilon_doubled_in_the_ge_graph_fails():
+    fused, lowered = _lowered(onnx.load(STEPS / "gpt_tiny.onnx"))
+    layer_norm = next(op for op in lowered.graph.op if op.type == "LayerNorm")
+    layer_norm.attr["epsilon"].f *= 2  # numpy: y = (x - mean) / sqrt(var + eps) moves by ~eps/2 relative
+    check = verify_lowering(fused, lowered)
+    assert not check.passed, "the doubled epsilon passed (" + check.note + ")"
