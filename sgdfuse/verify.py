@@ -281,6 +281,8 @@ class _Terms:
     fed, or the original's gradient is not probed): ``check``'s in-place run, where each side computes its
     gradient from its own weights, and every step of :func:`check_lowered`, whose two implementations compute
     the gradient in their own order."""
+    exact: frozenset[str] = frozenset()
+    """The coefficients both sides apply bit for bit (:func:`coefficient_bound`'s ``exact``)."""
 
 
 def _times(coefficient: float, magnitude):
@@ -353,31 +355,43 @@ def hyperparameter_tolerance(dtype: int) -> float:
     return folding if dtype == onnx.TensorProto.FLOAT else folding + _UNIT_ROUNDOFF[dtype]
 
 
+COEFFICIENTS = frozenset({"lr", "m", "d", "wd"})
+"""The coefficients of an update as :func:`coefficient_bound` names them: learning rate, momentum, dampening
+(through ``k = 1 - d``) and weight decay."""
+
+
 def coefficient_bound(
-    momentum: float, dampening: float, weight_decay: float, nesterov: bool, p, g, a, lr: float, dtype: int
+    momentum: float, dampening: float, weight_decay: float, nesterov: bool, p, g, a, lr: float, dtype: int,
+    *, exact: frozenset[str] = frozenset(),
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per-element bounds ``(weights, buffer)`` on the difference that coefficients rounded to the op's
-    storage types may cause, relative to the error-free terms (module docstring, "Tolerance rule")."""
+    storage types may cause, relative to the error-free terms (module docstring, "Tolerance rule").
+
+    ``exact``: the coefficients (of :data:`COEFFICIENTS`) that both sides are known to apply bit for bit, which
+    get no allowance (:func:`check_lowered`: the GE ``SGD`` op's attributes were compared with the fused node's,
+    and its learning rate and momentum, each probed on both sides, must be equal)."""
     m, k, wd, lr = abs(momentum), abs(1.0 - dampening), abs(weight_decay), abs(lr)
     eps_f = COEFFICIENT_ROUNDINGS * _UNIT_ROUNDOFF[onnx.TensorProto.FLOAT]
     eps_p = hyperparameter_tolerance(dtype)
+    eps_lr, eps_m = (0.0 if name in exact else eps_p for name in ("lr", "m"))
+    eps_k, eps_wd = (0.0 if name in exact else eps_f for name in ("d", "wd"))
     with np.errstate(invalid="ignore", over="ignore"):
         p64, g64, a64 = (np.abs(np.asarray(x, dtype=np.float64)) for x in (p, g, a))
         ma, kg, kwp = _times(m, a64), _times(k, g64), _times(k * wd, p64)
         t_v = ma + kg + kwp
-        b_v = eps_p * ma + eps_f * kg + 2 * eps_f * kwp
+        b_v = _times(eps_m, ma) + _times(eps_k, kg) + _times(eps_k + eps_wd, kwp)
         if nesterov:
-            b_w = _times(lr, _times(eps_f * wd, p64) + _times(m, b_v) + _times(eps_p * m, t_v)) + _times(
-                eps_p * lr, g64 + _times(wd, p64) + _times(m, t_v))
+            b_w = _times(lr, _times(eps_wd * wd, p64) + _times(m, b_v) + _times(eps_m * m, t_v)) + _times(
+                eps_lr * lr, g64 + _times(wd, p64) + _times(m, t_v))
         else:
-            b_w = _times(lr, b_v) + _times(eps_p * lr, t_v)
+            b_w = _times(lr, b_v) + _times(eps_lr * lr, t_v)
     return b_w, b_v
 
 
 def _bounds(terms: _Terms, *, lifted: bool) -> tuple[np.ndarray, np.ndarray]:
     """The full per-element bounds ``(weights, buffer)`` of one step (module docstring)."""
     t = terms
-    b_w, b_v = coefficient_bound(t.m, t.d, t.wd, t.nesterov, t.p, t.g, t.a, t.lr, t.dtype)
+    b_w, b_v = coefficient_bound(t.m, t.d, t.wd, t.nesterov, t.p, t.g, t.a, t.lr, t.dtype, exact=t.exact)
     s_w, s_v = _magnitudes(t.m, t.d, t.wd, t.nesterov, t.p, t.g, t.a, t.lr)
     u = _DOUBLE_ROUNDOFF if lifted else _UNIT_ROUNDOFF[t.dtype]
     floor = 4 * _SMALLEST_SUBNORMAL[t.dtype]
@@ -932,6 +946,9 @@ class _UpdateView:
     runs and compared there within that update's bound: the two sides' values of it differ by that update's
     rounding, which is absolute (``ulp(|p| + lr·|v|)``, large beside a ``w1_new`` near 0), so on every step,
     lockstep too, the bound propagates their measured difference (:func:`_view_terms`). "" otherwise."""
+    exact_coefficients: frozenset[str] = frozenset()
+    """:func:`check_lowered`: the coefficients (of :data:`COEFFICIENTS`) that both implementations are held to
+    apply bit for bit, so that the bound gives them no allowance."""
 
 
 @dataclasses.dataclass
@@ -1426,6 +1443,7 @@ def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fu
     return _Terms(
         p=p, g=gradient, a=a, lr=_scalar(fused_out[view.learning_rate]), m=_scalar(fused_out[view.momentum]),
         d=view.dampening, wd=view.weight_decay, nesterov=view.nesterov, dtype=view.dtype, dp=dp, da=da, dg=dg,
+        exact=view.exact_coefficients,
     )
 
 
@@ -2092,6 +2110,7 @@ def check_lowered(
     input_roles: Mapping[str, str] | None = None,
     loose=None,
     original_wrapper=None,
+    exact_attributes: bool = False,
     steps: int = 3,
     seed: int = 0,
 ) -> ModelCheck:
@@ -2126,6 +2145,13 @@ def check_lowered(
         loose: as above.
         original_wrapper: ``original_wrapper(session, lifted)`` → the session the original side runs
             (lower's: one that can also run a step's feeds nudged, for ``loose``), or None.
+        exact_attributes: the caller has found every SGD op of the fused side to carry its node's dampening and
+            weight decay bit for bit (lower's: the GE op's attributes against the fused node's), so the bound
+            gives them no allowance. Either way the learning rate and momentum each op reads are compared with the
+            original's (listed with kind "coefficient"): exactly where the fused model computes them by correctly
+            rounded operations alone (:func:`_exactly_rounded`), then with no allowance in the bound either; with
+            ``loose`` elsewhere (a schedule through ``Pow`` or ``Cos``), keeping the allowance of
+            :data:`COEFFICIENT_ROUNDINGS` roundings.
 
     Raises:
         ValueError: an input's shape is unknown; an SGD node writes into a value that is not a graph input.
@@ -2136,15 +2162,29 @@ def check_lowered(
         side = _Side.of(model)
         declared_outputs = list(side.outputs)
         views = _fused_views(side, set(names))
+        # The coefficients are the fused node's own: lowering copies the attributes (the caller compares them,
+        # ``exact_attributes``) and computes the learning rate and momentum from the same values. Where those are
+        # computed by correctly rounded operations only (a constant, a fed value, a cast, a product of constants)
+        # the two sides must give the same bits, and the probes are compared exactly; a GE constant one ulp off
+        # was inside the allowance of COEFFICIENT_ROUNDINGS roundings, which stands for an exporter's folding.
+        exact_probes: set[str] = set()
         for view in views:
             view.original_state = {s: original_pairs[s] for s in view.roles if s in original_pairs}
             view.fused_state = {s: written[s] for s in view.roles if s in written}
             view.original_gradient = view.gradient
+            exact = {"d", "wd"} if exact_attributes else set()
+            for tag, probe_name in (("lr", view.learning_rate), ("m", view.momentum)):
+                if _exactly_rounded(side, probe_name):
+                    exact.add(tag)
+                    exact_probes.add(probe_name)
+            view.exact_coefficients = frozenset(exact)
         index = _declarations(model)
         inputs = {spec.name: spec if input_roles is None or spec.role in ("parameters", "accum") or spec.name not in input_roles
                   else dataclasses.replace(spec, role=input_roles[spec.name]) for spec in _check_inputs(index, names, views, side)}
         gradients = list(dict.fromkeys(view.gradient for view in views))
-        outputs = list(dict.fromkeys(declared_outputs + gradients))
+        coefficients = [name for name in dict.fromkeys(v for view in views for v in (view.learning_rate, view.momentum))
+                        if name not in declared_outputs and name not in gradients]
+        outputs = list(dict.fromkeys(declared_outputs + gradients + coefficients))
         fused_names = list(dict.fromkeys(outputs + [v for view in views for v in (view.learning_rate, view.momentum)]
                                          + [v for view in views for v in view.fused_state.values()]))
         original, _ = _side_model(side, range(len(side.nodes)), outputs)
@@ -2177,7 +2217,7 @@ def check_lowered(
                     pair = _Pair.of_sessions(pair.original, fused_session(pair.lifted, views), pair.lifted)
                 try:
                     skipped = _check_schedule(pair, specs, numbered, outputs, fused_names, original_pairs, output_tallies,
-                                              state_tallies, steps=steps, size=size, seed=seed, loose=loose)
+                                              state_tallies, steps=steps, size=size, seed=seed, loose=loose, exact=exact_probes)
                     if skipped and skipped not in notes:
                         notes.append(skipped)
                 except _RunError as error:
@@ -2197,7 +2237,7 @@ def check_lowered(
         update_outputs = {name for view in views for name in view.outputs}
         listed = [
             {"name": name, "kind": "fused update" if name in update_outputs else "gradient" if name in gradients and name not in declared_outputs
-             else "exact", "max_abs_error": t.max_abs, "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message,
+             else "coefficient" if name in coefficients else "exact", "max_abs_error": t.max_abs, "max_bound_ratio": t.max_ratio, "passed": t.passed, "message": t.message,
              "verified_as": ""}
             for name, t in output_tallies.items()
         ]
@@ -2209,6 +2249,38 @@ def check_lowered(
         passed = all(entry["passed"] for entry in listed + in_place)
         return ModelCheck(steps, passed, listed, {o: s for s, o in original_pairs.items()}, in_place, list(runs), "; ".join(notes),
                           1, 1, uncompared)
+
+
+CORRECTLY_ROUNDED_OPS = frozenset({
+    "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Gather", "GatherElements", "Slice", "Concat",
+    "Split", "Transpose", "Tile", "Cast", "CastLike", "Constant", "ConstantOfShape", "Shape", "Size", "Neg", "Abs",
+    "Sign", "Add", "Sub", "Mul", "Div", "Sqrt", "Reciprocal", "Floor", "Ceil", "Round", "Min", "Max", "Clip", "Relu",
+    "Where", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor", "IsNaN", "IsInf",
+})
+"""ONNX operators (default domain) whose every result element is one correctly rounded IEEE operation of its
+operands, or none (moves, comparisons, selections): two correct implementations give the same bits
+(IEEE 754 section 5.4 for ``+ - * /`` and square root; FLOAT16 and BFLOAT16 computed in FLOAT and rounded
+once give the correctly rounded result, see docs/design.md, "BFLOAT16 in onnxruntime"). Not ``Pow``, ``Exp``,
+``Cos`` and the like (libraries differ in the last place), nor reductions and products (the order of the sum)."""
+
+
+def _exactly_rounded(side: "_Side", value: str) -> bool:
+    """Is ``value`` computed on ``side`` from fed inputs and constants by :data:`CORRECTLY_ROUNDED_OPS` alone
+    (so that another correct implementation of the model gives it bit for bit)? A node with a subgraph, or of
+    another domain, is not."""
+    stack, seen = [value], set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        k = side.producer.get(name)
+        if k is None:
+            continue  # a fed input or an initializer
+        if side.subgraph[k] or side.domains[k] not in ("", "ai.onnx") or side.op_types[k] not in CORRECTLY_ROUNDED_OPS:
+            return False
+        stack.extend(side.reads[k])
+    return True
 
 
 _CHECK_DEAD_ADVICE = (
@@ -3367,14 +3439,15 @@ def non_negative_inputs(nodes: Sequence[onnx.NodeProto], *, op_types: Sequence[s
 
 
 def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, output_tallies, state_tallies,
-                    *, steps: int, size: int | None, seed: int, loose=None) -> None:
+                    *, steps: int, size: int | None, seed: int, loose=None, exact: frozenset[str] | set[str] = frozenset()) -> None:
     """One precision at one size of a model of :func:`check_models` groups: the lockstep run (every output),
     the in-place run (state writes), then the extreme-value steps from the lockstep state, and, when some
     update's gradient was not live on any of them, the :data:`WIDE` step (in lockstep, outputs and state
     writes compared). ``views`` are ``(index, view)`` pairs; ``state_tallies`` is keyed by ``(index, state)``.
     Returns a note when the original could not run the wide step (it is skipped, the rest compared), else "".
     ``loose``: ``(name, original value) -> bound`` for an output that is not an update's (None: identical),
-    as :func:`check_lowered` compares two implementations of one model."""
+    as :func:`check_lowered` compares two implementations of one model; ``exact``: outputs compared bit for bit
+    all the same (:func:`check_lowered`'s coefficients computed by correctly rounded operations)."""
     convert = _lifted_array if pair.lifted else (lambda array: array)
     label = _run_label(pair.label, size)
     fused_pairs = dict(original_pairs)
@@ -3438,7 +3511,7 @@ def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, o
         _compare_check_step(views, outputs, output_tallies, state_tallies, step_label, original_in, fused_in, original_out,
                             fused_out, lifted=pair.lifted, outputs_compared=mode == "lockstep",
                             in_place=mode != "lockstep" or kind == WIDE, finite_only=kind == WIDE,
-                            carried=mode == "in place" or loose is not None, loose=loose)
+                            carried=mode == "in place" or loose is not None, loose=loose, exact=exact)
     for (k, view), seen in zip(views, live):
         if seen:
             for tally in _view_tallies(k, view, output_tallies, state_tallies):
@@ -3454,7 +3527,7 @@ def _view_tallies(k: int, view: _UpdateView, output_tallies: Mapping, state_tall
 
 def _compare_check_step(views, outputs, output_tallies, state_tallies, step_label: str, original_in, fused_in, original_out,
                         fused_out, *, lifted: bool, outputs_compared: bool, in_place: bool, finite_only: bool,
-                        carried: bool = False, loose=None) -> None:
+                        carried: bool = False, loose=None, exact: frozenset[str] | set[str] = frozenset()) -> None:
     """Compare one step of :func:`_check_schedule`: with ``outputs_compared`` (lockstep) every output (exactly,
     or within the bound for an update's), with ``in_place`` what each side writes into each state;
     ``finite_only`` (a :data:`WIDE` step) leaves out elements not finite on either side."""
@@ -3462,7 +3535,7 @@ def _compare_check_step(views, outputs, output_tallies, state_tallies, step_labe
     if outputs_compared:
         for name in outputs:
             if name not in update_outputs and name in output_tallies:  # not a probe
-                bound = 0.0 if loose is None else functools.partial(loose, name, original_out[name])
+                bound = 0.0 if loose is None or name in exact else functools.partial(loose, name, original_out[name])
                 output_tallies[name].compare(f"{step_label}", original_out[name], fused_out[name], bound, finite_only=finite_only)
     for k, view in views:
         bounds = _lazy_bounds(view, original_in, fused_in, original_out, fused_out, lifted=lifted, carried=carried)

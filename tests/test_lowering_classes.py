@@ -105,8 +105,9 @@ def test_one_member_whose_init_graph_assigns_the_wrong_initial_value_is_caught(f
 
 def test_one_member_whose_old_value_read_is_not_ordered_before_the_write_is_caught(fused):
     """The control edges that order one update's read of its old parameters (``y = Neg(Identity(p))``)
-    before the SGD op's in-place write are dropped: the executor, which runs writers first, then gives
-    ``y`` the new parameters."""
+    before the SGD op's in-place write are dropped: the read and the write of that member's parameters are
+    then unordered, which the executor refuses (it used to run the writer first and give ``y`` the new
+    parameters, which the comparison caught)."""
     lowered = _lowered(fused)
     sgd = _sgd_op(lowered, f"p{WRONG}")
     controls = [entry for entry in sgd.input if entry.endswith(":-1")]
@@ -116,7 +117,7 @@ def test_one_member_whose_old_value_read_is_not_ordered_before_the_write_is_caug
     sgd.input.extend(kept)
     check = verify_lowering(fused, lowered)
     assert not check.passed
-    assert f"y{WRONG}" in check.message
+    assert f"accesses variable p{WRONG}," in check.message, check.message
 
 
 def test_the_sample_does_not_decide_it(fused):

@@ -62,9 +62,40 @@ def test_a_lowered_op_with_another_dampening_fails_on_a_gradient_dead_on_random_
     assert NEVER_COMPARED not in check.message  # it failed on its numbers, at the wide step
 
 
+def _negated_gradient(lowered) -> None:
+    """The GE ``SGD`` op made to read ``Neg(g)`` for ``g`` (the ``Relu``'s output copied as a ``Neg`` of it): a wrong
+    graph whose numbers agree wherever ``g`` is 0. (A wrong dampening attribute no longer serves: the check
+    compares the op's attributes with the fused node's before any number.)"""
+    ops = {op.name: op for op in lowered.graph.op}
+    sgd = ops[lowered.sgd_ops[0]]
+    source = ops[sgd.input[1].rpartition(":")[0]]
+    negated = type(source)()
+    negated.CopyFrom(source)
+    negated.name, negated.type = "negated_gradient", "Neg"
+    del negated.input[:], negated.input_desc[:]
+    negated.input.append(f"{source.name}:0")
+    negated.input_desc.append(source.output_desc[0])
+    position = list(lowered.graph.op).index(sgd)
+    ops_in_order = list(lowered.graph.op)
+    ops_in_order.insert(position, negated)
+    kept = [type(op)() for op in ops_in_order]
+    for copy_, op in zip(kept, ops_in_order):
+        copy_.CopyFrom(op)
+    del lowered.graph.op[:]
+    lowered.graph.op.extend(kept)
+    lowered.op(lowered.sgd_ops[0]).input[1] = "negated_gradient:0"
+
+
 @pytest.mark.parametrize("lowered_from", ["right", "wrong"])
 def test_a_gradient_never_live_fails_as_never_compared_whatever_its_numbers(lowered_from):
     fused = _fused(_relu_step(1e30))
-    check = _verify(fused, fused if lowered_from == "right" else _with_dampening(fused, 0.5))
+    lowered = lower(fused, soc=SOC, optimise=False)
+    if lowered_from == "wrong":
+        _negated_gradient(lowered)
+        live = _fused(_relu_step(-10.0))  # the same edit where the gradient lives: caught on the numbers
+        lowered_live = lower(live, soc=SOC, optimise=False)
+        _negated_gradient(lowered_live)
+        assert not verify_lowering(live, lowered_live).passed
+    check = verify_lowering(fused, lowered, steps=3)
     assert not check.passed
     assert NEVER_COMPARED in check.message and "gradient g" in check.message and "computed from x" in check.message

@@ -26,6 +26,7 @@ from sgdfuse.errors import ProductLineError
 from sgdfuse.fused_op import is_sgd_node, make_sgd_node
 from sgdfuse.contract import SgdAttributes
 from sgdfuse.lowering.errors import InPlaceStateError, LoweringError
+from sgdfuse.lowering.executor import GraphContradictionError
 from sgdfuse.lowering.rules_control import MAX_BRANCH_NODES
 from test_lowering_support import NO_BF16_LINES, SOC_PER_LINE, run_both, sgd_model
 
@@ -241,8 +242,10 @@ def test_without_the_assign_edges_the_update_can_run_on_the_unassigned_state():
     model = fused_form("first_step")
     lowered = sgdfuse.lower(model, soc="Ascend910B2")
     _strip_control_edges_into(lowered, lowered.sgd_ops[0])
-    report = run_both(model, lowered, steps=1, schedule={"step": [0]}, check=False)
-    assert report[0]["p_out"] > 1e-4  # the first step ran on the non-zero buffer and a zero stat
+    # The SGD op's reads of the buffer and stat are no longer ordered after their Assigns: the device could run
+    # the update on the unassigned state (the executor ran it so, p_out off by > 1e-4, before it refused such graphs).
+    with pytest.raises(GraphContradictionError, match="accesses variable .*no data or control edge orders the two"):
+        run_both(model, lowered, steps=1, schedule={"step": [0]}, check=False)
 
 
 # ---- what stays refused, and why -------------------------------------------------------------------------

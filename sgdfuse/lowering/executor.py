@@ -20,7 +20,9 @@ GE semantics it keeps, because lowering depends on them:
   (``SGD``, ``Assign``) go first and the readers of variable memory (a ``Variable``, the ref output of an
   ``SGD`` or ``Assign``, or an alias of one) last. So a read of an old value that
   lowering forgot to order before the write sees the new value and the comparison with onnxruntime fails,
-  as it could on the device.
+  as it could on the device. And before any op runs, every access of a variable's memory must be ordered
+  against each in-place write of it by a path of edges (:func:`_check_state_order`): a read that must follow
+  the write (the copy of the buffer an ``SGD`` op wrote) but lost its edge ran after it here all the same.
 
 Every output is checked against its descriptor (dtype, and every static dimension).
 """
@@ -42,7 +44,8 @@ from sgdfuse.lowering import ge_ir
 from sgdfuse.lowering.alias import keeps_layout, may_alias
 from sgdfuse.runtime import onnx_to_numpy_dtype
 
-__all__ = ["ExecutorError", "GEExecutor", "GEModelRunner", "KERNELS", "RunPlan", "kernel", "numpy_dtype"]
+__all__ = ["ASSUMED_ATTRIBUTES", "ExecutorError", "GEExecutor", "GEModelRunner", "GraphContradictionError", "IGNORED_ATTRIBUTES", "KERNELS", "RunPlan", "kernel",
+           "numpy_dtype"]
 
 WRITERS = frozenset({"SGD", "Assign"})
 
@@ -228,7 +231,11 @@ class GEExecutor:
         unknown = sorted({op.type for op in ops.values()} - set(KERNELS) - {"Data", "Variable", "NetOutput", "Assign"})
         if unknown:
             raise ExecutorError(f"graph {graph.name}: no executor kernel for op type(s) {', '.join(unknown)}")
-        return RunPlan(ops, _schedule(ops))
+        for op in ops.values():
+            _check_assumed_attributes(op)
+        order = _schedule(ops)
+        _check_state_order(ops, order)
+        return RunPlan(ops, order)
 
     def run(self, graph, feeds: Mapping[str, np.ndarray], *, plan: "RunPlan | None" = None, watch=frozenset()) -> list[np.ndarray]:
         """Run ``graph`` once with ``feeds`` (``Data`` op name → array); return ``NetOutput``'s inputs, copied.
@@ -383,6 +390,128 @@ def _schedule(ops: Mapping[str, Op]) -> list[Op]:
     if len(order) != len(ops):
         raise ExecutorError("the graph has a cycle")
     return order
+
+
+_NO_MASKS = {mask: 0 for mask in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+
+ASSUMED_ATTRIBUTES: dict[str, dict[str, object]] = {
+    "AvgPoolV2": {"data_format": "NCHW", "divisor_override": 0, "global_pooling": False, "padding_mode": "CALCULATED"},
+    "MaxPoolV3": {"data_format": "NCHW", "global_pooling": False, "padding_mode": "CALCULATED"},
+    "BatchNorm": {"data_format": "NCHW"},
+    "Conv2D": {"data_format": "NCHW", "offset_x": 0},
+    "Conv2DTranspose": {"data_format": "NCHW", "offset_x": 0},
+    "Conv3D": {"data_format": "NCDHW", "offset_x": 0},
+    "MatMulV2": {"offset_x": 0},
+    "BatchMatMulV2": {"offset_x": 0},
+    "Cast": {"truncate": False},
+    "GatherV2": {"batch_dims": 0},
+    "Reshape": {"axis": 0, "num_axes": -1},
+    "StridedSliceV2": _NO_MASKS,
+}
+"""Op type → the attributes its kernel does not read, with the one value it computes for (what lowering writes):
+an op with another value is refused (:func:`_check_assumed_attributes`), so that no kernel computes something
+else than the op means. A ``data_format`` of NHWC, a ``global_pooling``, a ``begin_mask`` or a Reshape ``axis``
+each changed the op's meaning and passed lower's check, the kernel never looking at it."""
+
+IGNORED_ATTRIBUTES: dict[tuple[str, str], str] = {
+    ("Assign", "use_locking"): "a lock changes no value",
+    ("Data", "index"): "the executor feeds Data ops by name; lower's check compares each index with the graph's input list",
+    ("SGD", "reference"): "lower's check requires it true (sgdfuse.lowering.verify)",
+}
+"""(op type, attribute) that no kernel reads and whose value changes nothing here, with where it is checked."""
+
+
+def _check_assumed_attributes(op: Op) -> None:
+    """Refuse an op whose attribute of :data:`ASSUMED_ATTRIBUTES` has another value than the kernel computes for.
+
+    Raises:
+        GraphContradictionError: naming the op, the attribute, its value and the value computed for.
+    """
+    for key, assumed in ASSUMED_ATTRIBUTES.get(op.type, {}).items():
+        if key in op.attrs and op.attrs[key] != assumed:
+            raise GraphContradictionError(
+                f"op {op.name} ({op.type}) has {key} {op.attrs[key]!r}; lowering writes {assumed!r}, the value the "
+                "executor computes the op for")
+
+
+_IN_PLACE_PORTS = {"SGD": (0, 3, 5), "Assign": (0,)}
+"""The inputs each in-place writer writes into (SGD: ``parameters``, ``accum``, ``stat``; Assign: ``ref``)."""
+
+_METADATA_READERS = frozenset({"Shape", "Size", "Rank"})
+"""Ops that read a tensor's description only, not its elements: no access to order against a write."""
+
+
+def _check_state_order(ops: Mapping[str, Op], order: Sequence[Op]) -> None:
+    """Every access to a variable's memory must be ordered against every in-place write of it, by a path of
+    data or control edges: otherwise the device may run the two in either order, and the read sees the old
+    value or the new one as it happens (GE orders ops by their edges only).
+
+    The executor's schedule is adversarial one way (writers first, readers of variables last), which exposes a
+    read that must come before a write but was left unordered; a read that must come *after* the write (the
+    ``TensorMove`` copy of the buffer an ``SGD`` op wrote, another update's gradient computed from its new
+    weights) was then always run after it, and a graph that lost that control edge passed. So the orders are
+    checked here, whatever the schedule: an access is any op reading the memory through a ``Variable``, the ref
+    output of a writer, or ops that may alias it (an aliasing op itself counts, as it may copy), but ``Shape``
+    and the like; a write is an ``SGD`` op's ``parameters``, ``accum`` and ``stat`` and an ``Assign``'s ref.
+
+    Raises:
+        GraphContradictionError: a write and another access of one variable with no path between them.
+    """
+    memory: dict[tuple[str, int], str] = {}
+    accesses: dict[str, list[str]] = {}
+    writes: dict[str, list[str]] = {}
+    for op in order:
+        held = [(port, memory.get(source)) for port, source in enumerate(op.inputs) if source is not None]
+        for port, variable in held:
+            if variable is None or op.type in _METADATA_READERS:
+                continue
+            accesses.setdefault(variable, []).append(op.name)
+            if port in _IN_PLACE_PORTS.get(op.type, ()):
+                writes.setdefault(variable, []).append(op.name)
+        if op.type == "Variable":
+            memory[(op.name, 0)] = op.name
+        elif op.inputs and op.inputs[0] is not None and op.inputs[0] in memory and (op.type in WRITERS or _may_alias(op, ops)):
+            memory[(op.name, 0)] = memory[op.inputs[0]]
+    if not writes:
+        return
+    position = {op.name: k for k, op in enumerate(order)}
+    predecessors = {op.name: [s[0] for s in op.inputs if s is not None] + list(op.controls) for op in order}
+    successors: dict[str, list[str]] = {}
+    for name, sources in predecessors.items():
+        for source in sources:
+            successors.setdefault(source, []).append(name)
+
+    def reached(start: str, edges: Mapping[str, list[str]], inside) -> set[str]:
+        # The ops reached from ``start`` along ``edges`` through ops whose position ``inside`` accepts: an op
+        # on a path between two ops lies between them in any topological order.
+        seen, stack = {start}, [start]
+        while stack:
+            for other in edges.get(stack.pop(), ()):
+                if other not in seen and inside(position[other]):
+                    seen.add(other)
+                    stack.append(other)
+        return seen
+
+    for variable, writers in writes.items():
+        others = list(dict.fromkeys(accesses[variable]))
+        for writer in dict.fromkeys(writers):
+            here = position[writer]
+            before = [name for name in others if position[name] < here]
+            after = [name for name in others if position[name] > here]
+            unordered = []
+            if before:
+                low = min(position[name] for name in before)
+                ancestors = reached(writer, predecessors, lambda k: k >= low)
+                unordered += [name for name in before if name not in ancestors]
+            if after:
+                high = max(position[name] for name in after)
+                descendants = reached(writer, successors, lambda k: k <= high)
+                unordered += [name for name in after if name not in descendants]
+            if unordered:
+                raise GraphContradictionError(
+                    f"op {unordered[0]} ({ops[unordered[0]].type}) accesses variable {variable}, which op {writer} "
+                    f"({ops[writer].type}) writes in place, and no data or control edge orders the two: the device may "
+                    "run them in either order (a control edge missing)")
 
 
 # ---- kernels ------------------------------------------------------------------------------------------
@@ -588,7 +717,12 @@ def _concat(op: Op, inputs: list) -> list:
 @kernel("GatherV2")
 def _gather(op: Op, inputs: list) -> list:
     x, indices, axis = inputs
-    return [np.take(x, np.asarray(indices), axis=int(np.asarray(axis)))]
+    indices = np.asarray(indices)
+    if not op.attrs.get("negative_index_support", False) and indices.size and int(indices.min()) < 0:
+        # GE counts a negative index from the end only when told to; numpy's take always does.
+        raise GraphContradictionError(f"op {op.name} (GatherV2) reads index {int(indices.min())} with "
+                                      "negative_index_support false: out of range on the device")
+    return [np.take(x, indices, axis=int(np.asarray(axis)))]
 
 
 def _softmax(log: bool) -> Kernel:

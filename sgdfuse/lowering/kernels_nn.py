@@ -161,6 +161,8 @@ def _strided_slice(op: Op, inputs: list) -> list:
 @kernel("SplitV")
 def _split(op: Op, inputs: list) -> list:
     x, sizes, axis = inputs
+    if "num_split" in op.attrs and int(op.attrs["num_split"]) != np.size(sizes):
+        raise GraphContradictionError(f"op {op.name} (SplitV): num_split {op.attrs['num_split']} for {np.size(sizes)} sizes")
     cuts = np.cumsum(np.ravel(sizes).astype(np.int64))[:-1]
     return [np.array(part, copy=True) for part in np.split(x, cuts, axis=int(np.asarray(axis)))]
 
