@@ -47,7 +47,7 @@ import onnx
 
 from sgdfuse.api import load_model
 from sgdfuse.contract import dtype_name
-from sgdfuse.errors import CheckpointError
+from sgdfuse.errors import CheckpointError, ModelNameError
 from sgdfuse.fused_op import is_sgd_node, read_sgd_attributes
 from sgdfuse.output import OutputBatch
 from sgdfuse.passes.index import GraphIndex, build_index
@@ -307,8 +307,12 @@ def model_state(model: onnx.ModelProto, *, source: str = "<model>") -> list[Upda
     Raises:
         CheckpointError: the model has no SGD node (not fused), or a ``parameters``/``accum`` port is not fed
             from a graph input (an initializer cannot be replaced by a checkpoint's value).
+        ModelNameError: a name that is not UTF-8 (as every command refuses it), naming the file ``source``.
     """
-    index = build_index(model)
+    try:
+        index = build_index(model)
+    except ModelNameError as error:
+        raise error if error.path or source.startswith("<") else error.in_file(source) from None
     updates = []
     for node in model.graph.node:
         if not is_sgd_node(node):
