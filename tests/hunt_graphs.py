@@ -237,9 +237,10 @@ READER_GRADIENTS = ("twice_new_weights", "new_weights_times_c", "twice_new_buffe
 
 
 def reads_fused_update(gradient: str = "twice_new_weights", *, first_step: bool = True, chain: int = 2, decoupled_decay: bool = False,
-                       shape=(4, 3)) -> onnx.ModelProto:
+                       shape=(4, 3), dampening: float = DAMPENING) -> onnx.ModelProto:
     """``chain`` momentum-SGD updates in which update ``i + 1``'s gradient is computed elementwise from update
-    ``i``'s *new* values (update 0 reads the input ``g0``), dampening 0.25, PyTorch's first step ``buf = g`` as
+    ``i``'s *new* values (update 0 reads the input ``g0``), dampening ``dampening`` (0.25; 0 writes no
+    ``Mul`` by ``1 - d``), PyTorch's first step ``buf = g`` as
     ``where(step == 0, g, m*buf + (1-d)*g)`` broadcast with ``Expand`` when ``first_step``::
 
         twice_new_weights:      g_{i+1} = 2 * p_i_new         (Mul by a constant initializer)
@@ -256,7 +257,7 @@ def reads_fused_update(gradient: str = "twice_new_weights", *, first_step: bool 
     step = b.input("step", TensorProto.INT64) if first_step else None
     outputs = []
     for i in range(chain):
-        later = b.momentum(bufs[i], grad)
+        later = b.momentum(bufs[i], grad, one_minus_d=1 - dampening)
         if first_step:
             first = b.op("Expand", [b.op("Equal", [step, b.const(0, np.int64)], "eq"), b.const(shape, np.int64, (len(shape),))], "expand")
             new_buf = b.op("Where", [first, grad, later], "where")

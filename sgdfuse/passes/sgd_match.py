@@ -1572,7 +1572,9 @@ def _solve_roles(
     best: Miss | None = None
     chosen: Match | None = None
     solved = _Solved(w, v, p, a, m, lr, nesterov, alpha, beta, form_w, form_v, equation, selection)
-    for g, k, absorbs_decay in readings:
+    order, unit = _reading_order(normaliser, v, rest_v, vp, p, a, rel.precision, readings)
+    refusals: list[Miss | None] = [None] * len(readings)
+    for position, (g, k, absorbs_decay) in order:
         result = _try_reading(index, normaliser, solved, g, k, Poly.const(0) if absorbs_decay else vp, rel, absorbs_decay)
         if isinstance(result, Match):
             # Readings that need a dampening near 1 (the graph's lr*g read as g with 1 - d = lr) lose to
@@ -1586,15 +1588,18 @@ def _solve_roles(
             if _reading_cost(chosen) <= 1.0:
                 break
             continue
+        if position is not None:
+            refusals[position] = result
+    for result in refusals:
         # The first reading's refusal is the one to report; a later value reading's own typing (a FLOAT
         # Cast of a FLOAT16 gradient) is no news about the update.
-        if best is None or (result.score > best.score and result.reason not in ("mixed-precision", "dtype-mismatch")):
+        if result is not None and (best is None or (result.score > best.score and result.reason not in ("mixed-precision", "dtype-mismatch"))):
             best = result
     if chosen is None:
         # No reading with the graph's own hyper-parameters or with a value holding the whole term fits. A
         # value holding a constant part of the term (the clipped g*clip_coef inside (1 - d)*g*clip_coef) is
         # the gradient with that part as dampening: the one a first step without dampening needs.
-        for g, k, absorbs_decay in _scaled_readings(normaliser, v, rest_v, vp, p, a, rel.precision, readings):
+        for g, k, absorbs_decay in _scaled_readings(normaliser, v, rest_v, vp, p, a, rel.precision, readings + unit):
             result = _try_reading(index, normaliser, solved, g, k, Poly.const(0) if absorbs_decay else vp, rel, absorbs_decay)
             if isinstance(result, Match) and (chosen is None or _reading_cost(result) < _reading_cost(chosen)):
                 chosen = result
@@ -2039,6 +2044,40 @@ def _gradient_readings(
                 more.append((value, k, absorbs))
     more.sort(key=lambda r: r[2])
     return readings + more
+
+
+def _reading_order(
+    normaliser: Normaliser, v: str, rest: Form, vp: Poly, p: str, a: str, precision: Precision, readings: list[tuple[str, Poly, bool]]
+) -> tuple[list[tuple[int | None, tuple[str, Poly, bool]]], list[tuple[str, Poly, bool]]]:
+    """The order in which :func:`_solve_roles` tries the gradient ``readings`` (each with its position in
+    them, None for one added here), and the readings added.
+
+    As given, unless the first folds into ``1 - d`` a factor that is the gradient's own scaling, not the
+    optimiser's:
+
+    - a factor larger than 1 (``|k| > 1``: a negative dampening): ``g2 = 2*w1_new`` read as gradient ``w1_new``
+      with dampening -1, or ``0.75*(2*w1_new)`` as dampening -0.5, where the user wrote dampening 0 and 0.25
+      (also an unchained ``0.9*buf + 2*g``);
+    - any factor when its gradient is an opaque leaf of ``normaliser`` (another update's new values, in
+      :func:`_solve_readers_of_fused`): no optimiser feeds those as they are, the gradient is computed from
+      them (``g2 = 0.5*w1_new`` is gradient ``g2`` with dampening 0, not ``w1_new`` with dampening 0.5).
+
+    Then the values of the graph that hold the term up to a factor in (0, 1) are tried first (the gradient the
+    term's last scaling reads, with that factor as the user's ``1 - d``; the largest factor, the least
+    dampening, first), then the values holding the whole term (dampening 0), and that first reading last.
+    Readings are compared as before (:func:`_reading_cost`), so it still fuses when nothing else does; only
+    the choice among exact readings changes. Everything read is in the class key (forms of the cone's values,
+    from their ops and constants; dtypes; the names' order); opaque leaves exist only in the direct solve of
+    :func:`_solve_readers_of_fused`, which no class shares."""
+    placed = list(enumerate(readings))
+    if not readings:
+        return placed, []
+    g, k, _ = readings[0]
+    if not (g in normaliser.opaque or (k.is_constant and abs(k.constant_value) > 1.0)):
+        return placed, []
+    unit = [r for r in _scaled_readings(normaliser, v, rest, vp, p, a, precision, readings) if abs(r[1].constant_value) < 1.0]
+    unit.sort(key=lambda r: -abs(r[1].constant_value))  # stable: equal factors keep the names' order
+    return [(None, r) for r in unit] + placed[1:] + placed[:1], unit
 
 
 def _scaled_readings(
