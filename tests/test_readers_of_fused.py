@@ -88,16 +88,39 @@ def test_an_update_without_a_first_step_reading_new_weights_fuses():
     assert check_models(model, result.model).passed
 
 
-@pytest.mark.parametrize("form", ["twice_new_weights", "new_weights_plus_input"])
-def test_a_reader_of_new_weights_that_is_not_momentum_sgd_is_refused_with_a_reason(form):
+@pytest.mark.parametrize("form, reason", [("twice_new_weights", "extra-term"), ("new_weights_plus_input", "gradient-mixes-tensors")])
+@pytest.mark.parametrize("first_step", [True, False])
+def test_a_reader_of_new_weights_that_is_not_momentum_sgd_is_refused_with_its_reason(form, reason, first_step):
     # Decoupled weight decay on the second update (p1 - lr*buf - 0.01*p1), or a gradient 2*p0_new + h1 that
-    # weighs two tensors differently: not the contract's update; it must be in the refusals, by name.
-    model = reads_fused_update(form, decoupled_decay=form == "twice_new_weights")
+    # weighs two tensors differently: not the contract's update; it must be in the refusals, by name, with the
+    # reason of its own terms. With the first-step Where, 2*p0_new + h1 was reported as computed-state: a
+    # reading taking p0_new (the fused update's new weights) as this update's buffer outranked the real one.
+    model = reads_fused_update(form, decoupled_decay=form == "twice_new_weights", first_step=first_step)
     report = sgdfuse.inspect(model)
     assert [f.parameters for f in report.fused] == ["p0"], report.fused
     second = model.graph.output[2].name
-    assert [r.candidate for r in report.refused] == [second], report.refused
-    assert report.refused[0].reason in ("extra-term", "gradient-mixes-tensors", "computed-state") and report.refused[0].detail
+    mine = [r for r in report.refused if r.candidate == second]
+    assert len(mine) == 1 and mine[0].reason == reason and mine[0].detail, report.refused
+    if reason == "gradient-mixes-tensors":
+        assert [r.candidate for r in report.refused] == [second], report.refused
+
+
+def test_a_first_step_update_whose_gradient_mixes_inputs_is_refused_for_the_mix_not_the_first_step():
+    # The same kind unchained: where(step == 0, g, 0.9*b + 0.75*g) with g = 2*x + h. The branches read the other
+    # way round (buffer x, momentum 2) failed the first-step check, which outranked the real reading's
+    # refusal (first-step-unsupported for gradient-mixes-tensors).
+    from onnx import TensorProto
+
+    from hunt_graphs import F32, Exported
+
+    b = Exported()
+    p, buf, x, h = (b.input(name, F32, SHAPE) for name in ("p", "b", "x", "h"))
+    step = b.input("step", TensorProto.INT64)
+    grad = b.op("Add", [b.op("Mul", [x, b.const(2.0)], "mul"), h], "add")
+    first = b.op("Expand", [b.op("Equal", [step, b.const(0, np.int64)], "eq"), b.const(SHAPE, np.int64, (2,))], "expand")
+    new_buf = b.op("Where", [first, grad, b.momentum(buf, grad)], "where")
+    report = sgdfuse.inspect(b.model([(b.step(p, new_buf), SHAPE), (new_buf, SHAPE)]))
+    assert not report.fused and [r.reason for r in report.refused] == ["gradient-mixes-tensors"], report.refused
 
 
 def test_an_output_scaling_a_fused_updates_new_buffer_is_still_a_reader_not_a_refusal():
@@ -206,3 +229,4 @@ def test_a_plain_update_keeps_the_leaf_gradient_with_the_graphs_own_factor_as_da
     model, _ = _scaled_gradient_update(factor, dampening)
     ((entry,),) = [sgdfuse.inspect(model).fused]
     assert (entry.gradient, entry.dampening) == (gradient, read_dampening)
+

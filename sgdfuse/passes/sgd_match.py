@@ -1371,6 +1371,7 @@ def _solve_pair(
             score=3,
         )
     solutions: list[Match] = []
+    unsolved = best
     for a in [leaf for leaf in form_v if leaf != ONE]:
         m = form_v[a]
         if named_buffer is not None and a != named_buffer:
@@ -1383,7 +1384,13 @@ def _solve_pair(
             result = _solve_roles(index, normaliser, w, v, form_w, form_v, p, a, m, rel, equation, selection)
             if isinstance(result, Match):
                 solutions.append(result)
-            elif result.score > best.score:
+                continue
+            if a in normaliser.opaque or p in normaliser.opaque:
+                # Another update's new values (opaque: that update is fused) read as this one's state: a
+                # reading of the other update's terms (its "computed-state"), not of this one. Any reading of
+                # this update's own state says more; this one is reported only when there is none.
+                result = dataclasses.replace(result, score=1)
+            if result.score > best.score or best is unsolved:
                 best = result
     if len(solutions) == 1:
         decided = "pin" if rel.pins.buffers and named_by != "structure" else (named_by if named_buffer is not None else "structure")
@@ -1733,6 +1740,10 @@ def _attributes_reading(
         elif not _differing_terms(form_first, add_forms(grad_eff, {a: m}), rel):
             first_step = FirstStep(condition, when_true, zero_accum=False)
         else:
+            # A "first step" reading a tensor this reading has no role for (the real buffer b1, when the
+            # branches are read the other way round: buffer x with momentum 2 in the first step's 2*x + h) is
+            # no first step of this reading: its refusal ranks below any reading of the branches as they are.
+            foreign = set(form_first) - set(form_v) - {a, p, ONE}
             return Miss(
                 w,
                 "first-step-unsupported",
@@ -1742,7 +1753,7 @@ def _attributes_reading(
                 equation=equation,
                 nearest=f"{v} = {format_form(grad_eff)}",
                 differing=", ".join(_differing_terms(form_first, grad_eff, rel)),
-                score=7,
+                score=1 if foreign else 7,
             )
     nodes_w, _ = normaliser.cone(w)
     nodes_v, _ = normaliser.cone(v)
