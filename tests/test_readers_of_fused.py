@@ -230,3 +230,54 @@ def test_a_plain_update_keeps_the_leaf_gradient_with_the_graphs_own_factor_as_da
     ((entry,),) = [sgdfuse.inspect(model).fused]
     assert (entry.gradient, entry.dampening) == (gradient, read_dampening)
 
+
+def _guarded_reader(first_guarded: bool) -> onnx.ModelProto:
+    """Two updates (dampening 0.25, as :func:`reads_fused_update`), the second's gradient ``2*p0_new`` and the
+    second's state guarded by a loss scaler, ``Where(found_inf, old, new)`` (the first's too when
+    ``first_guarded``). Outputs: p0', b0', p1', b1'."""
+    from onnx import TensorProto
+
+    from hunt_graphs import F32, Exported
+
+    b = Exported()
+    p0, p1, b0, b1, g0 = (b.input(name, F32, SHAPE) for name in ("p0", "p1", "b0", "b1", "g0"))
+    found_inf = b.input("found_inf", TensorProto.BOOL)
+    new_b0 = b.momentum(b0, g0)
+    new_p0 = b.step(p0, new_b0)
+    new_b1 = b.momentum(b1, b.op("Mul", [new_p0, b.const(2.0)], "mul"))
+    new_p1 = b.step(p1, new_b1)
+    guard = lambda old, new: b.op("Where", [found_inf, old, new], "where")
+    outputs = [guard(p0, new_p0), guard(b0, new_b0)] if first_guarded else [new_p0, new_b0]
+    return b.model([(o, SHAPE) for o in outputs + [guard(p1, new_p1), guard(b1, new_b1)]])
+
+
+@pytest.mark.parametrize("first_guarded", [False, True])
+def test_a_guarded_update_reading_new_weights_fuses_with_its_guard_and_skips_as_torch_does(first_guarded):
+    # The reader was solved again without its guard: its outputs are Where nodes, no update, so it was
+    # neither fused nor refused (dropped in silence, one SGD node for two updates). Now it fuses with its guard.
+    model = _guarded_reader(first_guarded)
+    result = sgdfuse.optimize(model)
+    report = result.report
+    assert not report.refused and report.verification.passed, report
+    by_parameters = {f.parameters: f for f in report.fused}
+    assert sorted(by_parameters) == ["p0", "p1"] and by_parameters["p1"].guard and bool(by_parameters["p0"].guard) == first_guarded
+    assert check_models(model, result.model).passed
+    # torch with a GradScaler: a step with found_inf skips the guarded states (numpy, float64).
+    rng = np.random.default_rng(5)
+    state = {name: rng.standard_normal(SHAPE).astype(np.float32) for name in ("p0", "b0", "p1", "b1")}
+    session, names = make_session(result.model), [o.name for o in model.graph.output]
+    want = {k: v.astype(np.float64) for k, v in state.items()}
+    for found_inf in (False, True, False):
+        g0 = rng.standard_normal(SHAPE).astype(np.float32)
+        got = run(session, {**state, "g0": g0, "found_inf": np.array(found_inf)})
+        b0 = MOMENTUM * want["b0"] + (1 - DAMPENING) * g0
+        p0 = want["p0"] - LR * b0
+        b1 = MOMENTUM * want["b1"] + (1 - DAMPENING) * 2 * p0
+        p1 = want["p1"] - LR * b1
+        if not (found_inf and first_guarded):
+            want["p0"], want["b0"] = p0, b0
+        if not found_inf:
+            want["p1"], want["b1"] = p1, b1
+        state = dict(zip(("p0", "b0", "p1", "b1"), (got[n] for n in names)))
+        for key in want:
+            np.testing.assert_allclose(state[key], want[key], rtol=2e-5, atol=1e-6, err_msg=f"{key}, found_inf={found_inf}")

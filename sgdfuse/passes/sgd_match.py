@@ -530,8 +530,9 @@ def _solve_readers_of_fused(
     (:class:`~sgdfuse.passes.linear.Normaliser`'s ``opaque``): it fuses (its SGD node reads the other's output;
     the rewrite orders nodes topologically, and verification runs it against the original), is refused with
     that reading's reason, keeps its first refusal when that reading still sees an update but says nothing of
-    it, or is dropped as a reader when it is no update then (``lr*buf_out`` is one leaf). Repeated while
-    updates fuse: a chain of them. Solved directly, not per structural class: these are few, and the class key
+    it, or is dropped as a reader when it is no update then (``lr*buf_out`` is one leaf). A reader guarded by
+    a loss scaler (``Where(found_inf, old, new)`` on its state) is solved through its guards, its new values
+    the candidates, as :func:`find_updates` solves the others. Repeated while updates fuse: a chain of them. Solved directly, not per structural class: these are few, and the class key
     knows nothing of ``opaque``."""
     named_next: dict[str, str] | None = None
     while matches:
@@ -547,20 +548,30 @@ def _solve_readers_of_fused(
         accounted = set(fused) | {name for miss in kept for name in (miss.candidate, miss.buffer) if name}
         accounted |= {canonical.get(name, name) for name in accounted}
         open_outputs = [o for o in outputs if o not in accounted and canonical[o] not in accounted and index.spec(o).dtype in _EPS]
-        readers = {o for o in open_outputs if _looks_like_update(index, o, normaliser.form(o)) and reads_fused(o)}
-        if not readers:
-            return matches, kept
+        # A guarded reader (Where(found_inf, old, new) on its state) is solved through its guards, as
+        # find_updates solves the others: its new values are the candidates, the guards pair them with the old.
+        guards = {g.new: g for g in (_guard(index, o) for o in open_outputs) if g is not None and g.new not in accounted}
+        guard_outputs = {g.output for g in guards.values()}
+        candidates = list(guards) + [o for o in open_outputs if o not in guard_outputs]
+        readers = {o for o in candidates if _looks_like_update(index, o, normaliser.form(o)) and reads_fused(o)}
         opaque = Normaliser(index, opaque=fused)
+        if not readers:
+            return matches, kept + [miss for miss in again if _looks_like_update(index, miss.candidate, opaque.form(miss.candidate))]
         if named_next is None:
             named_next = _named_next(index, [o for o in outputs if index.spec(o).dtype in _EPS], pins, canonical)
+        reader_pins = pins
+        if guards:
+            reader_pins = dataclasses.replace(pins, state={**{g.new: g.old for g in guards.values()}, **pins.state}, guarded=frozenset(guards))
         # The open outputs are the readers and the buffers they may read (a reader's new buffer reads the
         # fused update too); outputs fused or refused for another reason are not solved twice.
-        found, refused = _find(index, opaque, open_outputs, pins, allow_rounding, {}, named_next)
+        found, refused = _find(index, opaque, candidates, reader_pins, allow_rounding, guards, named_next)
         found = [m for m in found if not readers.isdisjoint(_outputs_of(m))]
         accepted, shared = _one_writer(matches + found)
         new = accepted[len(matches):]
-        refused = [miss for miss in refused if miss.candidate in readers] + shared
+        guarded_readers = {g.output for g in guards.values() if g.new in readers}
+        refused = [miss for miss in refused if miss.candidate in readers or miss.candidate in guarded_readers] + shared
         explained = {name for match in new for name in _outputs_of(match)} | {miss.candidate for miss in refused}
+        explained |= {g.output for g in guards.values() if g.new in explained}
         # A first refusal stands when the opaque reading still sees an update but says nothing of it; an
         # output that is no update once the fused values are leaves is a reader of them (lr*buf_out).
         unexplained = [miss for miss in again if miss.candidate not in explained and _looks_like_update(index, miss.candidate, opaque.form(miss.candidate))]
