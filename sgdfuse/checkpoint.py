@@ -37,6 +37,7 @@ import dataclasses
 import io
 import json
 import logging
+import math
 import os
 import zipfile
 from collections.abc import Mapping
@@ -47,7 +48,7 @@ import onnx
 
 from sgdfuse.api import load_model
 from sgdfuse.contract import dtype_name
-from sgdfuse.errors import CheckpointError
+from sgdfuse.errors import CheckpointError, ModelNameError
 from sgdfuse.fused_op import is_sgd_node, read_sgd_attributes
 from sgdfuse.output import OutputBatch
 from sgdfuse.passes.index import GraphIndex, build_index
@@ -276,9 +277,11 @@ class UpdateState:
     dampening: float
     stat: StatSource
     gradient_scaling: str = ""
-    """When the node's gradient is the graph's value times a constant (``Mul``/``Div`` by a one-element constant,
-    say PyTorch's ``(1 - dampening)*grad`` read with dampening 0): that node, described. The optimizers' first
-    step copies the unscaled gradient into the buffer, which such a node cannot be fed exactly."""
+    """When the node's gradient is the graph's value times a constant that can be a ``1 - dampening`` (``Mul`` by,
+    or ``Div`` by the inverse of, a one-element constant of magnitude in (0, 1): PyTorch's ``(1 - dampening)*grad``
+    read with dampening 0): that node, described. The optimizers' first step copies the unscaled gradient into
+    the buffer, which such a node cannot be fed exactly. A factor of magnitude above 1 is no dampening in [0, 1)
+    but the gradient's own (``g2 = 2*w1_new``), as the matcher reads it (``sgd_match._reading_order``)."""
 
 
 def _gradient_scaling(index: GraphIndex, gradient: str) -> str:
@@ -293,10 +296,15 @@ def _gradient_scaling(index: GraphIndex, gradient: str) -> str:
             value = producer.input[0]
             continue
         if producer.op_type in ("Mul", "Div") and len(producer.input) == 2:
-            for operand in producer.input:
-                constant = index.constant(operand) if operand else None
-                if constant is not None and constant.size == 1 and float(np.asarray(constant, np.float64).reshape(-1)[0]) not in (1.0, -1.0):
-                    return f"{producer.op_type} node {producer.name or value!r} scales it by the constant {float(np.asarray(constant, np.float64).reshape(-1)[0]):g}"
+            # Mul by either operand; Div only by its divisor (c / x is no scaling of x).
+            for position, operand in enumerate(producer.input):
+                constant = index.constant(operand) if operand and (producer.op_type == "Mul" or position == 1) else None
+                if constant is None or constant.size != 1:
+                    continue
+                c = float(np.asarray(constant, np.float64).reshape(-1)[0])
+                factor = c if producer.op_type == "Mul" else (1.0 / c if c else math.inf)
+                if 0.0 < abs(factor) < 1.0:
+                    return f"{producer.op_type} node {producer.name or value!r} scales it by the constant {c:g}"
         return ""
     return ""
 
@@ -307,8 +315,12 @@ def model_state(model: onnx.ModelProto, *, source: str = "<model>") -> list[Upda
     Raises:
         CheckpointError: the model has no SGD node (not fused), or a ``parameters``/``accum`` port is not fed
             from a graph input (an initializer cannot be replaced by a checkpoint's value).
+        ModelNameError: a name that is not UTF-8 (as every command refuses it), naming the file ``source``.
     """
-    index = build_index(model)
+    try:
+        index = build_index(model)
+    except ModelNameError as error:
+        raise error if error.path or source.startswith("<") else error.in_file(source) from None
     updates = []
     for node in model.graph.node:
         if not is_sgd_node(node):

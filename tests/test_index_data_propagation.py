@@ -23,7 +23,7 @@ def _model(nodes, inputs, outputs, initializers=(), opset=17):
 
 def _needs(model: onnx.ModelProto) -> bool:
     nodes = index_module._node_facts(model)
-    producer, _, _, subgraph_nodes = index_module._sweep_nodes(model.graph, nodes)
+    producer, _, _, subgraph_nodes, _ = index_module._sweep_nodes(model.graph, nodes)
     return index_module._needs_data_propagation(model, nodes, producer, subgraph_nodes)
 
 

@@ -20,7 +20,7 @@ from sgdfuse.errors import DuplicateValueError, GraphCycleError, ModelNameError
 
 from sgdfuse.contract import TensorSpec
 from sgdfuse.external_data import tensor_to_array
-from sgdfuse.passes.scan import NodeTable, ScanError, node_table
+from sgdfuse.passes.scan import NodeTable, ScanError, graph_node_table, node_table
 from sgdfuse.passes.value_scan import INPUT, OUTPUT, VALUE_INFO, ScannedInfos, inference_bytes, native_available, scan_value_infos
 
 __all__ = ["GraphIndex", "NodeFacts", "build_index", "require_text_names", "SMALL_CONSTANT_ELEMENTS", "OWN_PREFIX", "tensor_type_of"]
@@ -193,12 +193,15 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
     # scanners every one of them is read through protobuf's Python API as before.
     data = _serialised(model) if native_available() else None
     nodes, own_node_names, non_text_name = _nodes_read(model, data)
-    producer, consumers, subgraph_reads, subgraph_nodes = _sweep_nodes(graph, nodes)
+    producer, consumers, subgraph_reads, subgraph_nodes, holders = _sweep_nodes(graph, nodes)
     in_order = _require_acyclic(nodes, producer, consumers)
     _require_text_names(graph, nodes, producer, consumers)
     # A node's or an attribute's name, as check and lower refuse it (require_text_names): the rewrite copies
     # the node into its output, which onnxruntime and lowering then fail on.
-    _require_node_names(graph, non_text_name, [facts[0] for facts in nodes])
+    op_type_of = lambda k: nodes[k][0]
+    _require_node_names(graph, non_text_name, op_type_of)
+    # The same names in every graph nested in it (If branches, Loop/Scan bodies) and in the model's functions.
+    _require_nested_names(model, holders, op_type_of)
     _require_model_text(model)
     specs: dict[str, TensorSpec] = {}
     types: dict[bytes, tuple | None] = {}
@@ -302,13 +305,16 @@ def _nodes_read(model: onnx.ModelProto, data: bytes | None = None) -> tuple[list
 _GRAPH_TYPES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
-def _sweep_nodes(graph: onnx.GraphProto, nodes: list[NodeFacts]) -> tuple[dict[str, int], dict[str, list[int]], set[str], list[int]]:
+def _sweep_nodes(graph: onnx.GraphProto, nodes: list[NodeFacts]) -> tuple[dict[str, int], dict[str, list[int]], set[str], list[int], list[int]]:
     """Producer, consumers, outer-scope reads of subgraphs and the nodes holding subgraphs (GraphIndex), from
-    the node facts of ``graph`` (its protobuf is read only for the subgraphs)."""
+    the node facts of ``graph`` (its protobuf is read only for the subgraphs), and last the nodes whose facts
+    say they hold one (an attribute typed GRAPH or GRAPHS, or a ``g`` or ``graphs`` field: those whose names
+    :func:`_require_nested_names` reads)."""
     producer: dict[str, int] = {}
     consumers: dict[str, list[int]] = {}
     subgraph_reads: set[str] = set()
     subgraph_nodes: list[int] = []
+    holders: list[int] = []
     readers_of = consumers.get
     defined = 0
     for index, (_, _, inputs, outputs, subgraph, _) in enumerate(nodes):
@@ -324,6 +330,7 @@ def _sweep_nodes(graph: onnx.GraphProto, nodes: list[NodeFacts]) -> tuple[dict[s
                 else:
                     readers.append(index)
         if subgraph:  # an attribute typed GRAPH or GRAPHS; one holding no graph reads nothing
+            holders.append(index)
             held = False
             for attribute in graph.node[index].attribute:
                 for sub in _subgraphs(attribute):
@@ -333,7 +340,7 @@ def _sweep_nodes(graph: onnx.GraphProto, nodes: list[NodeFacts]) -> tuple[dict[s
                 subgraph_nodes.append(index)
     if defined != len(producer):
         _raise_defined_twice(graph, nodes)
-    return producer, consumers, subgraph_reads, subgraph_nodes
+    return producer, consumers, subgraph_reads, subgraph_nodes, holders
 
 
 def _raise_defined_twice(graph: onnx.GraphProto, nodes: list[NodeFacts]) -> None:
@@ -430,17 +437,95 @@ def require_text_names(model: onnx.ModelProto, *, table: NodeTable | None = None
     for values, role in ((graph.input, "a graph input"), (graph.output, "a graph output"), (graph.initializer, "an initializer"),
                          (graph.value_info, "a value info")):
         _require_text([value.name for value in values], role)
-    _require_node_names(graph, table.non_text_name, table.op_types)
+    op_type_of = table.op_types.__getitem__
+    _require_node_names(graph, table.non_text_name, op_type_of)
+    holders = [k for k, held in enumerate(table.has_subgraph) if held] if True in table.has_subgraph else ()
+    _require_nested_names(model, holders, op_type_of)
 
 
-def _require_node_names(graph: onnx.GraphProto, k: int, op_types) -> None:
+def _require_nested_names(model: onnx.ModelProto, holders, op_type_of) -> None:
+    """Raise :class:`~sgdfuse.errors.ModelNameError` for the first name that is not text in a graph nested in
+    the model: the subgraphs (attributes ``g`` and ``graphs``: ``If`` branches, ``Loop`` and ``Scan`` bodies, at
+    any depth) of the main graph's nodes ``holders`` (those the node table marks as holding one), and the
+    model-local functions' bodies. Each is held to what the main graph is: its name, its inputs, outputs,
+    initializers and value infos, and its nodes' names, op types, domains, inputs, outputs and attribute
+    names; onnxruntime decodes them all and the rewrite copies them into its output.
+
+    Each nested graph's nodes are read by the native node scanner (:func:`graph_node_table`, about 2 us a node;
+    protobuf's Python API took 12); only a graph it flags is read again through protobuf, to name the node.
+    Nothing is read for a model without subgraphs or functions.
+    ``op_type_of``: the op type of the main graph's node at a position (for the error's label)."""
+    _require_subgraphs_text(model.graph.node, holders, lambda k: f"node #{k} ({op_type_of(k)})")
+    for j, function in enumerate(model.functions):  # a few small bodies (the SGD op's own, in a fused model)
+        where = f"model function #{j}"
+        _require_text([function.name, function.domain, function.overload], f"the name or domain of {where}")
+        label = f"{where} ({function.domain}::{function.name})"
+        for names, role in ((function.input, "an input"), (function.output, "an output"), (function.attribute, "an attribute")):
+            _require_text(names, f"{role} of {label}")
+        _require_text([info.name for info in function.value_info], f"a value info of {label}")
+        _require_nodes_text(function.node, f"the body of {label}")
+        _require_subgraphs_text(function.node, range(len(function.node)), lambda k: f"node #{k} ({function.node[k].op_type}) in the body of {label}")
+
+
+def _require_subgraphs_text(nodes, positions, label_of) -> None:
+    """:func:`_require_graph_text` for every graph held by the node at each of ``positions`` in ``nodes``;
+    ``label_of``: a node's label by its position (for the error)."""
+    for k in positions:
+        for attribute in nodes[k].attribute:
+            for sub in _held_graphs(attribute):
+                _require_graph_text(sub, f"the {attribute.name} of {label_of(k)}")
+
+
+def _require_graph_text(graph: onnx.GraphProto, where: str) -> None:
+    """:func:`_require_nested_names` for one nested ``graph`` and the graphs nested in it; ``where``: what
+    holds it (for the error)."""
+    _require_text([graph.name], f"the name of {where}")
+    for values, role in ((graph.input, "a graph input"), (graph.output, "a graph output"), (graph.initializer, "an initializer"),
+                         (graph.sparse_initializer, "a sparse initializer"), (graph.value_info, "a value info")):
+        if values:
+            names = [value.values.name for value in values] if role == "a sparse initializer" else [value.name for value in values]
+            _require_text(names, f"{role} of {where}")
+    table = graph_node_table(graph)
+    text = table.non_text_name < 0 and all(type(name) is str for name in table.op_types) and all(type(name) is str for name in table.domains)
+    if not (text and all(type(name) is str for names in table.inputs for name in names)
+            and all(type(name) is str for names in table.outputs for name in names)):
+        _require_nodes_text(graph.node, where)
+    if True in table.has_subgraph:
+        nodes = graph.node
+        _require_subgraphs_text(nodes, [k for k, held in enumerate(table.has_subgraph) if held], lambda k: f"node #{k} ({nodes[k].op_type}) in {where}")
+
+
+def _require_nodes_text(nodes, where: str) -> None:
+    """Raise :class:`~sgdfuse.errors.ModelNameError` for the first name of ``nodes`` (a nested graph's or a
+    function's, ``where``) that is not text: a node's op type, domain, name, input, output or attribute name
+    (their subgraphs are :func:`_require_subgraphs_text`'s)."""
+    for j, node in enumerate(nodes):
+        attributes = node.attribute
+        if all(type(name) is str for name in (node.op_type, node.domain, node.name, *node.input, *node.output, *(a.name for a in attributes))):
+            continue
+        _require_text([node.op_type, node.domain], f"the op type or domain of node #{j} in {where}")
+        label = f"node #{j} ({node.op_type}) in {where}"
+        _require_text([node.name], f"the name of {label}")
+        _require_text(node.input, f"an input of {label}")
+        _require_text(node.output, f"an output of {label}")
+        _require_text([a.name for a in attributes], f"an attribute of {label}")
+
+
+def _held_graphs(attribute: onnx.AttributeProto) -> list[onnx.GraphProto]:
+    """Every graph ``attribute`` holds, whatever its ``type`` says (the fields ``g`` and ``graphs``, as the node
+    scanner's ``has_subgraph``): a graph the type hides is still in the model the rewrite writes."""
+    return ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs)
+
+
+def _require_node_names(graph: onnx.GraphProto, k: int, op_type_of) -> None:
     """Raise :class:`~sgdfuse.errors.ModelNameError` naming node ``k`` by its position and op type when its
-    name or one of its attributes' names is not text; ``k``: :attr:`NodeTable.non_text_name` (-1: none)."""
+    name or one of its attributes' names is not text; ``k``: :attr:`NodeTable.non_text_name` (-1: none);
+    ``op_type_of``: the op type of the node at a position."""
     if k >= 0:
         node = graph.node[k]
-        _require_text([node.name], f"the name of node #{k} ({op_types[k]})")
+        _require_text([node.name], f"the name of node #{k} ({op_type_of(k)})")
         # onnxruntime decodes every attribute name (it failed with four lines of its own first)
-        _require_text([a.name for a in node.attribute], f"an attribute of node #{k} ({op_types[k]})")
+        _require_text([a.name for a in node.attribute], f"an attribute of node #{k} ({op_type_of(k)})")
 
 
 def _require_model_text(model: onnx.ModelProto) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "ScannerBuildError",
     "ScannerBuild",
     "node_table",
+    "graph_node_table",
     "python_node_table",
     "native_node_table",
     "python_node_details",
@@ -208,6 +209,21 @@ def node_table(model: onnx.ModelProto, data: bytes | None = None, *, graph: bool
         logger.debug("the bytes given hold %d nodes, the model %d; reading nodes through protobuf", len(table), len(nodes))
         return python_node_table(model, name_prefix=name_prefix, details=details)
     return table
+
+
+@dataclasses.dataclass(frozen=True)
+class _GraphOnly:
+    """What :func:`node_table` and :func:`python_node_table` read of a model: its ``graph`` alone."""
+
+    graph: onnx.GraphProto
+
+
+def graph_node_table(graph: onnx.GraphProto) -> NodeTable:
+    """The node table of any ``GraphProto``: a subgraph (an ``If`` branch, a ``Loop`` or ``Scan`` body) as well
+    as a main graph, read as :func:`node_table` reads a model's (natively from ``graph`` serialised when the
+    scanner builds, else through protobuf; the same table either way). Its nodes' own subgraphs are not read
+    (``has_subgraph`` says which nodes hold one)."""
+    return node_table(_GraphOnly(graph))  # type: ignore[arg-type]  # only .graph is read
 
 
 def native_node_table(data: bytes | bytearray | memoryview, *, graph: bool = False, name_prefix: str | None = None,

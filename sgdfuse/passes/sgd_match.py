@@ -530,8 +530,9 @@ def _solve_readers_of_fused(
     (:class:`~sgdfuse.passes.linear.Normaliser`'s ``opaque``): it fuses (its SGD node reads the other's output;
     the rewrite orders nodes topologically, and verification runs it against the original), is refused with
     that reading's reason, keeps its first refusal when that reading still sees an update but says nothing of
-    it, or is dropped as a reader when it is no update then (``lr*buf_out`` is one leaf). Repeated while
-    updates fuse: a chain of them. Solved directly, not per structural class: these are few, and the class key
+    it, or is dropped as a reader when it is no update then (``lr*buf_out`` is one leaf). A reader guarded by
+    a loss scaler (``Where(found_inf, old, new)`` on its state) is solved through its guards, its new values
+    the candidates, as :func:`find_updates` solves the others. Repeated while updates fuse: a chain of them. Solved directly, not per structural class: these are few, and the class key
     knows nothing of ``opaque``."""
     named_next: dict[str, str] | None = None
     while matches:
@@ -547,20 +548,30 @@ def _solve_readers_of_fused(
         accounted = set(fused) | {name for miss in kept for name in (miss.candidate, miss.buffer) if name}
         accounted |= {canonical.get(name, name) for name in accounted}
         open_outputs = [o for o in outputs if o not in accounted and canonical[o] not in accounted and index.spec(o).dtype in _EPS]
-        readers = {o for o in open_outputs if _looks_like_update(index, o, normaliser.form(o)) and reads_fused(o)}
-        if not readers:
-            return matches, kept
+        # A guarded reader (Where(found_inf, old, new) on its state) is solved through its guards, as
+        # find_updates solves the others: its new values are the candidates, the guards pair them with the old.
+        guards = {g.new: g for g in (_guard(index, o) for o in open_outputs) if g is not None and g.new not in accounted}
+        guard_outputs = {g.output for g in guards.values()}
+        candidates = list(guards) + [o for o in open_outputs if o not in guard_outputs]
+        readers = {o for o in candidates if _looks_like_update(index, o, normaliser.form(o)) and reads_fused(o)}
         opaque = Normaliser(index, opaque=fused)
+        if not readers:
+            return matches, kept + [miss for miss in again if _looks_like_update(index, miss.candidate, opaque.form(miss.candidate))]
         if named_next is None:
             named_next = _named_next(index, [o for o in outputs if index.spec(o).dtype in _EPS], pins, canonical)
+        reader_pins = pins
+        if guards:
+            reader_pins = dataclasses.replace(pins, state={**{g.new: g.old for g in guards.values()}, **pins.state}, guarded=frozenset(guards))
         # The open outputs are the readers and the buffers they may read (a reader's new buffer reads the
         # fused update too); outputs fused or refused for another reason are not solved twice.
-        found, refused = _find(index, opaque, open_outputs, pins, allow_rounding, {}, named_next)
+        found, refused = _find(index, opaque, candidates, reader_pins, allow_rounding, guards, named_next)
         found = [m for m in found if not readers.isdisjoint(_outputs_of(m))]
         accepted, shared = _one_writer(matches + found)
         new = accepted[len(matches):]
-        refused = [miss for miss in refused if miss.candidate in readers] + shared
+        guarded_readers = {g.output for g in guards.values() if g.new in readers}
+        refused = [miss for miss in refused if miss.candidate in readers or miss.candidate in guarded_readers] + shared
         explained = {name for match in new for name in _outputs_of(match)} | {miss.candidate for miss in refused}
+        explained |= {g.output for g in guards.values() if g.new in explained}
         # A first refusal stands when the opaque reading still sees an update but says nothing of it; an
         # output that is no update once the fused values are leaves is a reader of them (lr*buf_out).
         unexplained = [miss for miss in again if miss.candidate not in explained and _looks_like_update(index, miss.candidate, opaque.form(miss.candidate))]
@@ -1371,6 +1382,7 @@ def _solve_pair(
             score=3,
         )
     solutions: list[Match] = []
+    unsolved = best
     for a in [leaf for leaf in form_v if leaf != ONE]:
         m = form_v[a]
         if named_buffer is not None and a != named_buffer:
@@ -1383,7 +1395,13 @@ def _solve_pair(
             result = _solve_roles(index, normaliser, w, v, form_w, form_v, p, a, m, rel, equation, selection)
             if isinstance(result, Match):
                 solutions.append(result)
-            elif result.score > best.score:
+                continue
+            if a in normaliser.opaque or p in normaliser.opaque:
+                # Another update's new values (opaque: that update is fused) read as this one's state: a
+                # reading of the other update's terms (its "computed-state"), not of this one. Any reading of
+                # this update's own state says more; this one is reported only when there is none.
+                result = dataclasses.replace(result, score=1)
+            if result.score > best.score or best is unsolved:
                 best = result
     if len(solutions) == 1:
         decided = "pin" if rel.pins.buffers and named_by != "structure" else (named_by if named_buffer is not None else "structure")
@@ -1572,7 +1590,9 @@ def _solve_roles(
     best: Miss | None = None
     chosen: Match | None = None
     solved = _Solved(w, v, p, a, m, lr, nesterov, alpha, beta, form_w, form_v, equation, selection)
-    for g, k, absorbs_decay in readings:
+    order, unit = _reading_order(normaliser, v, rest_v, vp, p, a, rel.precision, readings)
+    refusals: list[Miss | None] = [None] * len(readings)
+    for position, (g, k, absorbs_decay) in order:
         result = _try_reading(index, normaliser, solved, g, k, Poly.const(0) if absorbs_decay else vp, rel, absorbs_decay)
         if isinstance(result, Match):
             # Readings that need a dampening near 1 (the graph's lr*g read as g with 1 - d = lr) lose to
@@ -1586,15 +1606,18 @@ def _solve_roles(
             if _reading_cost(chosen) <= 1.0:
                 break
             continue
+        if position is not None:
+            refusals[position] = result
+    for result in refusals:
         # The first reading's refusal is the one to report; a later value reading's own typing (a FLOAT
         # Cast of a FLOAT16 gradient) is no news about the update.
-        if best is None or (result.score > best.score and result.reason not in ("mixed-precision", "dtype-mismatch")):
+        if result is not None and (best is None or (result.score > best.score and result.reason not in ("mixed-precision", "dtype-mismatch"))):
             best = result
     if chosen is None:
         # No reading with the graph's own hyper-parameters or with a value holding the whole term fits. A
         # value holding a constant part of the term (the clipped g*clip_coef inside (1 - d)*g*clip_coef) is
         # the gradient with that part as dampening: the one a first step without dampening needs.
-        for g, k, absorbs_decay in _scaled_readings(normaliser, v, rest_v, vp, p, a, rel.precision, readings):
+        for g, k, absorbs_decay in _scaled_readings(normaliser, v, rest_v, vp, p, a, rel.precision, readings + unit):
             result = _try_reading(index, normaliser, solved, g, k, Poly.const(0) if absorbs_decay else vp, rel, absorbs_decay)
             if isinstance(result, Match) and (chosen is None or _reading_cost(result) < _reading_cost(chosen)):
                 chosen = result
@@ -1728,6 +1751,10 @@ def _attributes_reading(
         elif not _differing_terms(form_first, add_forms(grad_eff, {a: m}), rel):
             first_step = FirstStep(condition, when_true, zero_accum=False)
         else:
+            # A "first step" reading a tensor this reading has no role for (the real buffer b1, when the
+            # branches are read the other way round: buffer x with momentum 2 in the first step's 2*x + h) is
+            # no first step of this reading: its refusal ranks below any reading of the branches as they are.
+            foreign = set(form_first) - set(form_v) - {a, p, ONE}
             return Miss(
                 w,
                 "first-step-unsupported",
@@ -1737,7 +1764,7 @@ def _attributes_reading(
                 equation=equation,
                 nearest=f"{v} = {format_form(grad_eff)}",
                 differing=", ".join(_differing_terms(form_first, grad_eff, rel)),
-                score=7,
+                score=1 if foreign else 7,
             )
     nodes_w, _ = normaliser.cone(w)
     nodes_v, _ = normaliser.cone(v)
@@ -2039,6 +2066,40 @@ def _gradient_readings(
                 more.append((value, k, absorbs))
     more.sort(key=lambda r: r[2])
     return readings + more
+
+
+def _reading_order(
+    normaliser: Normaliser, v: str, rest: Form, vp: Poly, p: str, a: str, precision: Precision, readings: list[tuple[str, Poly, bool]]
+) -> tuple[list[tuple[int | None, tuple[str, Poly, bool]]], list[tuple[str, Poly, bool]]]:
+    """The order in which :func:`_solve_roles` tries the gradient ``readings`` (each with its position in
+    them, None for one added here), and the readings added.
+
+    As given, unless the first folds into ``1 - d`` a factor that is the gradient's own scaling, not the
+    optimiser's:
+
+    - a factor larger than 1 (``|k| > 1``: a negative dampening): ``g2 = 2*w1_new`` read as gradient ``w1_new``
+      with dampening -1, or ``0.75*(2*w1_new)`` as dampening -0.5, where the user wrote dampening 0 and 0.25
+      (also an unchained ``0.9*buf + 2*g``);
+    - any factor when its gradient is an opaque leaf of ``normaliser`` (another update's new values, in
+      :func:`_solve_readers_of_fused`): no optimiser feeds those as they are, the gradient is computed from
+      them (``g2 = 0.5*w1_new`` is gradient ``g2`` with dampening 0, not ``w1_new`` with dampening 0.5).
+
+    Then the values of the graph that hold the term up to a factor in (0, 1) are tried first (the gradient the
+    term's last scaling reads, with that factor as the user's ``1 - d``; the largest factor, the least
+    dampening, first), then the values holding the whole term (dampening 0), and that first reading last.
+    Readings are compared as before (:func:`_reading_cost`), so it still fuses when nothing else does; only
+    the choice among exact readings changes. Everything read is in the class key (forms of the cone's values,
+    from their ops and constants; dtypes; the names' order); opaque leaves exist only in the direct solve of
+    :func:`_solve_readers_of_fused`, which no class shares."""
+    placed = list(enumerate(readings))
+    if not readings:
+        return placed, []
+    g, k, _ = readings[0]
+    if not (g in normaliser.opaque or (k.is_constant and abs(k.constant_value) > 1.0)):
+        return placed, []
+    unit = [r for r in _scaled_readings(normaliser, v, rest, vp, p, a, precision, readings) if abs(r[1].constant_value) < 1.0]
+    unit.sort(key=lambda r: -abs(r[1].constant_value))  # stable: equal factors keep the names' order
+    return [(None, r) for r in unit] + placed[1:] + placed[:1], unit
 
 
 def _scaled_readings(
