@@ -34,7 +34,9 @@ arithmetic as the function itself.
   (an update whose original computes ``(x + z) - z``, ``0·z`` or ``(x·s)/s`` gives another number or NaN
   there; results that are NaN or Inf identically on both sides agree), and a first step again with the
   buffer the chain left, or random values for a buffer the chain left zero everywhere (a first step that
-  ignores the old buffer must be seen to ignore it).
+  ignores the old buffer must be seen to ignore it). Last, in the lifted run (natively only where there is
+  none), the isolating steps (:data:`ISOLATING_KINDS`), from the original's state on both sides, which give
+  each coefficient a term of its own (below, "Which step holds which coefficient").
 * **A gradient that is never live** proves nothing about its term: a slice or a model that computes the
   gradient from what it is fed (``Relu(x - 10)``) may keep it at zero on every random input, and then
   ``(1 - d)·g`` is never compared, nor is which value the fused op reads as its gradient. So when an update's
@@ -112,8 +114,50 @@ terms that cancel: with ``k = 1 - d``, ``grad = g + wd·p`` and ``a`` the buffer
 
 The native bound alone is the old one (it sums cancelling magnitudes) and would let a coefficient error of
 u·|g| through on a value of lr·|g|; the lifted run is what holds coefficients to a few ulps of themselves.
+
 Values: lr and m are read from the fused run (the op's own inputs), g from the original run or the feed, d,
 wd and Nesterov from the SGD node's attributes, p and a from the feeds.
+
+Which step holds which coefficient
+----------------------------------
+A coefficient ``c`` off by ``δc`` moves an element by ``δc·|t|`` (``t`` its term), and the bound of that
+element allows the sum of every term's allowance, ``Σ ε·|t_j|`` (plus roundoff, 2^-53-small lifted). So ``c`` is
+held to a few roundings of itself only on an element where ``t`` is not small beside the other terms: a weight
+decay of 1e-6 (``wd·p`` beside ``m·a`` and ``g``) off by 1 % passed, on every random element of every step. The
+steps where each term stands alone (``k = 1 - d``; plain weights ``p - lr·v``, Nesterov's ``p - lr·(grad + m·v)``):
+
+=========================  =====================================================================================
+coefficient                the step and elements where its term is alone
+=========================  =====================================================================================
+``wd`` (with ``k``)        ``isolated``, even elements (``g = a = 0``): ``v = k·wd·p``, 0 exactly when ``wd = 0``
+``wd``, first-step rule    ``isolated-first``, even elements: ``v = wd·p`` (no dampening where ``stat = 1``)
+``m``                      ``isolated``, odd elements (``g = p = 0``): ``v = m·a`` (Nesterov weights ``-lr·m²·a``);
+                           and the zero-gradient step where ``wd·|p|`` is small beside ``m·|a|``
+``m``, first-step rule     ``isolated-first``, odd elements: ``v = m·a``, or 0 where the first step ignores the
+                           old buffer (the fused node is fed it zeroed)
+``d`` (as ``k``)           ``zero-buffer`` (``a = 0``, ``stat = 0``): ``v = k·(g + wd·p)``, ``k`` the factor of
+                           every term; and step 1 when ``stat`` is 0 there (no first-step rule)
+``lr``                     every step for ``lr·v`` (the factor of the whole step), except beside ``|p|``: a
+                           step ``lr·|v|`` below the roundoff of ``p`` (lifted 16·2^-53·|p|) is held only
+                           where ``p = 0``: ``isolated``, odd elements, ``p_out = -lr·m·a``
+the gradient's sign        every step with a live gradient (``maximize`` flips ``g``: a difference of 2·|g|)
+=========================  =====================================================================================
+
+Bounds of these steps carry no state difference (both sides fed the original's state) and no other term's
+allowance, so each coefficient is held to :data:`COEFFICIENT_ROUNDINGS` roundings of itself (``k·wd`` to the
+sum of the two). What does not hold:
+
+* The ``isolated`` steps zero what a gradient is computed from only where that makes it zero: a gradient
+  fed, or computed from fed values alone (a loss scale, a clip; one-element inputs, a loss scale, are fed as on
+  a random step, so ``g / scale = 0`` and a loss-scaling guard does not skip). A gradient computed from state
+  (the backward pass of a whole training step in ``check``, or an update whose gradient reads another's new
+  weights) is left out of them (:func:`_isolable_inputs`), and for such an update what held before holds: a
+  weight decay to about ``ε·(|g| + |m·a|)/|wd·p|`` of itself on its best element, a momentum on the
+  zero-gradient step where ``wd·p`` is small beside it, a learning rate wherever ``lr·|v|`` is above the
+  roundoff of ``p``. ``zero-buffer`` feeds only the buffer, which is state, so it holds ``k`` whatever the
+  gradient.
+* A one-element state has only an even element: its momentum is held by the zero-gradient step alone, and
+  its fed gradient, being one element, is not zeroed (it is fed as a loss scale would be).
 
 Cost
 ----
@@ -123,8 +167,9 @@ identical up to value names, plus a seeded sample of :data:`CLASS_SAMPLE` member
 most (forms x dtypes x shapes x hyper-parameters), so what is run stops growing with the number of updates;
 keying costs one single-plan slice per plan (about 2 ms).
 Per batch of :data:`BATCH_UPDATES` updates: four onnxruntime sessions (original and fused, native and
-lifted), each run ``sizes × (steps + 4)`` times (sizes is 1 for static shapes, 2 with symbolic dimensions;
-one more, :data:`WIDE`, for a batch or packed model with an update whose gradient was never live);
+lifted), each run ``sizes × (steps + 4)`` times, the lifted ones 3 more (:data:`ISOLATING_KINDS`; sizes is
+1 for static shapes, 2 with symbolic dimensions; one more, :data:`WIDE`, for a batch or packed model with an
+update whose gradient was never live);
 :func:`check_models` cuts both models into independent groups of outputs (:func:`_check_groups`), packs them
 into models of about :data:`CHECK_CHUNK_NODES` nodes and runs its lockstep and in-place schedules in four
 sessions per packed model; from :data:`CLASS_MIN_PLANS` groups on, per class of groups equal up to value names
@@ -223,6 +268,27 @@ EXTRA_KINDS = EXTREME_KINDS + ("restart",)
 first step again ("restart": counters 0, first-step condition true) with the buffer the chain left, which is
 where a first step that ignores the old buffer must be seen to ignore it (a buffer the chain left zero
 everywhere, as a gradient zero on the fed data leaves it, is fed random values instead: :func:`_random_buffers`)."""
+
+ISOLATING_KINDS = ("isolated", "isolated-first", "zero-buffer")
+"""Steps run from the state the chain reached, each alone (not chained), after the others, that leave each
+coefficient of the update a term of its own on some element, so that its allowance in the bound is relative to
+that term alone (module docstring, "Which step holds which coefficient"):
+
+* ``isolated`` (first-step condition false, ``stat = 0``), for the updates whose gradient is computed from no
+  state (:func:`_isolable_inputs`; the others are fed as on a random step from the chain's state): every input
+  their gradients are computed from zero (but one-element ones, a loss scale, fed as on a random step), and per
+  element of their state, at even flat indices the buffer 0 (the parameters as the chain left them) and at odd
+  ones the parameters 0 (the buffer random). The contract then gives ``accum_t = (1-d)·wd·p`` at even
+  elements (exactly 0 when ``wd = 0``) and ``accum_t = m·a``, ``parameters_out = -lr·m·a`` (Nesterov
+  ``-lr·m²·a``) at odd ones.
+* ``isolated-first`` (counters 0, first-step condition true): the same feeds, so the first-step rule's
+  ``wd·p`` (no dampening) and ``m·a`` (or 0, where the first step ignores the old buffer) each stand alone.
+* ``zero-buffer`` (``stat = 0``): gradients as on a random step, every SGD-updated buffer 0: ``accum_t =
+  (1-d)·(g + wd·p)``, where ``1 - d`` multiplies every term.
+
+Their random values come from a generator of their own (seeded from ``seed``), so every other step is fed
+what it was fed before they were added. A one-element state has only an even element: its momentum is held
+by the zero-gradient step."""
 
 RANDOM_STATE = "random-state"
 """A further lockstep step of :func:`check_models`, from the chain's state with every SGD-updated buffer fed
@@ -617,8 +683,10 @@ def _concrete_shape(spec: _Input, size: int | None) -> tuple[int, ...]:
     return tuple(size if isinstance(d, str) else int(d) for d in spec.shape)
 
 
-def _feed(spec: _Input, kind: str, step: int, size: int | None, rng: np.random.Generator) -> np.ndarray:
-    """The value of a non-state input for one step of the schedule (module docstring, "Schedule")."""
+def _feed(spec: _Input, kind: str, step: int, size: int | None, rng: np.random.Generator, *, isolable: bool = False) -> np.ndarray:
+    """The value of a non-state input for one step of the schedule (module docstring, "Schedule"). ``isolable``:
+    the input is among :func:`_isolable_inputs` (zero on the ``isolated`` steps when it is a gradient input of
+    more than one element)."""
     shape = _concrete_shape(spec, size)
     dtype = onnx_to_numpy_dtype(spec.dtype)
     count = int(np.prod(shape))
@@ -636,6 +704,10 @@ def _feed(spec: _Input, kind: str, step: int, size: int | None, rng: np.random.G
         if spec.role in ("gradient", "momentum") and kind == "zero-gradient":
             # A runtime momentum 0 (check_lowered's role "momentum"): the op keeps the buffer, and the rewrite's
             # If recomputes it.
+            return np.zeros(shape, dtype=dtype)
+        if isolable and spec.role == "gradient" and kind in ("isolated", "isolated-first") and count > 1:
+            # (A one-element input the gradient is computed from, a loss scale, is fed as on a random step: g/0
+            # would make a loss-scaling guard skip, and nothing would be compared.)
             return np.zeros(shape, dtype=dtype)
         if spec.role == "other" and kind in EXTREME_KINDS:
             return _extreme(kind, shape, dtype, rng)
@@ -700,9 +772,76 @@ def _random_state(spec: _Input, size: int | None, rng: np.random.Generator) -> n
 
 
 def _counter(kind: str, step: int, chained: int) -> int:
-    """The step counter fed with a step: its index in the chain; 0 for a restart; after the chain for the
-    extreme-value steps."""
-    return 0 if kind == "restart" else min(step, chained)
+    """The step counter fed with a step: its index in the chain; 0 for a restart and an ``isolated-first``
+    step; after the chain for the other extra steps."""
+    return 0 if kind in ("restart", "isolated-first") else min(step, chained)
+
+
+def _isolating_pair(pair: "_Pair", pairs: Sequence["_Pair"]) -> bool:
+    """Whether ``pair`` runs the :data:`ISOLATING_KINDS` steps: the lifted (DOUBLE) pair, or the native one when
+    there is no lifted pair. Lifted, the roundoff is gone and each isolated term is held to its coefficients'
+    allowance alone; natively the same term is held to that plus its own roundoff, which adds nothing the
+    lifted run does not see, at the cost of the steps."""
+    return pair.lifted or not any(other.lifted for other in pairs)
+
+
+def _isolable_inputs(views: Sequence["_UpdateView"], sources_of: Callable[["_UpdateView"], Iterable[str]], state: set[str]) -> frozenset[str]:
+    """What the ``isolated`` steps zero (gradient inputs) and mask (parameters and buffers): for every update
+    whose gradient is computed from no state (fed, or from fed values alone: a loss scale, a clip; ``sources_of``
+    gives the fed inputs it is computed from), those inputs and its parameters and buffer. A gradient computed
+    from state (a backward pass through the weights: every gradient of a whole training step) is not made zero
+    by zero inputs, so its terms would not stand alone; and a zero image through weights half zero is a
+    degenerate feed (a BatchNormalization of a constant) on which two implementations of one network round
+    apart by far more than on data (``lower``'s check of a ResNet step: a gradient of 2e-13 against 5e5)."""
+    names: set[str] = set()
+    for view in views:
+        sources = set(sources_of(view))
+        if sources.isdisjoint(state):
+            names.update(sources)
+            names.update((view.parameters, view.accum))
+    return frozenset(names)
+
+
+def _isolating_kinds(isolating: bool, inputs: Iterable[_Input], isolable: frozenset[str]) -> list[str]:
+    """The :data:`ISOLATING_KINDS` a run takes: none unless ``isolating`` (:func:`_isolating_pair`); the
+    ``isolated`` ones only when some input of the run is ``isolable``."""
+    if not isolating:
+        return []
+    if any(spec.name in isolable for spec in inputs):
+        return list(ISOLATING_KINDS)
+    return [kind for kind in ISOLATING_KINDS if kind not in ("isolated", "isolated-first")]
+
+
+def _isolating_rng(seed: int) -> np.random.Generator:
+    """The random generator of the :data:`ISOLATING_KINDS` steps of one run (apart from the run's own)."""
+    return np.random.default_rng((seed, 1))
+
+
+def _isolating_state(kind: str, specs: Iterable[_Input], original_feeds: dict, fused_feeds: dict, size: int | None,
+                     rng: np.random.Generator, convert, isolable: frozenset[str]) -> None:
+    """Feed the SGD-updated state of an :data:`ISOLATING_KINDS` step, the same on both sides (the original's
+    parameters: in place, the state each side carried already differs, and that difference, allowed for whole,
+    would hide a small term): every buffer (role ``accum``) 0 on a ``zero-buffer`` step; else, for the
+    ``isolable`` state (:func:`_isolable_inputs`; the rest as the chain left it), the buffers random with their
+    even flat indices 0, and the parameters (role ``parameters``) with their odd flat indices 0."""
+    for spec in specs:
+        if spec.name not in original_feeds or (kind != "zero-buffer" and spec.name not in isolable):
+            continue
+        if spec.role == "accum":
+            if kind == "zero-buffer":
+                value = convert(np.zeros(_concrete_shape(spec, size), dtype=onnx_to_numpy_dtype(spec.dtype)))
+            else:
+                value = _random_state(spec, size, rng)
+                value.reshape(-1)[0::2] = 0
+                value = convert(value)
+        elif spec.role == "parameters":
+            value = original_feeds[spec.name]
+            if kind != "zero-buffer":
+                value = np.array(value, copy=True)
+                value.reshape(-1)[1::2] = 0
+        else:
+            continue
+        original_feeds[spec.name] = fused_feeds[spec.name] = value
 
 
 def _schedule(steps: int) -> list[str]:
@@ -1838,10 +1977,15 @@ def _verify_batch(model, index, plans, *, steps: int, seed: int, shared, evidenc
     if note:
         for tally in tallies:
             tally.note(note)
+    fed = {spec.name for spec in slices.inputs}
+    producer = {o: node for node in slices.original.graph.node for o in node.output if o}
+    state = {spec.name for spec in slices.inputs if spec.role in ("parameters", "accum")}
+    isolable = _isolable_inputs(slices.views, lambda view: _sources([view.gradient], (), producer) & fed, state)
     for pair in pairs:
         for size in _sizes(slices.inputs):
             try:
-                _run_schedule(pair, slices, tallies, steps=steps, size=size, seed=seed)
+                _run_schedule(pair, slices, tallies, steps=steps, size=size, seed=seed, isolating=_isolating_pair(pair, pairs),
+                              isolable=isolable)
             except _RunError as error:
                 if len(plans) > 1:
                     raise
@@ -1885,9 +2029,12 @@ def _plan_nodes(index: GraphIndex, plan) -> list[onnx.NodeProto]:
     return [index.graph.node[i] for i in sorted(plan.match.nodes)] + list(plan.nodes)
 
 
-def _run_schedule(pair: _Pair, slices: _Slices, tallies: Sequence[_Tally], *, steps: int, size: int | None, seed: int) -> None:
-    """One precision at one size: ``steps`` chained in-place steps, then the extreme-value steps, then, when
-    some update's gradient was not live on any of them, the :data:`WIDE` step."""
+def _run_schedule(pair: _Pair, slices: _Slices, tallies: Sequence[_Tally], *, steps: int, size: int | None, seed: int,
+                  isolating: bool = True, isolable: frozenset[str] = frozenset()) -> None:
+    """One precision at one size: ``steps`` chained in-place steps, then the extreme-value steps, then (with
+    ``isolating``) the :data:`ISOLATING_KINDS` steps (:func:`_isolating_kinds`, ``isolable`` as for
+    :func:`_isolable_inputs`), then, when some update's gradient was not live on any of them, the :data:`WIDE`
+    step."""
     rng = np.random.default_rng(seed)
     convert = _lifted_array if pair.lifted else (lambda array: array)
     original_pairs = {s: o for view in slices.views for s, o in view.original_state.items()}
@@ -1899,24 +2046,30 @@ def _run_schedule(pair: _Pair, slices: _Slices, tallies: Sequence[_Tally], *, st
     label = _run_label(pair.label, size)
     completed: list[tuple] = []
     kinds = _schedule(steps)
+    isolating_rng = _isolating_rng(seed)
+    isolating_kinds = _isolating_kinds(isolating, slices.inputs, isolable)
 
     def run_step(step: int, kind: str) -> None:
+        step_rng = isolating_rng if kind in ISOLATING_KINDS else rng
         for spec in others:
-            value = convert(_feed(spec, kind, _counter(kind, step, len(kinds)), size, rng))
+            value = convert(_feed(spec, kind, _counter(kind, step, len(kinds)), size, step_rng, isolable=spec.name in isolable))
             original_feeds[spec.name] = fused_feeds[spec.name] = value
         original_out = _run_side(pair.original, original_feeds, slices.original_outputs, "original slice")
         fused_out = _run_side(pair.fused, fused_feeds, slices.fused_outputs, "fused slice")
         completed.append((original_feeds, fused_feeds, original_out, fused_out, f"{label}, step {step + 1} ({kind})", kind))
 
-    for step, kind in enumerate(kinds + list(EXTRA_KINDS)):
-        if kind in EXTRA_KINDS and step == len(kinds):
+    for step, kind in enumerate(kinds + list(EXTRA_KINDS) + isolating_kinds):
+        unchained = kind in EXTRA_KINDS or kind in ISOLATING_KINDS
+        if unchained and step == len(kinds):
             base = (dict(original_feeds), dict(fused_feeds))
-        if kind in EXTRA_KINDS:
+        if unchained:
             original_feeds, fused_feeds = dict(base[0]), dict(base[1])
         if kind == "restart":
             _random_buffers(state, original_feeds, fused_feeds, size, rng, convert, only_zero=True)
+        if kind in ISOLATING_KINDS:
+            _isolating_state(kind, state, original_feeds, fused_feeds, size, isolating_rng, convert, isolable)
         run_step(step, kind)
-        if kind not in EXTRA_KINDS:
+        if not unchained:
             original_feeds, fused_feeds = dict(original_feeds), dict(fused_feeds)
             _carry(original_feeds, completed[-1][2], original_pairs)
             _carry(fused_feeds, completed[-1][3], fused_pairs)
@@ -1927,7 +2080,7 @@ def _run_schedule(pair: _Pair, slices: _Slices, tallies: Sequence[_Tally], *, st
         original_feeds, fused_feeds = dict(base[0]), dict(base[1])
         _random_buffers(state, original_feeds, fused_feeds, size, rng, convert)
         try:
-            run_step(len(kinds) + len(EXTRA_KINDS), WIDE)
+            run_step(len(kinds) + len(EXTRA_KINDS) + len(isolating_kinds), WIDE)
         except _RunError as error:
             if not error.original:
                 raise  # the fused slice fails where the original runs: a failure, as on any step
@@ -2045,7 +2198,11 @@ def check_models(
 
         output_tallies = {name: _Tally() for name in outputs}
         state_tallies = {(k, s): _Tally() for k, view in enumerate(views) for s in view.roles}
-        runner = _GroupRunner(index, sides, views, inputs, original_pairs, output_tallies, state_tallies, steps=steps, seed=seed)
+        memo: dict[str, frozenset] = {}
+        isolable = _isolable_inputs(views, lambda view: sides[1].fed_sources(view.gradient, inputs, memo),
+                                    set(original_pairs) | {s for view in views for s in view.roles})
+        runner = _GroupRunner(index, sides, views, inputs, original_pairs, output_tallies, state_tallies, steps=steps, seed=seed,
+                              isolable=isolable)
         runner.notes.extend(_claim_notes(index.graph_outputs, {s for view in views for s in view.roles}, original_pairs, pinned))
         if readers_note:
             runner.notes.append(readers_note)
@@ -2208,6 +2365,9 @@ def check_lowered(
             notes.append(f"the lifted (DOUBLE) comparison could not run ({reason}); checked in the native dtypes only")
         specs = list(inputs.values())
         numbered = list(enumerate(views))
+        memo: dict[str, frozenset] = {}
+        isolable = _isolable_inputs(views, lambda view: side.fed_sources(view.gradient, inputs, memo),
+                                    set(original_pairs) | {s for view in views for s in view.roles})
         for pair in pairs:
             for position, size in enumerate(_sizes(specs)):
                 label = _run_label(pair.label, size)
@@ -2217,7 +2377,8 @@ def check_lowered(
                     pair = _Pair.of_sessions(pair.original, fused_session(pair.lifted, views), pair.lifted)
                 try:
                     skipped = _check_schedule(pair, specs, numbered, outputs, fused_names, original_pairs, output_tallies,
-                                              state_tallies, steps=steps, size=size, seed=seed, loose=loose, exact=exact_probes)
+                                              state_tallies, steps=steps, size=size, seed=seed, loose=loose, exact=exact_probes,
+                                              isolating=_isolating_pair(pair, pairs), isolable=isolable)
                     if skipped and skipped not in notes:
                         notes.append(skipped)
                 except _RunError as error:
@@ -2782,8 +2943,10 @@ class _GroupRunner:
     """Runs groups of :func:`check_models` packed into models of about :data:`CHECK_CHUNK_NODES` nodes,
     into the shared tallies."""
 
-    def __init__(self, index, sides, views, inputs, original_pairs, output_tallies, state_tallies, *, steps: int, seed: int) -> None:
+    def __init__(self, index, sides, views, inputs, original_pairs, output_tallies, state_tallies, *, steps: int, seed: int,
+                 isolable: frozenset[str] = frozenset()) -> None:
         self.index, self.sides, self.views, self.inputs = index, sides, views, inputs
+        self.isolable = isolable  # _isolable_inputs of the whole model
         self.original_pairs = original_pairs
         self.output_tallies, self.state_tallies = output_tallies, state_tallies
         self.steps, self.seed = steps, seed
@@ -2834,7 +2997,8 @@ class _GroupRunner:
                 label = _run_label(pair.label, size)
                 try:
                     skipped = _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, self.output_tallies,
-                                              self.state_tallies, steps=self.steps, size=size, seed=seed)
+                                              self.state_tallies, steps=self.steps, size=size, seed=seed,
+                                              isolating=_isolating_pair(pair, pairs), isolable=self.isolable)
                     if skipped and skipped not in self.notes:
                         self.notes.append(skipped)
                 except _RunError as error:
@@ -3439,9 +3603,11 @@ def non_negative_inputs(nodes: Sequence[onnx.NodeProto], *, op_types: Sequence[s
 
 
 def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, output_tallies, state_tallies,
-                    *, steps: int, size: int | None, seed: int, loose=None, exact: frozenset[str] | set[str] = frozenset()) -> None:
+                    *, steps: int, size: int | None, seed: int, loose=None, exact: frozenset[str] | set[str] = frozenset(),
+                    isolating: bool = True, isolable: frozenset[str] = frozenset()) -> str:
     """One precision at one size of a model of :func:`check_models` groups: the lockstep run (every output),
-    the in-place run (state writes), then the extreme-value steps from the lockstep state, and, when some
+    the in-place run (state writes), then the extreme-value steps from the lockstep state (with ``isolating``
+    the :data:`ISOLATING_KINDS` steps after them, :func:`_isolating_kinds`), and, when some
     update's gradient was not live on any of them, the :data:`WIDE` step (in lockstep, outputs and state
     writes compared). ``views`` are ``(index, view)`` pairs; ``state_tallies`` is keyed by ``(index, state)``.
     Returns a note when the original could not run the wide step (it is skipped, the rest compared), else "".
@@ -3457,11 +3623,13 @@ def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, o
     state = [spec for spec in inputs if spec.name in state_names]
     kinds = _schedule(steps)
     results = []
+    isolating_rng = _isolating_rng(seed)
+    isolating_kinds = _isolating_kinds(isolating, inputs, isolable)
 
     def run_step(mode: str, step: int, kind: str, original_feeds: dict, fused_feeds: dict, rng) -> None:
         for spec in inputs:
             if spec.name not in state_names:
-                value = convert(_feed(spec, kind, _counter(kind, step, len(kinds)), size, rng))
+                value = convert(_feed(spec, kind, _counter(kind, step, len(kinds)), size, rng, isolable=spec.name in isolable))
                 original_feeds[spec.name] = fused_feeds[spec.name] = value
         original_out = _run_side(pair.original, original_feeds, outputs, "original model")
         fused_out = _run_side(pair.fused, fused_feeds, fused_names, "fused model")
@@ -3471,16 +3639,19 @@ def _check_schedule(pair, inputs, views, outputs, fused_names, original_pairs, o
         rng = np.random.default_rng(seed)
         original_feeds: dict[str, np.ndarray] = {spec.name: convert(_state_initial(spec, size, rng)) for spec in state}
         fused_feeds = dict(original_feeds)
-        sequence = kinds + ([*EXTRA_KINDS, RANDOM_STATE] if mode == "lockstep" else [])
+        sequence = kinds + ([*EXTRA_KINDS, RANDOM_STATE, *isolating_kinds] if mode == "lockstep" else [])
         base = None
         for step, kind in enumerate(sequence):
-            if kind in EXTRA_KINDS or kind == RANDOM_STATE:
+            unchained = kind in EXTRA_KINDS or kind == RANDOM_STATE or kind in ISOLATING_KINDS
+            if unchained:
                 base = base or (dict(original_feeds), dict(fused_feeds))
                 original_feeds, fused_feeds = dict(base[0]), dict(base[1])
             if kind == RANDOM_STATE or kind == "restart":
                 _random_buffers(state, original_feeds, fused_feeds, size, rng, convert, only_zero=kind == "restart")
-            run_step(mode, step, kind, original_feeds, fused_feeds, rng)
-            if kind not in EXTRA_KINDS and kind != RANDOM_STATE:
+            if kind in ISOLATING_KINDS:
+                _isolating_state(kind, state, original_feeds, fused_feeds, size, isolating_rng, convert, isolable)
+            run_step(mode, step, kind, original_feeds, fused_feeds, isolating_rng if kind in ISOLATING_KINDS else rng)
+            if not unchained:
                 original_out, fused_out = results[-1][5:]
                 original_feeds, fused_feeds = dict(original_feeds), dict(fused_feeds)
                 _carry(original_feeds, original_out, original_pairs)

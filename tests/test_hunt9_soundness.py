@@ -1,15 +1,16 @@
 """hunt9: ``sgdfuse check`` against hand-edited fused models that are subtly wrong.
 
 Each edit below makes the fused model compute another update than the original (confirmed with numpy, not
-with the code under test), so check must fail. The weight-decay case is a known gap (xfail, strict): a small
-term's coefficient error hides under the coefficient allowance of the larger terms of the same element.
+with the code under test), so check must fail. The weight-decay case was a gap: a small term's coefficient error hid under the
+coefficient allowance of the larger terms of the same element, until check's isolating steps
+(``sgdfuse.verify.ISOLATING_KINDS``: zero gradient and buffer, so ``wd·p`` stands alone) held it to its own;
+tests/test_check_isolated_terms.py covers the kind (weight decay, momentum, dampening, learning rate).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
-import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import sgdfuse
@@ -90,8 +91,6 @@ def test_weight_decay_a_thousandth_off_fails():
     assert not check_models(original, _with_attribute(fused, "weight_decay", 5e-4 * 1.001)).passed
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (hunt9): a weight decay off by 1e-8 absolute (1% of 1e-6) hides under "
-                   "the coefficient allowance of m*a and g on every element; needs a step where g and a are 0")
 def test_a_small_weight_decay_one_percent_off_fails():
     wd = 1e-6
     original = _step(lr=0.1, m=0.9, wd=wd)

@@ -118,6 +118,9 @@ def _set_attribute(name: str, value: float):
 CASES = [
     # (label, dtype, step hyper-parameters, edit of the GE graph)
     ("FLOAT weight decay 1e-6 dropped", TensorProto.FLOAT, dict(lr=0.1, momentum=0.9, weight_decay=1e-6), _set_attribute("weight_decay", 0.0)),
+    # Passed before check's isolating steps (sgdfuse.verify.ISOLATING_KINDS): 1e-8·p beside m·buf and g.
+    ("FLOAT weight decay 1e-6 x 1.01", TensorProto.FLOAT, dict(lr=0.1, momentum=0.9, weight_decay=1e-6),
+     _set_attribute("weight_decay", 1e-6 * 1.01)),
     ("FLOAT dampening 0 -> 1e-6", TensorProto.FLOAT, dict(lr=0.1, momentum=0.9), _set_attribute("dampening", 1e-6)),
     ("FLOAT dampening 0 -> 1e-5", TensorProto.FLOAT, dict(lr=0.1, momentum=0.9), _set_attribute("dampening", 1e-5)),
     ("FLOAT learning rate x(1+1e-5)", TensorProto.FLOAT, dict(lr=0.1, momentum=0.9), _set_lr(0.1 * (1 + 1e-5), TensorProto.FLOAT)),

@@ -12,8 +12,9 @@ holds after the step. So lower's check has check's
   keeps the buffer and the rewrite's ``If`` recomputes it; a loss-scaling ``found_inf`` computed from
   ``g / scale`` is NaN there, so the guard skips; a guard computed from fed gradients alone has them fed +Inf
   on the "inf" extreme step, :func:`_input_roles`), random steps, then from the state reached the
-  extreme-value steps, a restart and a step with random buffers, and, for an update whose gradient was never
-  live, the wide-range step; in lockstep (both sides fed onnxruntime's state) and in place (each side carrying
+  extreme-value steps, a restart, a step with random buffers, in the lifted run the isolating steps
+  (:data:`sgdfuse.verify.ISOLATING_KINDS`: a weight decay of 1e-6 x 1.01 fails) and, for an update whose
+  gradient was never live, the wide-range step; in lockstep (both sides fed onnxruntime's state) and in place (each side carrying
   its own: the executor's variables after the step are what it carries);
 - precisions: natively and lifted to DOUBLE (the executor runs lifted: every float value as DOUBLE, the
   ``SGD`` op's formula in DOUBLE with its FLOAT attributes as stored), so that a coefficient a few roundings
