@@ -104,7 +104,10 @@ terms that cancel: with ``k = 1 - d``, ``grad = g + wd·p`` and ``a`` the buffer
   the 2 folded into the dampening) differs between the sides by that update's rounding on every step, in
   lockstep and in :func:`verify_plans` too, and that rounding is absolute (``w1_new`` near 0 after
   cancellation): its measured difference is propagated likewise on every step, while the value itself is
-  compared within its own update's bound (:attr:`_UpdateView.upstream_gradient`).
+  compared within its own update's bound (:attr:`_UpdateView.upstream_gradient`); so is that of a gradient
+  computed from such outputs by nodes known to be the original's (``mul_3 = 2*add_1``: in :func:`verify_plans`
+  they are its own nodes; ``check`` feeds such nodes one value on both sides where it can, and otherwise
+  proves them equal to the original's node by node before it allows the difference).
 * Roundoff: natively, each side rounds each operation once; with at most :data:`OPERATIONS` roundings per
   side and u the unit roundoff of the parameters' dtype, ``2·OPERATIONS·u·S`` covers both, where S sums the
   magnitudes of every term either side forms (``|m·a| + (1+|d|)·(|g| + wd·|p|)`` for the buffer,
@@ -1084,7 +1087,11 @@ class _UpdateView:
     folded into the next node's dampening: ``SGD(p1, w1_new, ...)``), that output's name, the same in both
     runs and compared there within that update's bound: the two sides' values of it differ by that update's
     rounding, which is absolute (``ulp(|p| + lr·|v|)``, large beside a ``w1_new`` near 0), so on every step,
-    lockstep too, the bound propagates their measured difference (:func:`_view_terms`). "" otherwise."""
+    lockstep too, the bound propagates their measured difference (:func:`_view_terms`). Also when the gradient
+    is computed from such outputs by nodes known to be the same on both sides (``mul_3 = 2*add_1``): the
+    gradient's name (:func:`_mark_computed_upstream_gradients` in :func:`verify_plans`, where they are the
+    original's own nodes; :func:`_mark_proven_upstream_gradients` in ``check``, where they are proven equal
+    to the original's node by node). "" otherwise."""
     exact_coefficients: frozenset[str] = frozenset()
     """:func:`check_lowered`: the coefficients (of :data:`COEFFICIENTS`) that both implementations are held to
     apply bit for bit, so that the bound gives them no allowance."""
@@ -1167,6 +1174,7 @@ def _build_slices(
     produced = {o for node in original_nodes for o in node.output if o}
     gradients = [view.gradient for view in views if view.gradient in produced]
     original_outputs = list(dict.fromkeys(wanted_original + gradients))
+    computed_upstream = _mark_computed_upstream_gradients(views, original_nodes, replaced_values)
     original_parts = _Parts(original_nodes, [], original_outputs, list(model.opset_import), None)
     original, original_inputs = _slice_model(index, original_parts) if models else _parts_inputs(index, original_parts)
 
@@ -1181,6 +1189,7 @@ def _build_slices(
     fused_outputs = list(dict.fromkeys(
         [o for view in views for o in list(view.outputs) + list(view.fused_state.values())]
         + [o for view in views for o in (view.learning_rate, view.momentum)]
+        + [o for o in computed_upstream if o in taken]  # the fused side's value of it, computed by the same kept nodes
     ))
     opsets = list(model.opset_import)
     if not any(o.domain == DOMAIN for o in opsets):
@@ -1205,6 +1214,45 @@ def _mark_upstream_gradients(views: Sequence[_UpdateView], gradients: Sequence[s
     for k, (view, gradient) in enumerate(zip(views, gradients, strict=True)):
         if owner.get(gradient, k) != k:
             view.upstream_gradient = gradient
+
+
+def _mark_computed_upstream_gradients(views: Sequence[_UpdateView], original_nodes: Sequence[onnx.NodeProto],
+                                      replaced: set[str]) -> list[str]:
+    """:func:`verify_plans`: set :attr:`_UpdateView.upstream_gradient` of each view whose gradient is computed in
+    the slice (``original_nodes``) from another view's output (``replaced``: the values the fused nodes
+    replace), a chain ``g2 = 2*w1_new`` whose SGD node reads ``mul_3 = 2*add_1``; returns those gradients.
+
+    Why the measured difference of such a gradient is a sound allowance here: the fused slice is the original
+    slice's own nodes (the same ``NodeProto`` s) except those that write a replaced value, which the plans'
+    nodes write instead, and a plan's nodes write only replaced values and names of their own. So on the fused
+    side the gradient is computed by the very nodes of the original from the same feeds and from the replaced
+    values, each of them compared within its own update's bound on every step; the two sides' values of the
+    gradient can differ only by what those nodes make of the replaced values' differences, and nothing of the
+    rewrite sits in between to hide in that difference. (In :func:`check_models` the fused model is any model, and
+    its nodes between an update's output and a gradient are not known to be the original's: there they read a
+    fed value on both sides instead, :func:`_feed_update_readers`.)"""
+    producer = {o: node for node in original_nodes for o in node.output if o}
+    owner = {name: k for k, view in enumerate(views) for name in view.outputs if name in replaced}
+    marked: list[str] = []
+    for k, view in enumerate(views):
+        if view.upstream_gradient or view.gradient not in producer:
+            continue
+        stack, seen, upstream = [view.gradient], {view.gradient}, False
+        while stack and not upstream:
+            value = stack.pop()
+            if owner.get(value, k) != k:
+                upstream = True
+            elif value in owner or value not in producer:
+                continue  # its own update's output (never: a cycle), or fed
+            else:
+                for name in _node_reads(producer[value]):
+                    if name not in seen:
+                        seen.add(name)
+                        stack.append(name)
+        if upstream:
+            view.upstream_gradient = view.gradient
+            marked.append(view.gradient)
+    return marked
 
 
 def _overload_problem(node: onnx.NodeProto) -> str:
@@ -1566,8 +1614,10 @@ def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fu
     da = _state_difference(a, fused_feeds.get(view.accum))
     dg: np.ndarray | float = 0.0
     if view.upstream_gradient:
-        # A gradient that is another update's output: each side reads its own value of it (compared there).
-        original_gradient, fused_gradient = original_out.get(view.upstream_gradient), fused_out.get(view.upstream_gradient)
+        # A gradient computed from (or that is) another update's output: each side reads its own value of it,
+        # the fused one by its probe in check, by its name in verify_plans (:attr:`_UpdateView.upstream_gradient`).
+        original_gradient = original_out.get(view.original_gradient or view.upstream_gradient)
+        fused_gradient = gradient if view.gradient_side == "fused" else fused_out.get(view.upstream_gradient)
     else:
         original_gradient = original_out.get(view.original_gradient) if carried and view.original_gradient else None
         fused_gradient = gradient
@@ -2190,6 +2240,7 @@ def check_models(
         for view in views:
             view.original_state = {s: original_pairs[s] for s in view.roles if s in original_pairs}
         fed_updates, readers_note = _feed_update_readers(sides, views, index)
+        _mark_proven_upstream_gradients(sides, views, set(outputs))
         inputs = {spec.name: spec for spec in _check_inputs(index, original_inputs + fed_updates, views, sides[1])}
         fused_pairs = dict(original_pairs)
         for view in views:
@@ -3337,21 +3388,37 @@ UPDATE_FEED_PREFIX = "sgdfuse_check/update/"
 def _feed_update_readers(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], index: GraphIndex) -> tuple[list[str], str]:
     """Make what reads an update's output from outside the update (a logged norm ``ReduceSumSquare(w_out)``)
     read a fed input instead, on both sides alike; returns the new inputs' names and a note naming the outputs
-    so checked ("" when none).
+    so checked, and the readers that reach no output ("" when none).
 
     Such an output is computed from the new weights, which the two models compute within the update's bound,
     not identically: compared exactly, it disagreed by the update's own rounding (a norm of 64 x 32 weights by
     2.4e-4 of 2165). Fed one value on both sides, the nodes after the update must give identical numbers,
-    which proves them unchanged, while the update's outputs are compared within their bound as before.
+    which proves them unchanged, while the update's outputs are compared within their bound as before. The
+    same holds where those nodes compute the gradient of a later update (a chain ``g2 = 2*w1_new`` whose SGD
+    node reads ``mul_3 = 2*add_1``) or the values an unfused update computes before a fused one reads them
+    (``g3 = 2*w2_new`` with the second update left unfused): fed one value, the two gradients are equal
+    unless a node between differs, and the later update is compared within its bound with no allowance for
+    a gradient difference in lockstep, so a kept ``mul_3`` edited to ``2.000001*add_1`` fails there; the
+    unfused update's outputs must be identical. Compared from each side's own ``add_1`` instead, they differed
+    by the first update's rounding, which no bound allowed (check failed correct fusions of chains at
+    dampening 0.9, tests/test_check_chained_updates.py).
 
     A reader is found on the fused side: a node that reads a graph output of an update (:attr:`_UpdateView.outputs`)
     and is not part of an update (no ``SGD`` node, none of its outputs an update's value, and no probe of what an
     SGD node reads: the probe of a chained update's gradient ``add_1``, the new weights of the update before it
     (``g2 = 2*w1_new`` fused as ``SGD(p1, w1_new, ...)``), must read what that SGD node reads, or the bound
-    takes its gradient from the fed value, 0 on the zero-gradient step, instead of ``w1_new``). In the original the
-    node that writes the same first output is rewired too, for the inputs it reads by those names, unless an
-    update's value is computed from it there (then neither is rewired); a fused model whose node reads something
-    else there computes from another value than the original, and fails.
+    takes its gradient from the fed value, 0 on the zero-gradient step, instead of ``w1_new``). A reader from
+    which no graph output and no state write of the fused model is computed (the ``mul_11 = 2*w3_new`` after
+    the last update of a chain) is left alone and named in the note as checked by nothing. In the original the
+    node that writes the same first output is rewired too, for the inputs it reads by those names, unless it
+    is part of an update's own computation there: an update's value is computed from it that the fused model
+    does not compute from its reader (the original's ``delta = lr*buf_out`` is both a graph output and the
+    step ``p_out`` subtracts, which the fused SGD node computes itself: then neither is rewired; a chain's
+    ``mul_3 = 2*add_1`` is the next update's gradient on both sides, and is rewired). A reader the original
+    has no node for (a helper of the rewrite, ``Neg(buf_out)`` as the next update's gradient) is not rewired either: what it computes is compared where it is read, with
+    no allowance in lockstep (a fed value on the fused side alone made the next update read other numbers than
+    the original's, a false failure by a factor of 1e10). A fused model whose node reads something else than
+    the original's computes from another value than the original, and fails.
     Each rewired node is a copy (the model is not modified), its position in :attr:`_Side.rewired`."""
     fused = sides[1]
     members = {name for view in views for name in (*view.outputs, *view.fused_state.values(), *view.original_state.values())}
@@ -3371,36 +3438,23 @@ def _feed_update_readers(sides: tuple[_Side, _Side], views: Sequence[_UpdateView
         found.append((k, [name for name in reads if name in updated]))
     if not found:
         return [], ""
+    live_set = set(fused.cone([o.name for o in fused.model.graph.output] + [o for view in views for o in view.fused_state.values()]))
+    dead = [fused.writes[k][0] if fused.writes[k] else fused.nodes[k].name for k, _ in found if k not in live_set]
+    found = [(k, names) for k, names in found if k in live_set]
     original = sides[0]
-    readers: dict[str, list[int]] = {}  # the original's readers of each value, made once when needed
-    for j, reads in enumerate(original.reads):
-        for name in reads:
-            readers.setdefault(name, []).append(j)
-
-    def feeds_an_update(j: int) -> bool:
-        # Whether the original's node j is part of an update: an update's value is computed from it (the
-        # original's delta = lr*buf_out is both a graph output and the step p_out subtracts).
-        stack, seen = [j], {j}
-        while stack:
-            for name in original.writes[stack.pop()]:
-                if name in members:
-                    return True
-                for reader in readers.get(name, ()):
-                    if reader not in seen:
-                        seen.add(reader)
-                        stack.append(reader)
-        return False
-
+    original_reach, fused_reach = (_UpdateValuesReached(side, members) for side in sides)
     fed: dict[str, str] = {}
     rewired_outputs: list[str] = []
     for k, names in found:
         first = fused.writes[k][0] if fused.writes[k] else ""
         j = original.producer.get(first) if first else None
-        if j is not None and feeds_an_update(j):
-            continue  # compared as before: the original computes it inside the update
+        # The original's node j is part of an update's own computation when an update's value is computed
+        # from it there that the fused model does not compute from its reader k (the original's delta =
+        # lr*buf_out is both a graph output and the step p_out subtracts, which the fused SGD node computes
+        # itself; a chain's mul_3 = 2*add_1 is the next update's gradient on both sides).
+        if j is None or not original_reach(j) <= fused_reach(k):
+            continue  # compared as before: no node of the original computes it, or one inside an update does
         for side, position in ((fused, k), (original, j)):
-            if position is None:
-                continue
             node = side.nodes[position]
             if not any(name in names for name in side.reads[position]):
                 continue
@@ -3419,10 +3473,162 @@ def _feed_update_readers(sides: tuple[_Side, _Side], views: Sequence[_UpdateView
         info = helper.make_tensor_value_info(input_name, spec.dtype, spec.shape) if spec.shape is not None else onnx.ValueInfoProto(name=input_name)
         for side in sides:
             side.inputs[input_name] = info
-    shown = ", ".join(rewired_outputs[:3]) + (f" and {len(rewired_outputs) - 3} more" if len(rewired_outputs) > 3 else "")
-    note = (f"{shown} read the new value of an update (the models compute it within the update's bound, not identically): "
-            "checked from the same fed value of it on both sides, which must give identical numbers")
-    return list(fed.values()), note
+    return list(fed.values()), _readers_note(rewired_outputs, dead)
+
+
+class _UpdateValuesReached:
+    """The update values (``members``) computed from a node of ``side``, up to the first on each path (past an
+    update's value, what is computed is another reader's); the readers of each value are tabled on first use."""
+
+    def __init__(self, side: _Side, members: set[str]) -> None:
+        self.side = side
+        self.members = members
+        self._readers: dict[str, list[int]] | None = None
+
+    def __call__(self, start: int) -> set[str]:
+        if self._readers is None:
+            self._readers = {}
+            for j, reads in enumerate(self.side.reads):
+                for name in reads:
+                    self._readers.setdefault(name, []).append(j)
+        reached: set[str] = set()
+        stack, seen = [start], {start}
+        while stack:
+            for name in self.side.writes[stack.pop()]:
+                if name in self.members:
+                    reached.add(name)
+                    continue
+                for reader in self._readers.get(name, ()):
+                    if reader not in seen:
+                        seen.add(reader)
+                        stack.append(reader)
+        return reached
+
+
+def _readers_note(rewired: Sequence[str], dead: Sequence[str]) -> str:
+    """The note of :func:`_feed_update_readers`: the readers fed a value (by their first outputs) and those
+    no output is computed from ("" when neither)."""
+    def shown(names: Sequence[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    notes = []
+    if rewired:
+        notes.append(f"{shown(rewired)} read the new value of an update (the models compute it within the update's "
+                     "bound, not identically): checked from the same fed value of it on both sides, which must give "
+                     "identical numbers (or, where they are a fused update's gradient, that update's outputs within its bound)")
+    if dead:
+        notes.append(f"{shown(dead)} read the new value of an update but no output of the model is computed from "
+                     f"{'them' if len(dead) > 1 else 'it'}: not checked")
+    return "; ".join(notes)
+
+
+_STANDARD_DOMAINS = frozenset({"", "ai.onnx"})
+
+
+def _mark_proven_upstream_gradients(sides: tuple[_Side, _Side], views: Sequence[_UpdateView], compared: set[str]) -> None:
+    """``check``: set :attr:`_UpdateView.upstream_gradient` of each view whose SGD node's gradient is computed,
+    on the fused side, from another update's output by nodes proven to be the original's own, where
+    :func:`_feed_update_readers` could not feed those nodes a value (the original computes its update from
+    them: ``mul_3 = 2*mul_2`` where ``mul_2 = lr*buf_out`` is also the step of the update before).
+
+    Why the measured difference is sound then, and not otherwise: the two sides' gradients differ by what
+    the nodes between make of the difference of the upstream outputs, each compared within its own update's
+    bound (``compared``: graph outputs only). A node between that the fused model changed (``mul_3 =
+    2.000001*mul_2`` on the fused side alone) would add its own error to that difference, and a measured
+    difference would absorb it: so every value the gradient is computed from must be, on both sides, a fed
+    input, an initializer of the same name, dtype, shape and value, another update's compared output, or the
+    output of a node of the same standard op (no subgraph, no model function, the same opset version), the
+    same inputs and outputs by name and the same attributes, itself proven so. A gradient that is not proven
+    keeps no allowance in lockstep (a false failure at worst)."""
+    original, fused = sides
+    owner = {name: k for k, view in enumerate(views) for name in view.outputs if name in compared}
+    reaches: dict[str, bool] = {}
+
+    def reach(value: str) -> bool:
+        # Whether value is computed, on the fused side, from an update's compared output (memoised).
+        stack, visiting = [value], set()  # visiting: on the stack, a cycle (a malformed model) is not followed round
+        while stack:
+            current = stack[-1]
+            if current in reaches:
+                stack.pop()
+                continue
+            k = fused.producer.get(current)
+            if current in owner or k is None:
+                reaches[current] = current in owner
+                stack.pop()
+                continue
+            if current not in visiting:
+                visiting.add(current)
+                pending = [name for name in fused.reads[k] if name not in reaches and name not in visiting]
+                if pending:
+                    stack.extend(pending)
+                    continue
+            stack.pop()
+            reaches[current] = any(reaches.get(name, False) for name in fused.reads[k])
+        return reaches[value]
+
+    def opsets(model: onnx.ModelProto) -> dict[str, int]:
+        return {("" if o.domain == "ai.onnx" else o.domain): o.version for o in model.opset_import}
+
+    original_opsets, fused_opsets = opsets(original.model), opsets(fused.model)
+    functions = {(f.domain, f.name) for side in sides for f in side.model.functions}
+    proven: dict[str, bool] = {}
+
+    def same_node(name: str) -> tuple[bool, list[str]]:
+        k, j = fused.producer.get(name), original.producer.get(name)
+        if k is None or j is None or fused.subgraph[k] or original.subgraph[j]:
+            return False, []
+        a, b = fused.nodes[k], original.nodes[j]
+        if (a.domain not in _STANDARD_DOMAINS or b.domain not in _STANDARD_DOMAINS or (a.domain, a.op_type) in functions
+                or (b.domain, b.op_type) in functions or a.op_type != b.op_type or a.overload or b.overload
+                or list(a.input) != list(b.input) or list(a.output) != list(b.output)
+                or original_opsets.get("") != fused_opsets.get("")):
+            return False, []
+        attributes = [sorted(x.SerializeToString() for x in node.attribute) for node in (a, b)]
+        return attributes[0] == attributes[1], [n for n in a.input if n]
+
+    def same_leaf(name: str) -> bool:
+        if name in owner or (name in fused.inputs and name in original.inputs):
+            return True
+        a, b = fused.initializers.get(name), original.initializers.get(name)
+        if a is None or b is None or name in original.producer:
+            return False
+        x, y = numpy_helper.to_array(a), numpy_helper.to_array(b)
+        return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+
+    def prove(value: str) -> bool:
+        stack, order = [value], []
+        seen = {value}
+        while stack:
+            current = stack.pop()
+            if current in proven:
+                if not proven[current]:
+                    return False
+                continue
+            if current in owner or current not in fused.producer:
+                proven[current] = same_leaf(current)
+                if not proven[current]:
+                    return False
+                continue
+            ok, reads = same_node(current)
+            if not ok:
+                proven[current] = False
+                return False
+            order.append(current)
+            for name in reads:
+                if name not in seen:
+                    seen.add(name)
+                    stack.append(name)
+        for current in order:
+            proven[current] = True
+        return True
+
+    for view in views:
+        operand = view.gradient_operand
+        if view.upstream_gradient or not view.original_gradient or operand in owner or operand not in fused.producer:
+            continue
+        if reach(operand) and prove(operand):
+            view.upstream_gradient = operand
 
 
 def _rename_reads(node: onnx.NodeProto, renames: Mapping[str, str]) -> None:

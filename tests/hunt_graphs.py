@@ -81,9 +81,9 @@ class Exported:
         damped = grad if one_minus_d == 1.0 else self.op("Mul", [grad, self.const(one_minus_d)], "mul")
         return self.op("Add", [scaled, damped], "add")
 
-    def step(self, param: str, buf: str) -> str:
+    def step(self, param: str, buf: str, *, lr: float = LR) -> str:
         """``p + buf*(-lr)`` (``p.add_(buf, alpha=-lr)``)."""
-        return self.op("Add", [param, self.op("Mul", [buf, self.const(-LR)], "mul")], "add")
+        return self.op("Add", [param, self.op("Mul", [buf, self.const(-lr)], "mul")], "add")
 
     def isfinite_all(self, grads: Sequence[str]) -> str:
         """``torch.stack([torch.isfinite(g).all() for g in grads]).all()`` as dynamo decomposes it: ``isfinite``
@@ -237,16 +237,17 @@ READER_GRADIENTS = ("twice_new_weights", "new_weights_times_c", "twice_new_buffe
 
 
 def reads_fused_update(gradient: str = "twice_new_weights", *, first_step: bool = True, chain: int = 2, decoupled_decay: bool = False,
-                       shape=(4, 3), dampening: float = DAMPENING) -> onnx.ModelProto:
+                       shape=(4, 3), dampening: float = DAMPENING, lr: float = LR) -> onnx.ModelProto:
     """``chain`` momentum-SGD updates in which update ``i + 1``'s gradient is computed elementwise from update
     ``i``'s *new* values (update 0 reads the input ``g0``), dampening ``dampening`` (0.25; 0 writes no
-    ``Mul`` by ``1 - d``), PyTorch's first step ``buf = g`` as
+    ``Mul`` by ``1 - d``), learning rate ``lr``, PyTorch's first step ``buf = g`` as
     ``where(step == 0, g, m*buf + (1-d)*g)`` broadcast with ``Expand`` when ``first_step``::
 
         twice_new_weights:      g_{i+1} = 2 * p_i_new         (Mul by a constant initializer)
         new_weights_times_c:    g_{i+1} = p_i_new * c         (c = 0.5, operands swapped: Mul(c, p_i_new))
         twice_new_buffer:       g_{i+1} = 2 * buf_i_new
         new_weights_plus_input: g_{i+1} = 2 * p_i_new + h_{i+1}   (h an input)
+        twice_step:             g_{i+1} = 2 * (buf_i_new * -lr)   (the step update i subtracts; not in READER_GRADIENTS)
 
     ``decoupled_decay``: the last update is ``p - lr*buf - 0.01*p`` (decoupled weight decay, not momentum
     SGD: ``extra-term``). The outputs are each update's new parameters and new buffer, in update order."""
@@ -263,7 +264,7 @@ def reads_fused_update(gradient: str = "twice_new_weights", *, first_step: bool 
             new_buf = b.op("Where", [first, grad, later], "where")
         else:
             new_buf = later
-        new_p = b.step(params[i], new_buf)
+        new_p = b.step(params[i], new_buf, lr=lr)
         if decoupled_decay and i == chain - 1:
             new_p = b.op("Sub", [new_p, b.op("Mul", [params[i], b.const(0.01)], "mul")], "sub")
         outputs += [(new_p, shape), (new_buf, shape)]
@@ -275,8 +276,11 @@ def reads_fused_update(gradient: str = "twice_new_weights", *, first_step: bool 
             grad = b.op("Mul", [new_buf, b.const(2.0)], "mul")
         elif gradient == "new_weights_plus_input":
             grad = b.op("Add", [b.op("Mul", [new_p, b.const(2.0)], "mul"), b.input(f"h{i + 1}", F32, shape)], "add")
+        elif gradient == "twice_step" and not decoupled_decay:
+            step_taken = next(node for node in b.nodes if node.output[0] == new_p).input[1]  # Mul(new_buf, -lr)
+            grad = b.op("Mul", [step_taken, b.const(2.0)], "mul")
         else:
-            raise ValueError(f"unknown gradient form {gradient!r}; one of {READER_GRADIENTS}")
+            raise ValueError(f"unknown gradient form {gradient!r}; one of {READER_GRADIENTS + ('twice_step',)}")
     return b.model(outputs)
 
 

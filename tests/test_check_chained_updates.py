@@ -18,6 +18,9 @@ optimize refused the second update of a chain of three at dampening 0.1 or 0.3 a
 of the fused chain. The bound now propagates the measured difference of such a gradient
 (``verify._UpdateView.upstream_gradient``), which is itself compared within the first update's bound.
 
+Since the matcher stopped folding a gradient's scale into the dampening, every link reads the kept
+``mul_3 = 2*p_new``, which check feeds one value on both sides (tests/test_check_chained_kept_gradients.py).
+
 The gradients the bound reads are checked against numpy, computed from the step's own feeds; a chain edited
 to be wrong must still fail.
 """
@@ -62,16 +65,19 @@ def test_check_passes_a_correct_fused_chain_at_every_seed(chain, first_step, dam
         assert "sgdfuse_probe" not in check.note, check.note
 
 
-def _numpy_gradients(feeds, chain: int, first_step: bool, dampening: float) -> list[np.ndarray]:
+def _numpy_gradients(feeds, chain: int, first_step: bool, dampening: float, new_weights: list[str]) -> list[np.ndarray]:
     """Per update, the gradient it reads in one step, from that step's feeds (float64, ``torch.optim.SGD``):
-    ``g0`` for the first, ``2*p_new`` of the one before for the others."""
+    ``g0`` for the first, ``2*p_new`` of the one before for the others, where ``p_new`` (named
+    ``new_weights[i]``) is the value check feeds the kept ``Mul`` that computes that gradient, when it feeds
+    one (``verify._feed_update_readers``), else computed from the feeds."""
     gradients, grad = [], np.asarray(feeds["g0"], np.float64)
     first = first_step and int(np.asarray(feeds["step"])) == 0
     for i in range(chain):
         gradients.append(grad)
         p, b = (np.asarray(feeds[f"{kind}{i}"], np.float64) for kind in "pb")
         new_b = grad if first else MOMENTUM * b + (1 - dampening) * grad
-        grad = 2 * (p - LR * new_b)
+        fed = feeds.get(verify.UPDATE_FEED_PREFIX + new_weights[i])
+        grad = 2 * (p - LR * new_b if fed is None else np.asarray(fed, np.float64))
     return gradients
 
 
@@ -79,9 +85,13 @@ def _numpy_gradients(feeds, chain: int, first_step: bool, dampening: float) -> l
 def test_the_bound_of_a_chained_update_reads_its_real_gradient_on_every_step(monkeypatch, first_step, dampening):
     # The gradient term of the bound, (1 - d)*g with the SGD node's own d and operand (a folded 2*(1 - d) reads
     # p_new with d = 1 - 2*(1 - d)), against numpy's (1 - d)*2*p_new from the step's feeds: on the
-    # zero-gradient step too, where g0 is 0 but the chained gradients are not.
+    # zero-gradient step too, where g0 is 0 but the chained gradients are not, where an SGD node reads p_new
+    # itself. Where it reads the kept mul_3 = 2*p_new (every link since the matcher stopped folding the 2 into
+    # the dampening), check feeds mul_3 a value of p_new, 0 on that step, and the bound must read 2*that.
     chain = 3
     model, fused = _fused(chain, first_step, dampening)
+    new_weights = [o.name for o in model.graph.output][::2]
+    reads_new_weights = any(node.input[1] in new_weights for node in fused.graph.node if node.op_type == "SGD")
     seen: list[tuple] = []
     lazy_bounds = verify._lazy_bounds
 
@@ -95,11 +105,13 @@ def test_the_bound_of_a_chained_update_reads_its_real_gradient_on_every_step(mon
     zero_gradient_steps = 0
     for parameters, feeds, terms in seen:
         link = int(parameters[1:])
-        want = (1 - dampening) * np.abs(_numpy_gradients(feeds, chain, first_step, dampening)[link])
+        want = (1 - dampening) * np.abs(_numpy_gradients(feeds, chain, first_step, dampening, new_weights)[link])
         have = abs(1 - terms.d) * np.abs(np.asarray(terms.g, np.float64))
         np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-5 * float(want.max() + 1), err_msg=parameters)
         zero_gradient_steps += link > 0 and not np.any(feeds["g0"]) and bool(np.any(want))
-    assert zero_gradient_steps, "no zero-gradient step of a chained update was bounded"
+        fed = any(name.startswith(verify.UPDATE_FEED_PREFIX) for name in feeds)
+        assert fed != reads_new_weights, sorted(feeds)
+    assert zero_gradient_steps or not reads_new_weights, "no zero-gradient step of a chained update was bounded"
 
 
 def _edited(fused: onnx.ModelProto, what: str, link: int = -1) -> onnx.ModelProto:
