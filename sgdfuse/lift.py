@@ -27,6 +27,9 @@ FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFL
 """The ONNX float types that are lifted (DOUBLE stays as it is)."""
 
 _DTYPE_ATTRIBUTES = ("dtype", "to", "stash_type")
+_STASH_TYPE_OPS = frozenset({"LayerNormalization"})
+"""Ops whose ``stash_type`` (the type they compute their statistics in) defaults to FLOAT in every opset they
+exist in (``GroupNormalization`` has the attribute only from opset 21: not added to an older one here)."""
 
 
 def lift_to_double(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -248,6 +251,10 @@ def _lift_nodes(nodes) -> list[onnx.NodeProto]:
                     attribute.i = TensorProto.DOUBLE
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             _lift_constant_scalar_attributes(node)
+        if node.op_type in _STASH_TYPE_OPS and node.domain in ("", "ai.onnx") and not any(a.name == "stash_type" for a in node.attribute):
+            # The default stash type is FLOAT (the type of Mean and InvStdDev): lifted, DOUBLE. Left out, the lifted
+            # model is ill-typed (those outputs FLOAT, what reads them DOUBLE) and no runtime accepts it.
+            node.attribute.append(helper.make_attribute("stash_type", TensorProto.DOUBLE))
         if node.op_type == "ConstantOfShape" and node.domain in ("", "ai.onnx") and not any(a.name == "value" for a in node.attribute):
             # The default value is FLOAT 0: the lifted default is DOUBLE 0.
             node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(np.zeros((1,), np.float64), name="value")))

@@ -13,6 +13,7 @@ native ``ai.sgdfuse::SGD`` kernel registered (:mod:`sgdfuse.ortkernel`, built on
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import os
@@ -23,8 +24,10 @@ import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import numpy_helper
 
-__all__ = ["ORT_KERNEL_ENV", "kernel_requested", "make_session", "run", "onnx_to_numpy_dtype", "numpy_to_onnx_dtype", "ONNXRUNTIME_ERRORS", "ReferenceSession", "REFERENCE_DOMAINS"]
+__all__ = ["ORT_KERNEL_ENV", "kernel_requested", "make_session", "make_session_with_reference_ops", "run", "onnx_to_numpy_dtype",
+           "numpy_to_onnx_dtype", "ONNXRUNTIME_ERRORS", "MixedSession", "ReferenceSession", "REFERENCE_DOMAINS"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +93,7 @@ class ReferenceSession:
     :data:`REFERENCE_DOMAINS`). Arrays go in and come out as numpy, BFLOAT16 included."""
 
     def __init__(self, model: onnx.ModelProto) -> None:
-        from onnx.reference import ReferenceEvaluator
-
-        self.evaluator = ReferenceEvaluator(model)
+        self.evaluator = _reference_evaluator()(model)
         self.output_names = [o.name for o in model.graph.output]
         initialised = {t.name for t in model.graph.initializer}
         self._inputs = [_Named(i.name) for i in model.graph.input if i.name not in initialised]
@@ -105,6 +106,72 @@ class ReferenceSession:
         """``{name: array}`` for ``names`` (graph outputs) given ``feeds``."""
         values = self.evaluator.run(list(names), {k: np.asarray(v) for k, v in feeds.items()})
         return dict(zip(names, values))
+
+
+@functools.cache
+def _reference_evaluator() -> type:
+    """``onnx.reference.ReferenceEvaluator`` with two of its operators made to compute in DOUBLE as the
+    specification defines them (onnx 1.23): its ``Erf`` rounds every result to FLOAT (``np.vectorize(erf,
+    otypes=["f"])``; a relative 3e-8 in a lifted run, where both sides are compared within 2^-40), and its
+    ``LayerNormalization`` refuses a ``stash_type`` other than FLOAT, which :func:`sgdfuse.lift.lift_to_double`
+    makes DOUBLE (onnx's kernel computes in its input's type whatever the stash type). And its ``Col2Im``, a
+    Python loop per element (1.2 s of every run of the ResNet step), is vectorised for 2-D images
+    (:func:`_col2im_2d`: the same sums; tests/test_lowering_lifted_reference.py holds it to onnx's). The class
+    also evaluates the function bodies it expands (``Gelu``'s ``Erf``) with these operators."""
+    from onnx.reference import ReferenceEvaluator
+    from onnx.reference.ops._op import OpRunUnaryNum
+    from onnx.reference.ops.op_col2im import Col2Im as OnnxCol2Im
+    from onnx.reference.ops.op_layer_normalization import LayerNormalization as OnnxLayerNormalization
+
+    class Erf(OpRunUnaryNum):
+        def _run(self, x):
+            return (np.vectorize(math.erf, otypes=[x.dtype])(x) if x.size else x.copy(),)
+
+    class LayerNormalization(OnnxLayerNormalization):
+        def _run(self, X, Scale, B=None, axis=None, epsilon=None, stash_type=None):
+            if stash_type == onnx.TensorProto.DOUBLE and X.dtype == np.float64:
+                stash_type = onnx.TensorProto.FLOAT  # the same computation: onnx's kernel is X's type throughout
+            return super()._run(X, Scale, B, axis=axis, epsilon=epsilon, stash_type=stash_type)
+
+    class Col2Im(OnnxCol2Im):
+        def _run(self, data, image_shape, block_shape, dilations=None, pads=None, strides=None):
+            shaped = _col2im_2d(data, image_shape, block_shape, dilations, pads, strides)
+            if shaped is None:  # another rank, or shapes onnx's own kernel explains the error of
+                return super()._run(data, image_shape, block_shape, dilations=dilations, pads=pads, strides=strides)
+            return (shaped,)
+
+    class Evaluator(ReferenceEvaluator):
+        def __init__(self, proto, *args, **kwargs) -> None:
+            kwargs["new_ops"] = [Col2Im, Erf, LayerNormalization, *(kwargs.get("new_ops") or ())]
+            super().__init__(proto, *args, **kwargs)
+
+    return Evaluator
+
+
+def _col2im_2d(data: np.ndarray, image_shape, block_shape, dilations, pads, strides) -> "np.ndarray | None":
+    """ONNX's ``Col2Im`` of ``data`` [N, C·kh·kw, L] for a 2-D ``image_shape`` [H, W] and ``block_shape``
+    [kh, kw]: ``image[n, c, i·sh - ph + a·dh, j·sw - pw + b·dw] += data[n, (c·kh + a)·kw + b, i·BW + j]`` over
+    every block position (i, j) of the BH x BW grid and kernel tap (a, b) that lands inside the image (the
+    specification's sum, as onnx's ``col2im_naive_implementation`` loops it), by ``np.add.at``; None for another
+    rank or shapes that do not fit (onnx's own kernel then raises its error)."""
+    image = [int(v) for v in np.asarray(image_shape).reshape(-1)]
+    block = [int(v) for v in np.asarray(block_shape).reshape(-1)]
+    if len(image) != 2 or len(block) != 2 or data.ndim != 3:
+        return None
+    dilations = [1, 1] if dilations is None else [int(v) for v in dilations]
+    pads = [0, 0, 0, 0] if pads is None else [int(v) for v in pads]
+    strides = [1, 1] if strides is None else [int(v) for v in strides]
+    grid = [(image[k] + pads[k] + pads[k + 2] - dilations[k] * (block[k] - 1) - 1) // strides[k] + 1 for k in range(2)]
+    batch, rows, length = data.shape
+    channels = rows // (block[0] * block[1]) if block[0] * block[1] else 0
+    if min(grid) < 1 or channels * block[0] * block[1] != rows or grid[0] * grid[1] != length:
+        return None
+    # Coordinates in the image padded by `pads` on each side, where every tap lands (the grid's formula).
+    along = [(np.arange(grid[k]) * strides[k])[None, :] + (np.arange(block[k]) * dilations[k])[:, None] for k in range(2)]
+    top, left = np.broadcast_arrays(along[0][:, None, :, None], along[1][None, :, None, :])  # [kh, kw, BH, BW]
+    padded = np.zeros((batch, channels, image[0] + pads[0] + pads[2], image[1] + pads[1] + pads[3]), data.dtype)
+    np.add.at(padded, (slice(None), slice(None), top, left), data.reshape(batch, channels, block[0], block[1], grid[0], grid[1]))
+    return padded[:, :, pads[0] : pads[0] + image[0], pads[1] : pads[1] + image[1]].copy()
 
 
 def make_session(model: onnx.ModelProto | bytes) -> "ort.InferenceSession | ReferenceSession":
@@ -140,6 +207,233 @@ def make_session(model: onnx.ModelProto | bytes) -> "ort.InferenceSession | Refe
         if session is None:
             raise
         return session
+
+
+def make_session_with_reference_ops(model: onnx.ModelProto) -> "tuple[ort.InferenceSession | ReferenceSession, list[str]]":
+    """:func:`make_session` of ``model``, or, when onnxruntime has no kernel for some of its ops in the types
+    they are used with (a lifted model's DOUBLE ``Conv``, ``AveragePool``, ``Col2Im``, ``LayerNormalization``,
+    and the ``Erf`` of ``Gelu``'s function body, seen with onnxruntime 1.32), a :class:`MixedSession` that runs
+    the nodes of those op types in onnx's reference implementation and every other node in onnxruntime; and
+    the op types so run (empty for a plain session).
+
+    onnxruntime names one missing kernel per refusal, so the op types are found by asking again (at most
+    :data:`_MAX_EMULATION_ROUNDS` times), each time with the ops found so far taken out. A kernel named again
+    once the nodes of its op are out is missing in the function body onnxruntime expands another node into
+    (``Gelu``'s ``Erf``): the nodes whose body (``onnx.defs``) holds that op are taken out too.
+
+    Raises:
+        onnxruntime's error: a refusal that names no missing kernel, or one that no node of ``model`` explains.
+        ValueError: the split needs the type of a value that ONNX shape inference cannot give.
+    """
+    try:
+        return make_session(model), []
+    except ONNXRUNTIME_ERRORS as error:
+        last: Exception = error
+    missing: set[str] = set()
+    for _ in range(_MAX_EMULATION_ROUNDS):
+        named = set(_missing_kernels(last))
+        more = {node.op_type for node in model.graph.node if _uses(node, named)} - missing
+        if not more:  # the nodes of that op are out already: the op is in a body onnxruntime expands
+            more = _op_types_expanding_to(model, named) - missing
+        if not more:
+            raise last
+        missing |= more
+        try:
+            return MixedSession(model, missing), sorted(missing)
+        except ONNXRUNTIME_ERRORS as again:
+            last = again
+    raise last
+
+
+def _missing_kernels(error: Exception) -> list[str]:
+    from sgdfuse.lift import missing_kernels  # lift imports nothing of runtime
+
+    return missing_kernels(error)
+
+
+def _op_types_expanding_to(model: onnx.ModelProto, op_types: set[str]) -> set[str]:
+    """The op types of ``model``'s (top-level, default-domain) nodes whose function body, as ONNX defines it for
+    the model's opset and the node's input types, holds one of ``op_types``: onnxruntime expands a node it has
+    no kernel for into that body, and then names the body's op it has no kernel for either."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if opset is None or not op_types:
+        return set()
+    types = _value_types(model)
+    found: set[str] = set()
+    for node in model.graph.node:
+        if node.domain in ("", "ai.onnx") and node.op_type not in found and op_types & _body_op_types(node, opset, types):
+            found.add(node.op_type)
+    return found
+
+
+def _body_op_types(node: onnx.NodeProto, opset: int, types: Mapping[str, onnx.TypeProto]) -> set[str]:
+    """The op types of the function body ONNX's schema gives ``node`` at ``opset`` (context-dependent bodies
+    built for its input types), nested bodies included; empty when it has none."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return set()
+    body: list[onnx.NodeProto] = []
+    versions = [v for v in schema.function_opset_versions if v <= opset]
+    dependent = [v for v in schema.context_dependent_function_opset_versions if v <= opset]
+    if versions and (not dependent or max(versions) >= max(dependent)):
+        body = list(onnx.FunctionProto.FromString(schema.get_function_with_opset_version(max(versions))).node)
+    elif dependent and all(name in types for name in node.input if name):
+        built = schema.get_context_dependent_function_with_opset_version(
+            max(dependent), node.SerializeToString(), [types[name].SerializeToString() for name in node.input if name])
+        body = list(onnx.FunctionProto.FromString(built).node)
+    found = {inner.op_type for inner in body}
+    for inner in body:  # the body's own values are not typed here: a nested context-dependent body is not built
+        found |= _body_op_types(inner, opset, {})
+    return found
+
+
+class MixedSession(ReferenceSession):
+    """``model`` run in stages (:func:`make_session_with_reference_ops`): the nodes of ``reference_ops`` (or with
+    a subgraph using one) by ``onnx.reference.ReferenceEvaluator``, the others by onnxruntime (:func:`make_session`
+    sessions of sub-models), each stage fed what the stages before it computed.
+
+    A node runs in the earliest stage its operands allow: onnxruntime's stage ``s`` holds the nodes that depend
+    (through data edges) on ``s`` reference stages at most, so the number of onnxruntime sessions is one more
+    than the longest chain of reference nodes, not one per node (the ResNet step's 19 ``Col2Im`` s, 16 in a
+    chain, make 17 onnxruntime and 16 reference stages). The reference implementation computes each op as the
+    ONNX specification defines it, in the operands' own type (:func:`_reference_evaluator`), so that a DOUBLE
+    model's values stay DOUBLE end to end.
+
+    Raises:
+        onnxruntime's error: a stage it refuses (another op it has no kernel for: see the caller).
+        ValueError: the type of a value passed between stages is not known from the model's value infos or
+            ONNX shape inference.
+    """
+
+    def __init__(self, model: onnx.ModelProto, reference_ops: "set[str] | frozenset[str]") -> None:
+        graph = model.graph
+        initializers = {t.name: t for t in graph.initializer}
+        fed = [i for i in graph.input if i.name not in initializers]
+        self._inputs = [_Named(i.name) for i in fed]
+        self.output_names = [o.name for o in graph.output]
+        stages = _stages(graph.node, reference_ops)
+        types = _value_types(model)
+        # What each stage reads from outside itself, and which of its results a later stage or the caller reads.
+        reads = [sorted(set().union(*(_outer_reads(node) for node in nodes)) - _produced(nodes)) for _, nodes in stages]
+        wanted_later: set[str] = set(self.output_names)
+        outputs: list[list[str]] = [[] for _ in stages]
+        for k in reversed(range(len(stages))):
+            outputs[k] = [name for name in _produced_in_order(stages[k][1]) if name in wanted_later]
+            wanted_later.update(reads[k])
+        # A graph output no node computes (an initializer) is returned as stored.
+        self._constants = {name: numpy_helper.to_array(initializers[name]) for name in self.output_names if name in initializers}
+        self._stages: list[tuple[object, list[str], list[str]]] = []
+        for (reference, nodes), needed, produced in zip(stages, reads, outputs):
+            if not produced:
+                continue
+            stage_inputs = [name for name in needed if name not in initializers]
+            sub = _stage_model(model, nodes, [_typed(name, types) for name in stage_inputs],
+                               [_typed(name, types) for name in produced], [initializers[n] for n in needed if n in initializers])
+            runner = ReferenceSession(sub) if reference else make_session(sub)
+            self._stages.append((runner, stage_inputs, produced))
+
+    def run(self, names: Sequence[str], feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``{name: array}`` for ``names`` (graph outputs) given ``feeds``, every stage run in order."""
+        values = {**self._constants, **feeds}
+        for runner, stage_inputs, produced in self._stages:
+            values.update(run(runner, {name: values[name] for name in stage_inputs}, produced))
+        return {name: values[name] for name in names}
+
+
+def _stage_model(model: onnx.ModelProto, nodes, inputs, outputs, initializers) -> onnx.ModelProto:
+    """A model of ``nodes`` with ``model``'s opsets, IR version and functions."""
+    graph = onnx.helper.make_graph(list(nodes), model.graph.name or "stage", inputs, outputs, list(initializers))
+    sub = onnx.helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)
+    sub.functions.extend(model.functions)
+    return sub
+
+
+def _stages(nodes, reference_ops) -> list[tuple[bool, list[onnx.NodeProto]]]:
+    """``nodes`` (in topological order) split into alternating onnxruntime and reference stages
+    (:class:`MixedSession`): ``[(reference?, nodes)]``, onnxruntime's first."""
+    ready_at: dict[str, int] = {}  # value -> the first onnxruntime stage (0, 1, ...) that can read it
+    ort_stages: list[list[onnx.NodeProto]] = [[]]
+    reference_stages: list[list[onnx.NodeProto]] = []
+    for node in nodes:
+        level = max((ready_at.get(name, 0) for name in _outer_reads(node)), default=0)
+        if _uses(node, reference_ops):
+            # Reference stage `level` runs after onnxruntime's stage `level`: its results are ready at level + 1.
+            while len(reference_stages) <= level:
+                reference_stages.append([])
+            reference_stages[level].append(node)
+            level += 1
+        else:
+            while len(ort_stages) <= level:
+                ort_stages.append([])
+            ort_stages[level].append(node)
+        for name in node.output:
+            if name:
+                ready_at[name] = level
+    stages: list[tuple[bool, list[onnx.NodeProto]]] = []
+    for k in range(max(len(ort_stages), len(reference_stages) + 1)):
+        if k < len(ort_stages):
+            stages.append((False, ort_stages[k]))
+        if k < len(reference_stages):
+            stages.append((True, reference_stages[k]))
+    return stages
+
+
+def _uses(node: onnx.NodeProto, op_types) -> bool:
+    """Is ``node`` of one of ``op_types``, or does a subgraph of it hold one?"""
+    if node.op_type in op_types:
+        return True
+    for attribute in node.attribute:
+        subs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
+        if any(_uses(inner, op_types) for sub in subs for inner in sub.node):
+            return True
+    return False
+
+
+def _outer_reads(node: onnx.NodeProto) -> set[str]:
+    """The values ``node`` reads from its graph: its inputs and what its subgraphs read from outside themselves."""
+    names = {name for name in node.input if name}
+    for attribute in node.attribute:
+        subs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
+        for sub in subs:
+            local = {i.name for i in sub.input} | {t.name for t in sub.initializer} | _produced(sub.node)
+            inner = set().union(*(_outer_reads(n) for n in sub.node)) | {o.name for o in sub.output}
+            names |= inner - local
+    return names
+
+
+def _produced(nodes) -> set[str]:
+    return {name for node in nodes for name in node.output if name}
+
+
+def _produced_in_order(nodes) -> list[str]:
+    return [name for node in nodes for name in node.output if name]
+
+
+def _value_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Every value's declared or inferred type (ONNX shape inference; the model's own declarations win)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+    except Exception as error:  # inference refusing the model: only the declared types are known
+        logger.info("shape inference failed (%s); the declared types only", error)
+        inferred = model.graph
+    types: dict[str, onnx.TypeProto] = {}
+    for graph in (inferred, model.graph):
+        for info in (*graph.value_info, *graph.input, *graph.output):
+            if info.type.WhichOneof("value") is not None:
+                types[info.name] = info.type
+    return types
+
+
+def _typed(name: str, types: Mapping[str, onnx.TypeProto]) -> onnx.ValueInfoProto:
+    if name not in types:
+        raise ValueError(f"the type of value {name!r} is not known (declare it in the model's value_info), so the "
+                         "model cannot be split between onnxruntime and onnx's reference implementation")
+    info = onnx.ValueInfoProto(name=name)
+    info.type.CopyFrom(types[name])
+    if info.type.WhichOneof("value") == "tensor_type":
+        info.type.tensor_type.ClearField("shape")  # the element type is what a stage needs; shapes come with the values
+    return info
 
 
 def _float16_rounded_per_op(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -340,18 +340,14 @@ def test_the_executors_sgd_kernel_computes_the_contracts_example(lifted, momentu
     assert out is arrays[0]  # the output is the parameters' own memory
 
 
-# --- known gap: where the lifted comparison cannot run --------------------------------------------------------
+# --- where onnxruntime has no DOUBLE kernel: the lifted run still runs ------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap (hunt10): onnxruntime 1.32 has no DOUBLE kernel for LayerNormalization (nor Conv, Col2Im), so lower's "
-    "lifted comparison is skipped for gpt_tiny (and the cnn/resnet steps; the console's Note), and FLOAT's fixed rtol "
-    "1e-4 lets through the ~5e-6 relative change of LayerNorm outputs that a doubled epsilon (1e-5 -> 2e-5 at unit "
-    "variance) makes; closing it needs a DOUBLE original for those ops (expanding LayerNormalization to its ONNX "
-    "function body when lifting would cover that one)"))
 def test_a_layer_norm_epsilon_doubled_in_the_ge_graph_fails():
     fused, lowered = _lowered(onnx.load(STEPS / "gpt_tiny.onnx"))
     layer_norm = next(op for op in lowered.graph.op if op.type == "LayerNorm")
     layer_norm.attr["epsilon"].f *= 2  # numpy: y = (x - mean) / sqrt(var + eps) moves by ~eps/2 relative
     check = verify_lowering(fused, lowered)
+    # It passed (hunt10's known gap): onnxruntime has no DOUBLE LayerNormalization, so the lifted run was skipped and
+    # FLOAT's rtol 1e-4 hid the ~5e-6 relative change; those nodes now run in onnx's reference implementation.
     assert not check.passed, "the doubled epsilon passed (" + check.note + ")"

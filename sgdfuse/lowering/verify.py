@@ -17,8 +17,11 @@ holds after the step. So lower's check has check's
   gradient was never live, the wide-range step; in lockstep (both sides fed onnxruntime's state) and in place (each side carrying
   its own: the executor's variables after the step are what it carries);
 - precisions: natively and lifted to DOUBLE (the executor runs lifted: every float value as DOUBLE, the
-  ``SGD`` op's formula in DOUBLE with its FLOAT attributes as stored), so that a coefficient a few roundings
-  off (a learning rate x(1 + 1e-5), a dampening 1e-6, a weight decay dropped) stands out;
+  ``SGD`` op's formula in DOUBLE with its FLOAT attributes as stored; the fused model's nodes onnxruntime has
+  no DOUBLE kernel for run in onnx's reference implementation,
+  :func:`sgdfuse.runtime.make_session_with_reference_ops`), so that a coefficient a few roundings off (a
+  learning rate x(1 + 1e-5), a dampening 1e-6, a weight decay dropped) and a layer's constant a relative 1e-6
+  off (a LayerNorm or BatchNorm epsilon, a Conv weight) stand out;
 - bound for each update's outputs and state writes, derived from the update's own terms, plus the measured
   difference of the gradients the two sides read, propagated (|Δg|, :class:`sgdfuse.verify._Terms`);
 - "never compared" failures: an update whose gradient was never live, an output NaN everywhere; and an
@@ -93,8 +96,9 @@ class LoweringCheck:
         message: the first disagreement (output, step, element, both values, the tolerance), else "".
         parts, classes, parts_run: independent parts of the model, their classes (parts equal up to names),
             and how many parts were run (:mod:`sgdfuse.lowering.parts`).
-        note: what could not be run and why (the lifted DOUBLE comparison of a part with an op onnxruntime has
-            no DOUBLE kernel for, a size the fused model cannot run), or "".
+        note: what could not be run and why (the lifted DOUBLE comparison of a part with an op that neither
+            onnxruntime nor onnx's reference implementation runs in DOUBLE, a size the fused model cannot run),
+            or "".
     """
 
     steps: int
