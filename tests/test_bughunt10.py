@@ -160,13 +160,6 @@ def test_mlx_first_step_init_fuses_with_the_torch_numbers():
         np.testing.assert_allclose(out["add"], want_buf, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (mlx#473's (d/m)*g buffer start): add = 0.9*where + 0.75*g0 is read by 'structure' as buffer g0 "
-    "(momentum 0.75, gradient the Where that reads b0), so SGD writes the gradient input g0 in place and the lowered GE "
-    "graph makes g0 a state Variable and b0 a runtime input; a reading whose gradient reads the tensor it takes as "
-    "the buffer is no structural evidence (fix in sgd_match._solve_pair; the class key must cover the gradient's cone)",
-)
 def test_mlx_first_step_init_does_not_take_the_gradient_as_the_buffer():
     model = _mlx_first_step_init()
     report = sgdfuse.optimize(model).report
@@ -175,13 +168,6 @@ def test_mlx_first_step_init_does_not_take_the_gradient_as_the_buffer():
     assert "g0" in set(ge.input_names.values()), f"the gradient g0 is not a runtime input of the GE graph: {sorted(ge.input_names.values())}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (two steps in one graph): add_2 = 0.9*add + g1 is fused as SGD on parameters g1 with learning "
-    "rate -0.9 (buffer b0 -> add), the first claim on b0 winning over add_1 = p0 - 0.1*add (sgd_match._one_writer "
-    "keeps the first); the second step's gradient g1 becomes a GE state Variable, and verify/check/lower carry the "
-    "same wrong pairs on both sides, so they agree",
-)
 def test_unrolled_steps_keep_the_second_gradient_a_runtime_input():
     model = _unrolled_two_steps()
     report = sgdfuse.optimize(model).report
@@ -200,12 +186,6 @@ def test_unrolled_steps_numbers_are_two_torch_steps():
         np.testing.assert_allclose(out[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="unclear message: add_3 = add_1 - 0.1*add_2 (a tied weight's second update) is refused as "
-    "no-momentum-buffer ('reads no momentum buffer that the graph outputs') although add_2, b1's next value, is an "
-    "output; what stops it is that its parameters add_1 are the first update's new weights",
-)
 def test_tied_weight_second_update_refusal_names_its_computed_parameters():
     report = sgdfuse.optimize(_tied_stepped_twice()).report
     refusal = next(r for r in report.refused if r.candidate == "add_3")
