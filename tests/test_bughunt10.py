@@ -8,14 +8,13 @@ Reports:
 
 - ml-explore/mlx#473 (first-step dampening): the fix discussed there starts the buffer at ``(d/m)*g`` when
   there is none, so that ``m*v + (1-d)*g = g`` on the first step. sgdfuse reads that step as buffer ``g0``
-  (momentum 1-d, gradient the ``Where``): the gradient input becomes state and the real buffer a runtime
-  input of the GE graph (known gap, strict xfail).
+  (momentum 1-d, gradient the ``Where``), whose gradient reads the tensor it takes as the buffer: refused
+  (``gradient-reads-buffer``), so the gradient stays a runtime input of the GE graph.
 - an unrolled inner loop (two optimizer steps in one graph, as entrenar#314's tied weight stepped twice):
-  sgdfuse fuses ``add_2 = 0.9*add + g1`` as an update of *parameters* ``g1`` with learning rate -0.9, so the
-  second step's gradient becomes a state variable (known gap, strict xfail).
-- entrenar#314 (a tied weight stepped by two updates in sequence): the second update is refused as
-  ``no-momentum-buffer`` although its buffer's next value is a graph output; its parameters are the first
-  update's new weights (known gap, strict xfail: the reason misleads).
+  ``add_2 = 0.9*add + g1`` read as an update of *parameters* ``g1`` with learning rate -0.9 is no reading
+  (negative learning rate on a gradient not negated), and the first step is refused ``state-stepped-twice``.
+- entrenar#314 (a tied weight stepped by two updates in sequence): both updates are refused
+  ``state-stepped-twice``, naming the first update's new weights that the second steps again.
 - pytorch/pytorch#152833 (dampening skipped on the first step, here as an ``If`` on a rank-0 flag, with
   momentum 1e-4 and weight decay 1e-6), NVIDIA/apex#507 (FP32 master weights, FP16 gradients unscaled by a
   runtime ``inv_scale``, an FP16 copy of the weights as output) and a Nesterov + maximize step whose learning
