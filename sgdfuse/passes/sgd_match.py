@@ -1486,8 +1486,9 @@ def _solve_pair(
             f"the momentum-SGD reading of {v} takes {first_rejected.accum} as the momentum buffer and "
             f"{first_rejected.gradient} as the gradient, but {first_rejected.gradient} is computed from "
             f"{first_rejected.accum}: a gradient never depends on its own momentum buffer, so this is no SGD step "
-            f"and fusing it would write {first_rejected.accum} in place. If {v} is the next value of another "
-            f"input, pin it (--state {v}=<buffer input>) or compute the buffer's start outside the update.",
+            f"and fusing it would write {first_rejected.accum} in place; the update is left as it is. A buffer "
+            "started from the gradient on the first step is fused when written as a first-step Where on the buffer's "
+            "own update (buf_out = Where(first, g, m*buf + (1-d)*g)).",
             equation=equation,
             score=9,
         )
