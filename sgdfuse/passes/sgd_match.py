@@ -132,6 +132,10 @@ class Match:
     """``(class, position)`` when the matcher solved this update's structural class once and renamed the
     result (:mod:`sgdfuse.passes.classes`): matches with equal values are one another's renaming, and so are
     their rewrites; None when it was solved on its own."""
+    rejected_readings: tuple = dataclasses.field(default=(), compare=False, repr=False)
+    """``(buffer, gradient)`` of the readings the role evidence ranked above this one and that were dropped
+    because the gradient is computed from that buffer (:func:`_reads_from`): a fact of the graph beyond the
+    structural class key, so :func:`_find_by_class` solves the graph directly when a solved member has one."""
     equation_forms: tuple = dataclasses.field(default=(), compare=False, repr=False)
     """``(parameter form, buffer form)`` the two equations are written from (over the graph's values): kept
     so that a match renamed for another member of its structural class writes its own equations."""
@@ -326,6 +330,8 @@ REASONS = {
     "nonlinear-update": "the new buffer reaches the parameter update through an op that is not a scaling (Pow, say)",
     "guarded-update": "the update is skipped under a condition in a form sgdfuse cannot keep exact",
     "hidden-update": "the parameters' output is a Slice, Reshape or other non-elementwise op of an update",
+    "gradient-reads-buffer": "the only readings take as the buffer a tensor the gradient is computed from",
+    "state-stepped-twice": "the new weights are stepped again in the same graph (two steps unrolled, a tied weight)",
 }
 
 
@@ -503,7 +509,7 @@ def find_updates(
     return _solve_readers_of_fused(index, normaliser, outputs, canonical, combined, misses + shared, pins, allow_rounding)
 
 
-_KEPT_FOR_READERS = frozenset({"shared-state", "parameters-not-own-previous", "guarded-update"})
+_KEPT_FOR_READERS = frozenset({"shared-state", "parameters-not-own-previous", "guarded-update", "state-stepped-twice"})
 """Refusals :func:`_find` keeps for an output that reads a fused update's new values (they are about that
 output as a writer of state, not about how it reads the fused update), and :func:`_solve_readers_of_fused`
 does not solve again."""
@@ -557,6 +563,20 @@ def _solve_readers_of_fused(
         opaque = Normaliser(index, opaque=fused)
         if not readers:
             return matches, kept + [miss for miss in again if _looks_like_update(index, miss.candidate, opaque.form(miss.candidate))]
+        stepped = _stepped_twice(index, opaque, matches, readers)
+        if stepped:
+            # The fused update's new weights are stepped again in this graph: they are not the state's next
+            # values, and no single step says which output replaces the weights (nor the buffer): both are refused.
+            dropped = {id(match) for match, _ in stepped.values()}
+            involved = set(stepped) | {name for match, _ in stepped.values() for name in _outputs_of(match)}
+            matches = [match for match in matches if id(match) not in dropped]
+            misses = [miss for miss in misses if miss.candidate not in involved and canonical.get(miss.candidate) not in involved]
+            first_refusals = {}
+            for reader, (match, _) in stepped.items():
+                first_refusals.setdefault(id(match), (match, reader))
+                misses.append(_stepped_twice_miss(reader, match, reader, score=10))
+            misses.extend(_stepped_twice_miss(match.parameters_out, match, reader, score=10) for match, reader in first_refusals.values())
+            continue
         if named_next is None:
             named_next = _named_next(index, [o for o in outputs if index.spec(o).dtype in _EPS], pins, canonical)
         reader_pins = pins
@@ -580,6 +600,42 @@ def _solve_readers_of_fused(
         if not new:
             break
     return matches, misses
+
+
+def _stepped_twice(index: GraphIndex, opaque: Normaliser, matches: list[Match], readers: set[str]) -> dict[str, tuple[Match, str]]:
+    """The readers (update-shaped outputs that read fused updates' new values, not fused) that step a fused
+    update's new weights again: their form, with the fused outputs as leaves (``opaque``), holds that update's
+    ``parameters_out`` with coefficient exactly 1 (``add_3 = add_1 - 0.1*add_2`` beside ``add_1 = p0 -
+    0.1*add``: two optimizer steps unrolled in one graph, or a tied weight updated twice). Such a reader is
+    the weights' later value, so the fused update's outputs are not the state's next values. Maps each reader
+    to ``(the fused match, the new weights it reads)``. A gradient computed from the new weights (``2*w1_new``)
+    enters scaled by a learning rate, never with coefficient 1."""
+    by_output = {match.parameters_out: match for match in matches if match.guard is None}
+    stepped: dict[str, tuple[Match, str]] = {}
+    for reader in sorted(readers):
+        form = opaque.form(reader)
+        for leaf, coefficient in form.items():
+            match = by_output.get(leaf)
+            if match is not None and coefficient.is_constant and coefficient.constant_value == 1.0 and len(set(form) - {ONE, leaf}) >= 1:
+                stepped[reader] = (match, leaf)
+                break
+    return stepped
+
+
+def _stepped_twice_miss(candidate: str, match: Match, reader: str, score: int) -> Miss:
+    """The refusal of ``candidate`` (the first update's new weights, or the later update ``reader``) when
+    ``reader`` steps ``match``'s new weights again (:func:`_stepped_twice`)."""
+    return Miss(
+        candidate,
+        "state-stepped-twice",
+        f"{match.parameters_out} = {match.parameters} - lr*{match.accum_out} is stepped again in this graph: "
+        f"{reader} is computed from {match.parameters_out} plus another update term, so {match.parameters_out} is not "
+        f"the next value of {match.parameters} (nor is {match.accum_out} surely that of {match.accum}); one fused node "
+        "cannot say which output replaces the weights. Export one optimizer step per graph, or fuse with the state "
+        "pinned (--state) after making the graph a single step.",
+        buffer=match.accum_out if candidate == match.parameters_out else "",
+        score=score,
+    )
 
 
 def _check_pins(index: GraphIndex, pins: RolePins) -> None:
@@ -710,6 +766,12 @@ def _find_by_class(
         return renamer(member_values, member_nodes)
 
     found, refused = find_by_class(index, float_outputs, solve, rename, name_facts, form_leaves)
+    # Whether a gradient is computed from its buffer (_reads_from, in _solve_pair) may hang on values behind
+    # an op the class key does not enter: a renamed match stands only if its solved member dropped no reading
+    # for it and its own gradient is not computed from its own buffer; otherwise the graph is solved directly
+    # (never on real steps: their buffers feed their updates alone).
+    if any(m.structural_class is not None and (m.rejected_readings or _reads_from(index, m.gradient, m.accum)) for m in found):
+        found, refused = solve(list(outputs))
     # Clusters are solved apart: one writer per state holds within each; a state value shared by clusters (a
     # one-element input read by many updates) is claimed once over the whole graph as well.
     found, shared = _one_writer(found)
@@ -1403,6 +1465,42 @@ def _solve_pair(
                 result = dataclasses.replace(result, score=1)
             if result.score > best.score or best is unsolved:
                 best = result
+    # A gradient never depends on its own momentum buffer: a reading whose gradient is computed from the tensor
+    # it takes as the buffer (mlx#473's Where(first, (d/m)*g, buf) read as buffer g) is no momentum-SGD update.
+    # The reading the evidence ranks first is checked (one short walk per update), and dropped if it fails,
+    # so that the evidence can rank the others.
+    rejected: list[Match] = []
+    while solutions:
+        chosen = _choose_reading(index, w, v, solutions, rel, named_by, named_buffer, equation, form_v)
+        if not isinstance(chosen, Match) or not _reads_from(index, chosen.gradient, chosen.accum):
+            if isinstance(chosen, Match) and rejected:
+                chosen.rejected_readings = tuple((r.accum, r.gradient) for r in rejected)
+            return chosen
+        rejected.append(chosen)
+        solutions = [s for s in solutions if (s.accum, s.gradient, s.parameters) != (chosen.accum, chosen.gradient, chosen.parameters)]
+    if rejected:
+        first_rejected = rejected[0]
+        return Miss(
+            w,
+            "gradient-reads-buffer",
+            f"the momentum-SGD reading of {v} takes {first_rejected.accum} as the momentum buffer and "
+            f"{first_rejected.gradient} as the gradient, but {first_rejected.gradient} is computed from "
+            f"{first_rejected.accum}: a gradient never depends on its own momentum buffer, so this is no SGD step "
+            f"and fusing it would write {first_rejected.accum} in place; the update is left as it is. A buffer "
+            "started from the gradient on the first step is fused when written as a first-step Where on the buffer's "
+            "own update (buf_out = Where(first, g, m*buf + (1-d)*g)).",
+            equation=equation,
+            score=9,
+        )
+    return best
+
+
+def _choose_reading(
+    index: GraphIndex, w: str, v: str, solutions: list[Match], rel: "_Reading", named_by: str, named_buffer: str | None, equation: "LazyText", form_v: Form
+) -> Match | Miss:
+    """The reading of ``w``/``v`` the role evidence (:data:`ROLE_EVIDENCE`) picks among ``solutions`` (one or
+    more algebraic readings, :func:`_solve_pair`), with ``roles_from`` set, or the ``ambiguous-roles`` refusal
+    when no evidence decides."""
     if len(solutions) == 1:
         decided = "pin" if rel.pins.buffers and named_by != "structure" else (named_by if named_buffer is not None else "structure")
         only = solutions[0]
@@ -1421,35 +1519,33 @@ def _solve_pair(
                 score=9,
             )
         return dataclasses.replace(only, roles_from=decided)
-    if solutions:
-        # One step's algebra cannot tell the buffer from the gradient when both are inputs: buf' = 0.9*buf + g
-        # is also "accum = g, momentum 1, dampening 0.1". The in-place write must hit the real buffer: the
-        # ecosystem's names, then plausibility decide; failing both, the update is left alone.
-        plausible = [_plausibility_score(solution) for solution in solutions]
-        for evidence, score in (("conventions", _convention_score), ("plausibility", _plausibility_score)):
-            scores = [score(solution) for solution in solutions]
-            best_score = max(scores)
-            if scores.count(best_score) == 1 and best_score > 0:
-                chosen = scores.index(best_score)
-                if plausible[chosen] < max(plausible):
-                    # Names say one thing, the hyper-parameters another (buffer b0 would need momentum 1 and
-                    # dampening 0.1): neither decides.
-                    break
-                return dataclasses.replace(solutions[chosen], roles_from=evidence)
-        readings = "; ".join(
-            f"buffer {s.accum}, gradient {s.gradient}, momentum {format_poly(s.momentum)}, dampening {s.dampening:g}" for s in solutions
-        )
-        return Miss(
-            w,
-            "ambiguous-roles",
-            f"{v} = {format_form(form_v)} reads as more than one momentum-SGD update ({readings}), and no name or "
-            f"hyper-parameter tells them apart. Say which input {v} replaces: --state {v}=<buffer input> (repeatable; "
-            f"RolePins(state=...) in the API), or --buffers GLOB for the buffer inputs, or name the output after its "
-            "input (<buffer>_out).",
-            equation=equation,
-            score=9,
-        )
-    return best
+    # One step's algebra cannot tell the buffer from the gradient when both are inputs: buf' = 0.9*buf + g
+    # is also "accum = g, momentum 1, dampening 0.1". The in-place write must hit the real buffer: the
+    # ecosystem's names, then plausibility decide; failing both, the update is left alone.
+    plausible = [_plausibility_score(solution) for solution in solutions]
+    for evidence, score in (("conventions", _convention_score), ("plausibility", _plausibility_score)):
+        scores = [score(solution) for solution in solutions]
+        best_score = max(scores)
+        if scores.count(best_score) == 1 and best_score > 0:
+            chosen = scores.index(best_score)
+            if plausible[chosen] < max(plausible):
+                # Names say one thing, the hyper-parameters another (buffer b0 would need momentum 1 and
+                # dampening 0.1): neither decides.
+                break
+            return dataclasses.replace(solutions[chosen], roles_from=evidence)
+    readings = "; ".join(
+        f"buffer {s.accum}, gradient {s.gradient}, momentum {format_poly(s.momentum)}, dampening {s.dampening:g}" for s in solutions
+    )
+    return Miss(
+        w,
+        "ambiguous-roles",
+        f"{v} = {format_form(form_v)} reads as more than one momentum-SGD update ({readings}), and no name or "
+        f"hyper-parameter tells them apart. Say which input {v} replaces: --state {v}=<buffer input> (repeatable; "
+        f"RolePins(state=...) in the API), or --buffers GLOB for the buffer inputs, or name the output after its "
+        "input (<buffer>_out).",
+        equation=equation,
+        score=9,
+    )
 
 
 def _convention_score(match: Match) -> int:
@@ -1738,6 +1834,22 @@ def _attributes_reading(
         check_attributes(dampening, weight_decay, nesterov, subject=w)
     except ContractError as error:
         return Miss(w, "contract", str(error), equation=equation, score=7)
+    if lr.is_constant and lr.constant_value < 0 and not maximize:
+        # A negative learning rate is a real formulation only with the gradient negated: Keras's velocity
+        # v' = m*v - lr*g, w' = w + v' reads as lr = -1 with maximize (a descent step). With the gradient as
+        # it is, the buffer adds the gradient up and the weights climb it: no optimizer's step (torch.optim.SGD
+        # raises ValueError for lr < 0), but a misreading of the roles, such as an unrolled second step's
+        # p' = g1 + 0.9*buf' read as the update of "parameters" g1; writing it in place makes a gradient state.
+        return Miss(
+            w,
+            "contract",
+            f"{w} = {p} - ({format_poly(lr)})*{v} reads as momentum SGD only with the negative learning rate "
+            f"{format_poly(lr)} on a gradient that is not negated (parameters {p}, buffer {a}, gradient {g}): that "
+            f"step climbs its gradient, which no optimizer does (torch.optim.SGD refuses lr < 0), so {p} is no "
+            "parameter of this update. If it is, write the step with a positive learning rate.",
+            equation=equation,
+            score=7,
+        )
     inexact, error = _inexact_coefficients(index, normaliser, solved, g, maximize, dampening, weight_decay, rel)
     if inexact is not None:
         return dataclasses.replace(inexact, equation=equation)
@@ -2383,6 +2495,39 @@ def _origin_problem(index: GraphIndex, value: str, limit: int = 10_000) -> str |
                 )
             stack.append(name)
     return None
+
+
+def _reads_from(index: GraphIndex, value: str, source: str) -> bool:
+    """Whether ``value`` is computed from ``source`` (or is it): a walk forward from ``source`` through the
+    nodes that read it, over nodes placed before ``value``'s producer only when the graph is in topological
+    order (any path to ``value`` runs through such nodes), so a buffer read by its update alone costs a few
+    steps. A node holding a subgraph that reads outer-scope values counts as reading every one of them
+    (``GraphIndex.subgraph_reads`` does not say which node reads which), which can only say yes more often."""
+    if value == source:
+        return True
+    target = index.producer.get(value)
+    if target is None:
+        return False  # a graph input or initializer is computed from nothing
+    limit = target + 1 if index.in_order else len(index.nodes)
+    facts, consumers, outer, holders = index.nodes, index.consumers, index.subgraph_reads, index.subgraph_nodes
+    seen_nodes: set[int] = set()
+    seen, stack = {source}, [source]
+    while stack:
+        name = stack.pop()
+        readers = consumers.get(name, ())
+        if name in outer:
+            readers = [*readers, *holders]
+        for k in readers:
+            if k >= limit or k in seen_nodes:
+                continue
+            seen_nodes.add(k)
+            if k == target:
+                return True
+            for out in (facts[k][3] if facts else index.graph.node[k].output):
+                if out and out not in seen:
+                    seen.add(out)
+                    stack.append(out)
+    return False
 
 
 def _reached_without(index: GraphIndex, root: str, values: set[str], stop: str) -> set[str]:
