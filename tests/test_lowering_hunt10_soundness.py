@@ -318,8 +318,8 @@ def test_a_small_gradient_element_a_little_off_beside_large_ones_fails():
 
 @pytest.mark.parametrize("lifted", [False, True])
 @pytest.mark.parametrize("momentum, parameters, accum, stat", [
-    # /work/shared/SGD-OPERATOR.md's worked example (FLOAT, lr 0.1, dampening 0.1, weight decay 0.01), worked by
-    # hand: grad = g + 0.01*p; accum_t = m*a + grad - grad*(1 - stat)*0.1; p - 0.1*accum_t.
+    # docs/contract.md's example (its "contract" column: FLOAT, lr 0.1, dampening 0.1, weight decay 0.01, stat [1, 0, 0]
+    # in), worked by hand: grad = g + 0.01*p; accum_t = m*a + grad - grad*(1 - stat)*0.1; p - 0.1*accum_t.
     (0.9, [0.944, 1.9352, -np.inf], [0.56, 0.648, np.inf], [0.0, 0.0, 0.0]),
     (0.0, [0.989, 1.9802, np.nan], [0.5, 0.5, np.inf], [1.0, 0.0, 0.0]),  # m = 0: 0*Inf = NaN; accum, stat kept
 ])
