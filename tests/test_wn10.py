@@ -1,7 +1,8 @@
 """wn10's hunt on this session's matcher changes (gradient scaling, new refusals, guarded readers): two
 torch-SGD programs that are refused although they are momentum SGD, written as dynamo would export them.
 
-Both are strict xfails: they pass once the matcher fuses them. Expected numbers are torch.optim.SGD's
+The first (B's new buffer reads A's new weights with coefficient 1) was refused as ``state-stepped-twice`` and
+fuses now; the second (B reads A's guarded weights) is a strict xfail until the matcher fuses it. Expected numbers are torch.optim.SGD's
 documented formula in float64 numpy (``buf = m*buf + (1-d)*g``, ``p = p - lr*buf``), never the graphs'.
 """
 
@@ -55,10 +56,10 @@ def _run_steps(model: onnx.ModelProto, state: dict, feeds_per_step: list) -> lis
     return results
 
 
-@pytest.mark.xfail(strict=True, reason="wn10: refused as state-stepped-twice / gradient-mixes-tensors (B's buffer reads p0_new with coefficient 1)")
 @pytest.mark.parametrize("dampening, factor", [(0.5, 2.0), (0.0, 1.0)])
 def test_a_chained_update_whose_gradient_term_reads_new_weights_with_coefficient_one_fuses(dampening, factor):
-    # The same program with a first-step Where on B's buffer fuses; without it, A and B are both refused.
+    # B's new buffer 0.9*b1 + (1-d)*k*p0_new holds p0_new with coefficient 1: it fuses as B's buffer, not as a
+    # second step of p0 (state-stepped-twice refused both before).
     model = _chained_coefficient_one(dampening, factor)
     result = sgdfuse.optimize(model)
     assert sorted(f.parameters for f in result.report.fused) == ["p0", "p1"], result.report.refused

@@ -563,7 +563,18 @@ def _solve_readers_of_fused(
         opaque = Normaliser(index, opaque=fused)
         if not readers:
             return matches, kept + [miss for miss in again if _looks_like_update(index, miss.candidate, opaque.form(miss.candidate))]
-        stepped = _stepped_twice(index, opaque, matches, readers)
+        if named_next is None:
+            named_next = _named_next(index, [o for o in outputs if index.spec(o).dtype in _EPS], pins, canonical)
+        reader_pins = pins
+        if guards:
+            reader_pins = dataclasses.replace(pins, state={**{g.new: g.old for g in guards.values()}, **pins.state}, guarded=frozenset(guards))
+        # The open outputs are the readers and the buffers they may read (a reader's new buffer reads the
+        # fused update too); outputs fused or refused for another reason are not solved twice.
+        found, refused = _find(index, opaque, candidates, reader_pins, allow_rounding, guards, named_next)
+        found = [m for m in found if not readers.isdisjoint(_outputs_of(m))]
+        # Only a reader that is no update of its own state steps the weights again: B's new buffer
+        # 0.9*b1 + (1-d)*2*w1_new holds w1_new with coefficient 1 at d = 0.5, and fuses as B's buffer.
+        stepped = _stepped_twice(index, opaque, matches, readers - {name for m in found for name in _outputs_of(m)})
         if stepped:
             # The fused update's new weights are stepped again in this graph: they are not the state's next
             # values, and no single step says which output replaces the weights (nor the buffer): both are refused.
@@ -577,15 +588,6 @@ def _solve_readers_of_fused(
                 misses.append(_stepped_twice_miss(reader, match, reader, score=10))
             misses.extend(_stepped_twice_miss(match.parameters_out, match, reader, score=10) for match, reader in first_refusals.values())
             continue
-        if named_next is None:
-            named_next = _named_next(index, [o for o in outputs if index.spec(o).dtype in _EPS], pins, canonical)
-        reader_pins = pins
-        if guards:
-            reader_pins = dataclasses.replace(pins, state={**{g.new: g.old for g in guards.values()}, **pins.state}, guarded=frozenset(guards))
-        # The open outputs are the readers and the buffers they may read (a reader's new buffer reads the
-        # fused update too); outputs fused or refused for another reason are not solved twice.
-        found, refused = _find(index, opaque, candidates, reader_pins, allow_rounding, guards, named_next)
-        found = [m for m in found if not readers.isdisjoint(_outputs_of(m))]
         accepted, shared = _one_writer(matches + found)
         new = accepted[len(matches):]
         guarded_readers = {g.output for g in guards.values() if g.new in readers}
