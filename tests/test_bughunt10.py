@@ -11,8 +11,9 @@ Reports:
   (momentum 1-d, gradient the ``Where``), whose gradient reads the tensor it takes as the buffer: refused
   (``gradient-reads-buffer``), so the gradient stays a runtime input of the GE graph.
 - an unrolled inner loop (two optimizer steps in one graph, as entrenar#314's tied weight stepped twice):
-  ``add_2 = 0.9*add + g1`` read as an update of *parameters* ``g1`` with learning rate -0.9 is no reading
-  (negative learning rate on a gradient not negated), and the first step is refused ``state-stepped-twice``.
+  ``add_2 = 0.9*add + g1`` read as an update of *parameters* ``g1`` with learning rate -0.9 claims the buffer
+  ``b0`` that ``add_1`` updates, and an ascending claim beside another refuses every claim (``shared-state``):
+  nothing fuses, and the second gradient stays a runtime input.
 - entrenar#314 (a tied weight stepped by two updates in sequence): both updates are refused
   ``state-stepped-twice``, naming the first update's new weights that the second steps again.
 - pytorch/pytorch#152833 (dampening skipped on the first step, here as an ``If`` on a rank-0 flag, with

@@ -661,15 +661,44 @@ def _check_pins(index: GraphIndex, pins: RolePins) -> None:
 
 
 def _one_writer(matches: list[Match]) -> tuple[list[Match], list[Miss]]:
-    """One parameter, one buffer, one update: a second claim on the same state is refused."""
+    """One parameter, one buffer, one update: a second claim on the same state is refused.
+
+    A claim that *ascends* (a constant learning rate below 0 on a gradient that is not negated: the weights climb
+    the buffer) is a real formulation on its own (gradient ascent written ``p + lr*buf``, optax's negative
+    learning rate), but beside another claim on the same state it is the tell of a misreading: an unrolled second
+    step ``add_2 = 0.9*add + g1`` read as the update of "parameters" ``g1`` with learning rate -0.9, claiming the
+    buffer ``b0`` that ``add_1 = p0 - 0.1*add`` updates. No claim then says which output replaces the state,
+    so every claim on it is refused (``shared-state``), not only the later ones."""
     names = list(itertools.chain.from_iterable(map(_state_of, matches)))
     if len(set(names)) == len(names):
         return list(matches), []  # every state value named once: no claim meets another (most steps)
+    claims: dict[str, list[Match]] = {}
+    for match in matches:
+        for name in {match.parameters, match.accum, match.parameters_out, match.accum_out}:
+            claims.setdefault(name, []).append(match)
+    contested = {
+        name for name, claimants in claims.items()
+        if len(claimants) > 1 and any(_ascends(claimant) for claimant in claimants)
+    }
     claimed: set[str] = set()
     accepted: list[Match] = []
     misses: list[Miss] = []
     for match in matches:
         state = {match.parameters, match.accum, match.parameters_out, match.accum_out}
+        if state & contested:
+            misses.append(
+                Miss(
+                    match.parameters_out,
+                    "shared-state",
+                    f"{match.parameters_out}: {', '.join(sorted(state & contested))} is claimed by more than one update, "
+                    "one of them read with a negative learning rate on a gradient that is not negated (the weights "
+                    "climbing their buffer: an unrolled second step read as an update of its gradient, say); no claim "
+                    "says which output replaces that state, so none is fused. Export one optimizer step per graph, or "
+                    "pin the state (--state).",
+                    score=5,
+                )
+            )
+            continue
         if state & claimed:
             misses.append(
                 Miss(
@@ -684,6 +713,12 @@ def _one_writer(matches: list[Match]) -> tuple[list[Match], list[Miss]]:
         claimed |= state
         accepted.append(match)
     return accepted, misses
+
+
+def _ascends(match: Match) -> bool:
+    """A constant learning rate below 0 on a gradient that is not negated (:func:`_one_writer`)."""
+    lr = match.learning_rate
+    return lr.is_constant and lr.constant_value < 0 and not match.maximize
 
 
 def _named_next(index: GraphIndex, float_outputs: list[str], pins: RolePins, canonical: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -1836,22 +1871,6 @@ def _attributes_reading(
         check_attributes(dampening, weight_decay, nesterov, subject=w)
     except ContractError as error:
         return Miss(w, "contract", str(error), equation=equation, score=7)
-    if lr.is_constant and lr.constant_value < 0 and not maximize:
-        # A negative learning rate is a real formulation only with the gradient negated: Keras's velocity
-        # v' = m*v - lr*g, w' = w + v' reads as lr = -1 with maximize (a descent step). With the gradient as
-        # it is, the buffer adds the gradient up and the weights climb it: no optimizer's step (torch.optim.SGD
-        # raises ValueError for lr < 0), but a misreading of the roles, such as an unrolled second step's
-        # p' = g1 + 0.9*buf' read as the update of "parameters" g1; writing it in place makes a gradient state.
-        return Miss(
-            w,
-            "contract",
-            f"{w} = {p} - ({format_poly(lr)})*{v} reads as momentum SGD only with the negative learning rate "
-            f"{format_poly(lr)} on a gradient that is not negated (parameters {p}, buffer {a}, gradient {g}): that "
-            f"step climbs its gradient, which no optimizer does (torch.optim.SGD refuses lr < 0), so {p} is no "
-            "parameter of this update. If it is, write the step with a positive learning rate.",
-            equation=equation,
-            score=7,
-        )
     inexact, error = _inexact_coefficients(index, normaliser, solved, g, maximize, dampening, weight_decay, rel)
     if inexact is not None:
         return dataclasses.replace(inexact, equation=equation)
