@@ -26,6 +26,8 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
 
+from sgdfuse.passes.index import _outer_reads as _graph_outer_reads, _subgraphs
+
 __all__ = ["ORT_KERNEL_ENV", "kernel_requested", "make_session", "make_session_with_reference_ops", "run", "onnx_to_numpy_dtype",
            "numpy_to_onnx_dtype", "ONNXRUNTIME_ERRORS", "MixedSession", "ReferenceSession", "REFERENCE_DOMAINS"]
 
@@ -383,22 +385,16 @@ def _uses(node: onnx.NodeProto, op_types) -> bool:
     """Is ``node`` of one of ``op_types``, or does a subgraph of it hold one?"""
     if node.op_type in op_types:
         return True
-    for attribute in node.attribute:
-        subs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
-        if any(_uses(inner, op_types) for sub in subs for inner in sub.node):
-            return True
-    return False
+    return any(_uses(inner, op_types) for attribute in node.attribute for sub in _subgraphs(attribute) for inner in sub.node)
 
 
 def _outer_reads(node: onnx.NodeProto) -> set[str]:
-    """The values ``node`` reads from its graph: its inputs and what its subgraphs read from outside themselves."""
+    """The values ``node`` reads from its graph: its inputs and what its subgraphs read from outside themselves
+    (:func:`sgdfuse.passes.index._outer_reads`)."""
     names = {name for name in node.input if name}
     for attribute in node.attribute:
-        subs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
-        for sub in subs:
-            local = {i.name for i in sub.input} | {t.name for t in sub.initializer} | _produced(sub.node)
-            inner = set().union(*(_outer_reads(n) for n in sub.node)) | {o.name for o in sub.output}
-            names |= inner - local
+        for sub in _subgraphs(attribute):
+            names |= _graph_outer_reads(sub)
     return names
 
 
