@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 import sys
 import traceback
 from collections import Counter
 from pathlib import Path
+from collections.abc import Callable
 from typing import Optional
 
 import onnx
@@ -39,6 +41,19 @@ _out = Console(width=None if sys.stdout.isatty() else 160)
 _err = Console(stderr=True)
 
 
+def _command(name: str) -> Callable:
+    """``app.command(name)`` with the function's docstring as its help, each paragraph on one line: typer's rich
+    help keeps a docstring's single line breaks past its first paragraph, which a terminal of another width
+    then shows as lines broken mid-sentence."""
+
+    def register(function: Callable) -> Callable:
+        paragraphs = inspect.cleandoc(function.__doc__ or "").split("\n\n")
+        text = "\n\n".join(" ".join(line.strip() for line in paragraph.splitlines()) for paragraph in paragraphs)
+        return app.command(name, help=text)(function)
+
+    return register
+
+
 def _version(value: bool) -> None:
     if value:
         _out.print(f"sgdfuse {sgdfuse.__version__}")
@@ -52,7 +67,7 @@ def _root(
     """Fuse momentum-SGD updates in training graphs into one Ascend SGD operator, and prove it."""
 
 
-@app.command("contract")
+@_command("contract")
 def contract_command() -> None:
     """Print the Ascend SGD operator contract: ports, attributes, formula and product lines."""
     ports = Table(title="SGD inputs (contract order)")
@@ -350,7 +365,7 @@ def _pins(state: Optional[list[str]], buffers: Optional[list[str]]) -> RolePins:
     return RolePins(state=pairs, buffers=tuple(buffers or ()))
 
 
-@app.command("optimize")
+@_command("optimize")
 def optimize_command(
     model: Path = typer.Argument(..., help="ONNX training graph to optimise."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the fused model (default: MODEL.sgdfused.onnx)."),
@@ -400,7 +415,7 @@ def optimize_command(
                    "of its inputs); the output holds them sorted.", markup=False, highlight=False, soft_wrap=True)
 
 
-@app.command("inspect")
+@_command("inspect")
 def inspect_command(
     model: Path = typer.Argument(..., help="ONNX training graph to analyse."),
     report_path: Optional[Path] = typer.Option(None, "--report", help="Write the report as JSON here."),
@@ -464,7 +479,7 @@ def _check_table(result, title: str, verbose: bool) -> Table:
     return table
 
 
-@app.command("check")
+@_command("check")
 def check_command(
     original: Path = typer.Argument(..., help="The original ONNX model."),
     fused: Path = typer.Argument(..., help="Its fused form (from sgdfuse optimize)."),
@@ -526,7 +541,7 @@ def _names(names: list[str]) -> str:
     return f"{', '.join(names[:5])}, ... ({len(names)} in all)"
 
 
-@app.command("lower")
+@_command("lower")
 def lower_command(
     model: Path = typer.Argument(..., help="Fused ONNX model (an unfused one is optimised first)."),
     soc: str = typer.Option(..., "--soc", help="ATC SoC version (any case), e.g. Ascend910B2, Ascend310P3, Ascend950PR_9599."),
@@ -663,7 +678,7 @@ def lower_command(
             _out.print(f"Wrote {json_path}")
 
 
-@app.command("state")
+@_command("state")
 def state_command(
     checkpoint: Path = typer.Argument(..., help="Checkpoint: .npz or .safetensors (flat layout), .pt/.pth (needs torch), .ckpt (needs mindspore)."),
     model: Path = typer.Option(..., "--model", help="The fused ONNX model (sgdfuse optimize's output)."),

@@ -5,16 +5,18 @@ FLOAT16 constants, and ``optimize``/``inspect`` end with one fused/refused summa
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
-from pathlib import Path
-
 import re
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import onnx
 import pytest
+from typer.testing import CliRunner
 
+from sgdfuse import cli
 from sgdfuse.cli import main
 from sgdfuse.lowering import ge_ir
 from sgdfuse.report import Refusal, format_value
@@ -145,3 +147,21 @@ def test_a_lowering_error_about_the_model_names_the_file(tmp_path):
     assert code == 1
     assert err.startswith(f"error: {fused}: 1 node(s) of 1 op type(s) have no ONNX→GE lowering rule [Relv]"), err
     assert not (tmp_path / "out.air").exists()
+
+
+def _help_paragraphs(function) -> list[str]:
+    """The paragraphs of a command function's docstring, each with its lines joined by one space."""
+    text = inspect.cleandoc(function.__doc__ or "")
+    return [" ".join(line.strip() for line in paragraph.splitlines()) for paragraph in text.split("\n\n")]
+
+
+@pytest.mark.parametrize("command", [c.name for c in cli.app.registered_commands])
+def test_help_shows_each_paragraph_of_a_command_unbroken(command):
+    # typer's rich help keeps the single line breaks of a docstring past its first paragraph: on a wide terminal
+    # "what was refused and" ended one line and "why, ..." began the next (lower --help).
+    function = next(c.callback for c in cli.app.registered_commands if c.name == command)
+    result = CliRunner().invoke(cli.app, [command, "--help"], env={"COLUMNS": "2000"}, terminal_width=2000)
+    assert result.exit_code == 0, result.output
+    lines = [" ".join(line.split()) for line in result.output.splitlines()]
+    for paragraph in _help_paragraphs(function):
+        assert " ".join(paragraph.split()) in lines, (command, paragraph)
