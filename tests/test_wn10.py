@@ -77,7 +77,16 @@ def test_a_chained_update_whose_gradient_term_reads_new_weights_with_coefficient
             np.testing.assert_allclose(got[key], want[key], rtol=2e-5, atol=1e-6, err_msg=key)
 
 
-@pytest.mark.xfail(strict=True, reason="wn10: A refused as guarded-update ('not one boolean keeping the old state') when B reads its guarded weights")
+def test_the_refusal_of_a_guard_read_on_names_its_reader():
+    # Until it fuses (the xfail below), the refusal says what stops it: the guarded weights feed B's Mul.
+    # It said "not one boolean keeping the old state on one side", which the guard is.
+    result = sgdfuse.optimize(_reads_guarded_weights(), verify=False)
+    refusal = next(r for r in result.report.refused if r.reason == "guarded-update")
+    assert "not one boolean" not in refusal.detail, refusal.detail
+    assert "node_mul" in refusal.detail and "read by nothing but copies" in refusal.detail, refusal.detail
+
+
+@pytest.mark.xfail(strict=True, reason="wn10: A is refused guarded-update: _guard takes a Where only on the final state, and B's Mul reads A's guarded weights")
 def test_an_update_reading_a_guarded_updates_kept_weights_fuses_both():
     model = _reads_guarded_weights()
     result = sgdfuse.optimize(model)

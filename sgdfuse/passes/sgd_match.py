@@ -1055,13 +1055,30 @@ def _hidden_update(index: GraphIndex, normaliser: Normaliser, output: str) -> Mi
         state = sorted(leaf for leaf in form if leaf != ONE and index.is_input_name(leaf))
         if node.op_type == "Where":
             condition = node.input[0]
+            equation = f"{operand} = {format_form(form, state)}"
+            readers = _non_copy_readers(index, node.output[0])
+            if readers and boolean_root(index, condition) is not None:
+                # A guard in form (one boolean, the old state on one side) whose selected value more of the step
+                # reads: _guard takes only a Where on the final state, since a Where read on (a first step's
+                # buf = Where(first, g, m*buf + (1-d)*g)) is a step rule, not a guard.
+                return Miss(
+                    output,
+                    "guarded-update",
+                    f"{output} selects the update {operand} (of {', '.join(state)}) with Where on {condition}, and "
+                    f"{', '.join(readers[:3])}{' ...' if len(readers) > 3 else ''} read{'s' if len(readers) == 1 else ''} "
+                    "the selected value: sgdfuse fuses a guarded update only when the guarded outputs are the final "
+                    "state, read by nothing but copies (a Where that more of the step reads may be a step rule, as a "
+                    "first step's Where(first, g, m*buf + (1-d)*g) is).",
+                    equation=equation,
+                    score=2,
+                )
             return Miss(
                 output,
                 "guarded-update",
                 f"{output} selects the update {operand} (of {', '.join(state)}) with Where on {condition}, which is not "
                 "one boolean keeping the old state on one side: sgdfuse fuses a guarded update written as "
                 "Where(condition, old, new) with a condition of one element, the parameters and buffer guarded alike.",
-                equation=f"{operand} = {format_form(form, state)}",
+                equation=equation,
                 score=2,
             )
         return Miss(
@@ -1074,6 +1091,28 @@ def _hidden_update(index: GraphIndex, normaliser: Normaliser, output: str) -> Mi
             score=2,
         )
     return None
+
+
+def _non_copy_readers(index: GraphIndex, value: str) -> list[str]:
+    """The names of the nodes (``op_type`` when unnamed) that read ``value`` or a copy of it and are not copies
+    themselves (:func:`_read_only_by_copies`'s test, naming what fails it); a subgraph reading it counts as its
+    node's reader."""
+    readers: list[str] = []
+    stack, seen = [value], set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in index.subgraph_reads:
+            readers.append(f"a subgraph reading {name}")
+        for position in index.consumers.get(name, ()):
+            reader = index.graph.node[position]
+            if not reader.output or _skip_copies(index, reader.output[0]) != _skip_copies(index, name):
+                readers.append(reader.name or reader.op_type)
+            else:
+                stack.extend(reader.output)
+    return readers
 
 
 def _read_only_by_copies(index: GraphIndex, value: str) -> bool:
