@@ -211,12 +211,34 @@ def _print_fused(report: Report, verbose: bool = False) -> None:
             "from the gradient; pin them with --state NEW=OLD or --buffers GLOB if that is wrong.",
             markup=False, highlight=False,
         )
+    scaled = [f for f in report.fused if f.source.startswith("pattern") and not _names_in(f.gradient, str(f.accum_equation))]
+    if scaled:
+        f = scaled[0]
+        _out.print(
+            f"gradient {f.gradient} ({f.parameters}{f' and {len(scaled) - 1} more' if len(scaled) > 1 else ''}): a value the "
+            f"graph computes from its gradient before the buffer ({f.accum_equation}); the fused op reads it as the "
+            "gradient, so a scale the graph writes (a clip factor, a dampening applied on every step, Keras's -lr) stays in the "
+            "graph, and dampening shows only what the op applies.",
+            markup=False, highlight=False,
+        )
     if narrow:
         _out.print(
             f"{' and '.join(narrow)} values: the decimal written in the graph's {narrow[0]} constant, then after = "
             "its exact value, which the fused op computes with.",
             markup=False, highlight=False,
         )
+
+
+def _names_in(name: str, equation: str) -> bool:
+    """Whether ``name`` is one of the value names of a normalised equation (``add = 0.9*b0 + 0.1*g0``): found
+    with a space, ``*``, ``(`` or the start before it and a space, ``)`` or the end after it."""
+    start = 0
+    while (at := equation.find(name, start)) >= 0:
+        end = at + len(name)
+        if (at == 0 or equation[at - 1] in " *(") and (end == len(equation) or equation[end] in " )"):
+            return True
+        start = at + 1
+    return False
 
 
 def _number(value: object, spec: str) -> str:

@@ -165,3 +165,17 @@ def test_help_shows_each_paragraph_of_a_command_unbroken(command):
     lines = [" ".join(line.split()) for line in result.output.splitlines()]
     for paragraph in _help_paragraphs(function):
         assert " ".join(paragraph.split()) in lines, (command, paragraph)
+
+
+def test_a_gradient_scaled_by_the_graph_is_explained_under_the_table():
+    # Keras writes m = 0.9*m - lr*g: the fused op reads the graph's lr*g (Mul_1:0) as its gradient, with dampening
+    # 0; the table alone showed "dampening 0" beside a gradient that is not the model's gradient.
+    code, out, _ = _run("inspect", Path(__file__).resolve().parent.parent / "testdata" / "keras" / "keras_opt_momentum_lr0.1.onnx")
+    text = " ".join(out.split())
+    assert code == 0
+    assert "gradient Mul_1:0 (w and 1 more): a value the graph computes from its gradient before the buffer (Identity_2:0 = 0.9*m_w - 0.1*g_w)" in text, out
+
+
+def test_a_gradient_the_buffer_reads_as_it_is_gets_no_such_note():
+    code, out, _ = _run("inspect", TORCH / "sgd_dampening_dynamo.onnx")
+    assert code == 0 and "a value the graph computes from its gradient" not in out, out
