@@ -20,7 +20,7 @@ from sgdfuse import external_data
 from sgdfuse import runtime
 from sgdfuse.errors import InvalidOutputError, ModelLoadError, ModelNameError
 from sgdfuse.output import OutputBatch, resolve_destination
-from sgdfuse.fused_op import MIN_OPSET, function_opset
+from sgdfuse.fused_op import INPUT_NAMES, MIN_OPSET, function_opset, read_sgd_attributes
 from sgdfuse.passes.index import build_index
 from sgdfuse.passes.linear import Normaliser
 from sgdfuse.passes.onnx_momentum import TRAINING_DOMAIN, convert_momentum_nodes
@@ -279,6 +279,8 @@ def _analyse(
     except ModelNameError as error:
         raise error if error.path or source == "<ModelProto>" else error.in_file(source)
     report.already_fused = sum(1 for facts in index.nodes if facts[1] == "ai.sgdfuse")
+    if report.already_fused:
+        report.existing_sgd = _existing_sgd(index)
     if any(op == "Momentum" and domain == TRAINING_DOMAIN for op, domain, *_ in index.nodes):
         base, conversions, momentum_misses = convert_momentum_nodes(model, index, verify=verify, steps=steps, seed=seed)
         misses.extend(momentum_misses)
@@ -345,6 +347,26 @@ def _analyse(
             )
     report.refused = [Refusal(m.candidate, m.reason, m.detail, str(m.equation), m.nearest, m.differing) for m in misses]
     return report, plans, index, base
+
+
+def _existing_sgd(index) -> list[dict]:
+    """The ``ai.sgdfuse::SGD`` nodes of the main graph (:attr:`Report.existing_sgd`): inputs in the contract's
+    order (fused_op.INPUT_NAMES), a one-element constant learning rate or momentum as its value."""
+    entries = []
+    for k, facts in enumerate(index.nodes):
+        if facts[:2] != ("SGD", "ai.sgdfuse"):
+            continue
+        node = index.graph.node[k]
+        inputs = dict(zip(INPUT_NAMES, node.input))
+        attributes = read_sgd_attributes(node)
+        entry = {"node": node.name, **{role: inputs.get(role, "") for role in ("parameters", "gradient", "accum")}}
+        for role in ("learning_rate", "momentum"):
+            name = inputs.get(role, "")
+            constant = index.constant(name) if name else None
+            entry[role] = float(constant.reshape(-1)[0]) if constant is not None and constant.size == 1 else name
+        entry.update(dampening=attributes.dampening, weight_decay=attributes.weight_decay, nesterov=attributes.nesterov)
+        entries.append(entry)
+    return entries
 
 
 def _graph_reads(nodes) -> set[str]:

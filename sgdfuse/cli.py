@@ -121,6 +121,7 @@ TABLE_ROWS = 20
 
 
 def _print_report(report: Report, verbose: bool = False) -> None:
+    _print_existing(report, verbose)
     _print_fused(report, verbose)
     if report.refused and (verbose or len(report.refused) <= TABLE_ROWS):
         table = Table(title=f"Refused candidates ({len(report.refused)})")
@@ -161,6 +162,36 @@ def _print_refusal_groups(report: Report) -> None:
         table.add_column(column)
     for reason, members in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
         table.add_row(reason, str(len(members)), members[0].candidate, "\n".join(members[0].explanation()))
+    _out.print(table)
+
+
+def _print_existing(report: Report, verbose: bool = False) -> None:
+    """The ``ai.sgdfuse::SGD`` nodes the input already had, one row each (grouped by hyper-parameters past
+    :data:`TABLE_ROWS`, as the fused updates are)."""
+    if not report.existing_sgd:
+        return
+    numbers = ("lr", "momentum", "dampening", "weight decay")
+
+    def cells(e: dict) -> list[str]:
+        return [format_value(e[k], "FLOAT") if not isinstance(e[k], str) else e[k] for k in ("learning_rate", "momentum", "dampening", "weight_decay")] + [
+            "nesterov" if e["nesterov"] else "plain"
+        ]
+
+    if verbose or len(report.existing_sgd) <= TABLE_ROWS:
+        table = Table(title=f"SGD nodes already in the model ({len(report.existing_sgd)})")
+        for column in ("node", "parameters", "gradient", "momentum buffer", *numbers, "form"):
+            table.add_column(column, no_wrap=column in numbers)
+        for e in report.existing_sgd:
+            table.add_row(e["node"], e["parameters"], e["gradient"], e["accum"], *cells(e))
+    else:
+        groups: dict[tuple, list[dict]] = {}
+        for e in report.existing_sgd:
+            groups.setdefault(tuple(cells(e)), []).append(e)
+        table = Table(title=f"SGD nodes already in the model ({len(report.existing_sgd)}) by hyper-parameters (--verbose lists each)")
+        for column in ("count", *numbers, "form", "example (node / parameters)"):
+            table.add_column(column, no_wrap=column in numbers)
+        for key, members in sorted(groups.items(), key=lambda item: -len(item[1])):
+            table.add_row(str(len(members)), *key, f"{members[0]['node']} / {members[0]['parameters']}")
     _out.print(table)
 
 

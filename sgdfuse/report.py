@@ -379,6 +379,10 @@ class Report:
         nodes_before, nodes_after: node counts of the main graph.
         written: False for ``inspect`` (a dry run).
         already_fused: ``ai.sgdfuse::SGD`` nodes the input already had (a model optimised before).
+        existing_sgd: those nodes, one dict each: ``node``, ``parameters``, ``gradient``, ``accum``,
+            ``learning_rate`` and ``momentum`` (the constant's value when the input is a one-element constant,
+            else the input's name), ``dampening``, ``weight_decay``, ``nesterov`` (the node's attributes, contract
+            defaults filled in).
         sorted_nodes: the input's nodes were not in topological order (ONNX requires it): the output holds
             them sorted.
     """
@@ -392,6 +396,7 @@ class Report:
     nodes_after: int = 0
     written: bool = True
     already_fused: int = 0
+    existing_sgd: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     sorted_nodes: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -414,7 +419,8 @@ class Report:
             "added_state": list(self.added_state),
             "model": {
                 "source": self.source, "nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
-                "already_fused": self.already_fused, "sorted_nodes": self.sorted_nodes,
+                "already_fused": self.already_fused, "existing_sgd": list(self.existing_sgd),
+                "sorted_nodes": self.sorted_nodes,
             },
             "memory_traffic": self.memory_traffic(),
         })

@@ -179,3 +179,25 @@ def test_a_gradient_scaled_by_the_graph_is_explained_under_the_table():
 def test_a_gradient_the_buffer_reads_as_it_is_gets_no_such_note():
     code, out, _ = _run("inspect", TORCH / "sgd_dampening_dynamo.onnx")
     assert code == 0 and "a value the graph computes from its gradient" not in out, out
+
+
+def test_inspect_of_a_fused_model_lists_its_sgd_nodes_with_the_exported_hyper_parameters(tmp_path):
+    # Expected values: the torch optimiser settings the model was exported with (testdata/torch/manifest.json).
+    import json
+
+    manifest = json.loads((TORCH / "manifest.json").read_text())
+    entry = next(m for m in manifest["models"] if m["file"] == "mlp_train_step_dynamo.onnx")
+    fused = tmp_path / "fused.onnx"
+    code, _, err = _run("optimize", TORCH / "mlp_train_step_dynamo.onnx", "-o", fused, "--no-verify")
+    assert code == 0, err
+    code, out, _ = _run("inspect", fused, "--report", tmp_path / "r.json")
+    assert code == 0 and "SGD nodes already in the model (4)" in out, out
+    existing = {e["parameters"]: e for e in json.loads((tmp_path / "r.json").read_text())["model"]["existing_sgd"]}
+    assert sorted(existing) == sorted(u["parameter"] for u in entry["updates"])
+    for update in entry["updates"]:
+        got = existing[update["parameter"]]
+        assert got["accum"] == update["momentum_buffer"]
+        for key in ("lr", "momentum", "dampening", "weight_decay"):
+            value = got["learning_rate" if key == "lr" else key]
+            assert value == pytest.approx(update[key], rel=1e-7), (update["parameter"], key, value)
+        assert got["nesterov"] == update["nesterov"]

@@ -45,7 +45,8 @@ def _reference_dict(report: Report) -> dict:
         "verification": {**dataclasses.asdict(report.verification), "passed": report.verification.passed},
         "added_state": list(report.added_state),
         "model": {"source": report.source, "nodes_before": report.nodes_before, "nodes_after": report.nodes_after,
-                  "already_fused": report.already_fused, "sorted_nodes": report.sorted_nodes},
+                  "already_fused": report.already_fused, "existing_sgd": list(report.existing_sgd),
+                  "sorted_nodes": report.sorted_nodes},
         "memory_traffic": report.memory_traffic(),
     })
 
