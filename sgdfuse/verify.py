@@ -20,8 +20,15 @@ arithmetic as the function itself.
   stored): roundoff is gone, so what is left is the difference between the coefficients the original applies
   and those the fused op applies. A 1e-5 relative error in dampening or the learning rate stands out there
   even where the native sum of cancelling terms hides it (a Keras step fused with dampening 1 - lr).
-  When onnxruntime has no DOUBLE kernel for an op of a slice, the lifted run is skipped *visibly*: the
-  check's ``note`` names the ops, and it passes on the native run alone.
+  onnxruntime has no DOUBLE kernel for some ops (``Conv``, ``Col2Im``, ``AveragePool``,
+  ``LayerNormalization``, the ``Erf`` of ``Gelu``, seen with 1.32): the nodes of those ops run in onnx's
+  reference implementation, in DOUBLE, and every other node in onnxruntime, in stages
+  (:func:`sgdfuse.runtime.make_session_with_reference_ops`; a slice or packed part holds only its own nodes,
+  so what the reference implementation runs is those nodes of it). Only when even that cannot be built (a
+  value whose type is unknown) is the lifted run skipped, *visibly*: the check's ``note`` says why, and it
+  passes on the native run alone. Without the lifted run a coefficient many FLOAT ulps off passed: the whole
+  steps of testdata/steps accepted a learning rate 16 ulps off (1.2e-6 relative), which the lifted run
+  refuses from 7 (tests/test_verify_lifted_reference.py).
 * **Sizes**: a slice with symbolic dimensions is run with every symbolic dimension = 1 and again = 3
   (:data:`SIZES`), in the same sessions; a constant of shape [2, 1] standing in for a scalar against
   parameters [N, 4] gives another shape at N = 1 and fails to broadcast at N = 3. A size at which the
@@ -863,25 +870,47 @@ def _lifted_array(array: np.ndarray) -> np.ndarray:
 
 
 class _Pair:
-    """The original and fused models of one precision, as onnxruntime sessions."""
+    """The original and fused models of one precision, as sessions for :func:`sgdfuse.runtime.run`.
 
-    def __init__(self, original: onnx.ModelProto, fused: onnx.ModelProto, lifted: bool) -> None:
+    Lifted (DOUBLE), each side is made by :func:`sgdfuse.runtime.make_session_with_reference_ops`: the nodes
+    of the op types onnxruntime has no DOUBLE kernel for (``Conv``, ``Col2Im``, ``LayerNormalization``, the
+    ``Erf`` of ``Gelu``, ...) run in onnx's reference implementation and every other node in onnxruntime, so that
+    a slice or a part holding one is still compared in DOUBLE. ``referenced`` lists those op types (both sides).
+
+    Raises:
+        onnxruntime's error or ValueError (:func:`sgdfuse.runtime.make_session_with_reference_ops`): a side that
+            cannot run even so.
+    """
+
+    def __init__(self, original: onnx.ModelProto, fused: onnx.ModelProto, lifted: bool, known: Iterable[str] = ()) -> None:
         self.lifted = lifted
         self.label = "double" if lifted else "native"
-        self.original = make_session(lift_to_double(original) if lifted else original)
-        self.fused = make_session(lift_to_double(fused) if lifted else fused)
+        self.referenced: list[str] = []
+        if not lifted:
+            self.original, self.fused = make_session(original), make_session(fused)
+            return
+        known = tuple(known)
+        self.original, found = make_session_with_reference_ops(lift_to_double(original), known=known)
+        # The fused side holds the original's other nodes: what the original lacked, it lacks.
+        self.fused, more = make_session_with_reference_ops(lift_to_double(fused), known=(*known, *found))
+        self.referenced = sorted({*found, *more})
 
     @classmethod
     def of_sessions(cls, original, fused, lifted: bool) -> "_Pair":
         """A pair of sessions made elsewhere (:func:`check_lowered`: the fused side is not onnxruntime)."""
         pair = cls.__new__(cls)
         pair.lifted, pair.label, pair.original, pair.fused = lifted, "double" if lifted else "native", original, fused
+        pair.referenced = []
         return pair
 
 
-def _make_pairs(original: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[list[_Pair], str, list[str]]:
-    """The native pair, and the lifted pair when onnxruntime can run it; the note says why not, and the
-    op types without a DOUBLE kernel are listed when onnxruntime names them.
+def _make_pairs(original: onnx.ModelProto, fused: onnx.ModelProto, known: Iterable[str] = ()) -> tuple[list[_Pair], str, list[str]]:
+    """The native pair, and the lifted pair (:class:`_Pair`: the nodes onnxruntime has no DOUBLE kernel for run
+    in onnx's reference implementation); the note says why there is no lifted pair when even that cannot run,
+    and then the op types without a DOUBLE kernel are listed when onnxruntime names them.
+
+    ``known``: op types found without a DOUBLE kernel in another part of the same model (see
+    :func:`sgdfuse.runtime.make_session_with_reference_ops`); the lifted pair's own are its ``referenced``.
 
     The fused side runs :func:`sgdfuse.lift.specialise` d: the SGD function body inlined per node with its
     attributes, the ``If`` s on them resolved (same arithmetic, bit for bit; sessions build ~3x faster).
@@ -895,11 +924,15 @@ def _make_pairs(original: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[list
     kernel = os.environ.get(ORT_KERNEL_ENV) == "1"
     pairs = [_Pair(original, fused if kernel else inlined, lifted=False)]
     try:
-        pairs.append(_Pair(original, inlined, lifted=True))
-    except Exception as error:  # onnxruntime's own exception types: no DOUBLE kernel, type errors
+        lifted = _Pair(original, inlined, lifted=True, known=known)
+    except Exception as error:  # onnxruntime's own exception types (a refusal naming no kernel), unknown types
         ops = missing_kernels(error)
         reason = f"onnxruntime has no DOUBLE kernel for {', '.join(ops)}" if ops else str(error).strip().splitlines()[0]
         return pairs, f"the lifted (DOUBLE) comparison could not run ({reason}); checked in the native dtypes only", ops
+    if lifted.referenced:
+        logger.info("lifted run: %s computed by onnx's reference implementation (no DOUBLE kernel in onnxruntime)",
+                    ", ".join(lifted.referenced))
+    pairs.append(lifted)
     return pairs, "", []
 
 
@@ -3012,6 +3045,7 @@ class _GroupRunner:
         self.groups_run = 0
         self._chunks = 0
         self._pair_order: dict[str, int] | None = None
+        self.referenced: set[str] = set()  # op types without a DOUBLE kernel met in a chunk so far (the next ones start with them)
 
     def run(self, groups: Sequence[_Group]) -> None:
         """Run ``groups``, packed into models of about :data:`CHECK_CHUNK_NODES` nodes."""
@@ -3045,9 +3079,11 @@ class _GroupRunner:
         inputs = [self.inputs[name] for name in dict.fromkeys(original_fed + fused_fed)]
         outputs = [name for group in chunk for name in group.original_outputs]
         fused_names = [name for group in chunk for name in group.fused_outputs]
-        pairs, note, _ = _make_pairs(original, fused)
+        pairs, note, _ = _make_pairs(original, fused, known=self.referenced)
         if note and note not in self.notes:
             self.notes.append(note)
+        for pair in pairs:
+            self.referenced.update(pair.referenced)
         seed = self.seed + self._chunks - 1
         for pair in pairs:
             for size in _sizes(inputs):
