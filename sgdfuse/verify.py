@@ -114,7 +114,12 @@ terms that cancel: with ``k = 1 - d``, ``grad = g + wd·p`` and ``a`` the buffer
   compared within its own update's bound (:attr:`_UpdateView.upstream_gradient`); so is that of a gradient
   computed from such outputs by nodes known to be the original's (``mul_3 = 2*add_1``: in :func:`verify_plans`
   they are its own nodes; ``check`` feeds such nodes one value on both sides where it can, and otherwise
-  proves them equal to the original's node by node before it allows the difference).
+  proves them equal to the original's node by node before it allows the difference); and, in ``check``, that
+  of a gradient the fused node reads as the rewrite's ``Neg(y)`` of another update's output ``y`` (maximize:
+  ``2*(-0.5*buf_new)`` read as ``buf_new``), whose counterpart in the original's run is ``-y``
+  (:attr:`_UpdateView.negated_upstream`). The difference is allowed as a magnitude, so a coefficient error of
+  the later update opposite in sign to it can hide in it (dampening 0.9 one ulp high behind the first link's
+  own 3.75 roundings: tests/test_check_chained_kept_gradients.py, a strict xfail).
 * Roundoff: natively, each side rounds each operation once; with at most :data:`OPERATIONS` roundings per
   side and u the unit roundoff of the parameters' dtype, ``2·OPERATIONS·u·S`` covers both, where S sums the
   magnitudes of every term either side forms (``|m·a| + (1+|d|)·(|g| + wd·|p|)`` for the buffer,
@@ -1125,6 +1130,15 @@ class _UpdateView:
     gradient's name (:func:`_mark_computed_upstream_gradients` in :func:`verify_plans`, where they are the
     original's own nodes; :func:`_mark_proven_upstream_gradients` in ``check``, where they are proven equal
     to the original's node by node). "" otherwise."""
+    negated_upstream: str = ""
+    """``check``: when the fused SGD node's gradient is a ``Neg`` of another update's compared output ``y``
+    (the rewrite's negation of a gradient read with maximize: ``g2 = 2*(-0.5*buf1_new)`` read as ``buf1_new``,
+    maximize, ``lr·2 = 1``), ``y``'s name. The original has no value of the operand's name, so its counterpart
+    is ``-y`` of the original's run (negation is exact), and the bound propagates the measured difference of the
+    two sides' ``y`` as for :attr:`upstream_gradient` (:func:`_view_terms`). Sound whatever the original
+    computes its gradient with: that difference is what the fused node's own ``Neg`` makes of the difference of
+    ``y``, compared within its own update's bound, and how far the original's gradient is from ``-y`` is left to
+    the bound (a coefficient off there fails). "" otherwise."""
     exact_coefficients: frozenset[str] = frozenset()
     """:func:`check_lowered`: the coefficients (of :data:`COEFFICIENTS`) that both implementations are held to
     apply bit for bit, so that the bound gives them no allowance."""
@@ -1651,6 +1665,11 @@ def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fu
         # the fused one by its probe in check, by its name in verify_plans (:attr:`_UpdateView.upstream_gradient`).
         original_gradient = original_out.get(view.original_gradient or view.upstream_gradient)
         fused_gradient = gradient if view.gradient_side == "fused" else fused_out.get(view.upstream_gradient)
+    elif view.negated_upstream:
+        # The fused node reads Neg(y) of another update's output y: the original's counterpart is -y of its run.
+        upstream = original_out.get(view.negated_upstream)
+        original_gradient = None if upstream is None else np.negative(upstream)
+        fused_gradient = gradient
     else:
         original_gradient = original_out.get(view.original_gradient) if carried and view.original_gradient else None
         fused_gradient = gradient
@@ -1905,6 +1924,7 @@ def _describe_view(view: _UpdateView, rename) -> list:
         view.gradient_side, repr(view.dampening), repr(view.weight_decay), view.nesterov, view.dtype,
         rename(view.original_gradient) if view.original_gradient else "",
         rename(view.upstream_gradient) if view.upstream_gradient else "",
+        rename(view.negated_upstream) if view.negated_upstream else "",
     ]
 
 
@@ -3581,7 +3601,9 @@ def _mark_proven_upstream_gradients(sides: tuple[_Side, _Side], views: Sequence[
     input, an initializer of the same name, dtype, shape and value, another update's compared output, or the
     output of a node of the same standard op (no subgraph, no model function, the same opset version), the
     same inputs and outputs by name and the same attributes, itself proven so. A gradient that is not proven
-    keeps no allowance in lockstep (a false failure at worst)."""
+    keeps no allowance in lockstep (a false failure at worst). A gradient read as a plain ``Neg`` of another
+    update's compared output gets :attr:`_UpdateView.negated_upstream` instead (no proof needed: its
+    counterpart is computed from the original's own run)."""
     original, fused = sides
     owner = {name: k for k, view in enumerate(views) for name in view.outputs if name in compared}
     reaches: dict[str, bool] = {}
@@ -3665,12 +3687,27 @@ def _mark_proven_upstream_gradients(sides: tuple[_Side, _Side], views: Sequence[
             proven[current] = True
         return True
 
-    for view in views:
+    for k, view in enumerate(views):
         operand = view.gradient_operand
-        if view.upstream_gradient or not view.original_gradient or operand in owner or operand not in fused.producer:
+        if view.upstream_gradient or operand in owner or operand not in fused.producer:
             continue
-        if reach(operand) and prove(operand):
+        negated = _negated_output(fused, fused.producer[operand], owner, k)
+        if negated:
+            view.negated_upstream = negated
+        elif view.original_gradient and reach(operand) and prove(operand):
             view.upstream_gradient = operand
+
+
+def _negated_output(side: "_Side", position: int, owner: Mapping[str, int], own: int) -> str:
+    """The value ``y`` when node ``position`` of ``side`` is a plain ``Neg(y)`` (default domain, no attributes, no
+    overload, top-level) of an output of another update than ``own`` (``owner``: compared output → its view),
+    else "" (:attr:`_UpdateView.negated_upstream`)."""
+    node = side.nodes[position]
+    if (node.op_type != "Neg" or node.domain not in ("", "ai.onnx") or node.attribute or node.overload
+            or side.subgraph[position] or len(side.reads[position]) != 1):
+        return ""
+    (value,) = side.reads[position]
+    return value if owner.get(value, own) != own else ""
 
 
 def _rename_reads(node: onnx.NodeProto, renames: Mapping[str, str]) -> None:
