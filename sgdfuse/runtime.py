@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -211,7 +211,7 @@ def make_session(model: onnx.ModelProto | bytes) -> "ort.InferenceSession | Refe
         return session
 
 
-def make_session_with_reference_ops(model: onnx.ModelProto) -> "tuple[ort.InferenceSession | ReferenceSession, list[str]]":
+def make_session_with_reference_ops(model: onnx.ModelProto, known: Collection[str] = ()) -> "tuple[ort.InferenceSession | ReferenceSession, list[str]]":
     """:func:`make_session` of ``model``, or, when onnxruntime has no kernel for some of its ops in the types
     they are used with (a lifted model's DOUBLE ``Conv``, ``AveragePool``, ``Col2Im``, ``LayerNormalization``,
     and the ``Erf`` of ``Gelu``'s function body, seen with onnxruntime 1.32), a :class:`MixedSession` that runs
@@ -223,15 +223,24 @@ def make_session_with_reference_ops(model: onnx.ModelProto) -> "tuple[ort.Infere
     once the nodes of its op are out is missing in the function body onnxruntime expands another node into
     (``Gelu``'s ``Erf``): the nodes whose body (``onnx.defs``) holds that op are taken out too.
 
+    ``known``: op types found missing before, for a model of the same kind (a caller making the sessions of
+    several parts of one lifted model, or the original and fused sides of one slice): those of them that
+    ``model`` uses go to the reference implementation from the start, which saves the refused attempts (each
+    builds a session of the whole model before onnxruntime names the kernel). An op type named there that has a
+    kernel after all is computed by the reference implementation as the specification defines it: slower, the
+    same values.
+
     Raises:
         onnxruntime's error: a refusal that names no missing kernel, or one that no node of ``model`` explains.
         ValueError: the split needs the type of a value that ONNX shape inference cannot give.
     """
+    missing: set[str] = {op for op in known if any(_uses(node, (op,)) for node in model.graph.node)}
     try:
+        if missing:
+            return MixedSession(model, missing), sorted(missing)
         return make_session(model), []
     except ONNXRUNTIME_ERRORS as error:
         last: Exception = error
-    missing: set[str] = set()
     for _ in range(_MAX_EMULATION_ROUNDS):
         named = set(_missing_kernels(last))
         more = {node.op_type for node in model.graph.node if _uses(node, named)} - missing

@@ -20,8 +20,15 @@ arithmetic as the function itself.
   stored): roundoff is gone, so what is left is the difference between the coefficients the original applies
   and those the fused op applies. A 1e-5 relative error in dampening or the learning rate stands out there
   even where the native sum of cancelling terms hides it (a Keras step fused with dampening 1 - lr).
-  When onnxruntime has no DOUBLE kernel for an op of a slice, the lifted run is skipped *visibly*: the
-  check's ``note`` names the ops, and it passes on the native run alone.
+  onnxruntime has no DOUBLE kernel for some ops (``Conv``, ``Col2Im``, ``AveragePool``,
+  ``LayerNormalization``, the ``Erf`` of ``Gelu``, seen with 1.32): the nodes of those ops run in onnx's
+  reference implementation, in DOUBLE, and every other node in onnxruntime, in stages
+  (:func:`sgdfuse.runtime.make_session_with_reference_ops`; a slice or packed part holds only its own nodes,
+  so what the reference implementation runs is those nodes of it). Only when even that cannot be built (a
+  value whose type is unknown) is the lifted run skipped, *visibly*: the check's ``note`` says why, and it
+  passes on the native run alone. Without the lifted run a coefficient many FLOAT ulps off passed: the whole
+  steps of testdata/steps accepted a learning rate 16 ulps off (1.2e-6 relative), which the lifted run
+  refuses from 7 (tests/test_verify_lifted_reference.py).
 * **Sizes**: a slice with symbolic dimensions is run with every symbolic dimension = 1 and again = 3
   (:data:`SIZES`), in the same sessions; a constant of shape [2, 1] standing in for a scalar against
   parameters [N, 4] gives another shape at N = 1 and fails to broadcast at N = 3. A size at which the
@@ -107,7 +114,12 @@ terms that cancel: with ``k = 1 - d``, ``grad = g + wd·p`` and ``a`` the buffer
   compared within its own update's bound (:attr:`_UpdateView.upstream_gradient`); so is that of a gradient
   computed from such outputs by nodes known to be the original's (``mul_3 = 2*add_1``: in :func:`verify_plans`
   they are its own nodes; ``check`` feeds such nodes one value on both sides where it can, and otherwise
-  proves them equal to the original's node by node before it allows the difference).
+  proves them equal to the original's node by node before it allows the difference); and, in ``check``, that
+  of a gradient the fused node reads as the rewrite's ``Neg(y)`` of another update's output ``y`` (maximize:
+  ``2*(-0.5*buf_new)`` read as ``buf_new``), whose counterpart in the original's run is ``-y``
+  (:attr:`_UpdateView.negated_upstream`). The difference is allowed as a magnitude, so a coefficient error of
+  the later update opposite in sign to it can hide in it (dampening 0.9 one ulp high behind the first link's
+  own 3.75 roundings: tests/test_check_chained_kept_gradients.py, a strict xfail).
 * Roundoff: natively, each side rounds each operation once; with at most :data:`OPERATIONS` roundings per
   side and u the unit roundoff of the parameters' dtype, ``2·OPERATIONS·u·S`` covers both, where S sums the
   magnitudes of every term either side forms (``|m·a| + (1+|d|)·(|g| + wd·|p|)`` for the buffer,
@@ -863,25 +875,47 @@ def _lifted_array(array: np.ndarray) -> np.ndarray:
 
 
 class _Pair:
-    """The original and fused models of one precision, as onnxruntime sessions."""
+    """The original and fused models of one precision, as sessions for :func:`sgdfuse.runtime.run`.
 
-    def __init__(self, original: onnx.ModelProto, fused: onnx.ModelProto, lifted: bool) -> None:
+    Lifted (DOUBLE), each side is made by :func:`sgdfuse.runtime.make_session_with_reference_ops`: the nodes
+    of the op types onnxruntime has no DOUBLE kernel for (``Conv``, ``Col2Im``, ``LayerNormalization``, the
+    ``Erf`` of ``Gelu``, ...) run in onnx's reference implementation and every other node in onnxruntime, so that
+    a slice or a part holding one is still compared in DOUBLE. ``referenced`` lists those op types (both sides).
+
+    Raises:
+        onnxruntime's error or ValueError (:func:`sgdfuse.runtime.make_session_with_reference_ops`): a side that
+            cannot run even so.
+    """
+
+    def __init__(self, original: onnx.ModelProto, fused: onnx.ModelProto, lifted: bool, known: Iterable[str] = ()) -> None:
         self.lifted = lifted
         self.label = "double" if lifted else "native"
-        self.original = make_session(lift_to_double(original) if lifted else original)
-        self.fused = make_session(lift_to_double(fused) if lifted else fused)
+        self.referenced: list[str] = []
+        if not lifted:
+            self.original, self.fused = make_session(original), make_session(fused)
+            return
+        known = tuple(known)
+        self.original, found = make_session_with_reference_ops(lift_to_double(original), known=known)
+        # The fused side holds the original's other nodes: what the original lacked, it lacks.
+        self.fused, more = make_session_with_reference_ops(lift_to_double(fused), known=(*known, *found))
+        self.referenced = sorted({*found, *more})
 
     @classmethod
     def of_sessions(cls, original, fused, lifted: bool) -> "_Pair":
         """A pair of sessions made elsewhere (:func:`check_lowered`: the fused side is not onnxruntime)."""
         pair = cls.__new__(cls)
         pair.lifted, pair.label, pair.original, pair.fused = lifted, "double" if lifted else "native", original, fused
+        pair.referenced = []
         return pair
 
 
-def _make_pairs(original: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[list[_Pair], str, list[str]]:
-    """The native pair, and the lifted pair when onnxruntime can run it; the note says why not, and the
-    op types without a DOUBLE kernel are listed when onnxruntime names them.
+def _make_pairs(original: onnx.ModelProto, fused: onnx.ModelProto, known: Iterable[str] = ()) -> tuple[list[_Pair], str, list[str]]:
+    """The native pair, and the lifted pair (:class:`_Pair`: the nodes onnxruntime has no DOUBLE kernel for run
+    in onnx's reference implementation); the note says why there is no lifted pair when even that cannot run,
+    and then the op types without a DOUBLE kernel are listed when onnxruntime names them.
+
+    ``known``: op types found without a DOUBLE kernel in another part of the same model (see
+    :func:`sgdfuse.runtime.make_session_with_reference_ops`); the lifted pair's own are its ``referenced``.
 
     The fused side runs :func:`sgdfuse.lift.specialise` d: the SGD function body inlined per node with its
     attributes, the ``If`` s on them resolved (same arithmetic, bit for bit; sessions build ~3x faster).
@@ -895,11 +929,15 @@ def _make_pairs(original: onnx.ModelProto, fused: onnx.ModelProto) -> tuple[list
     kernel = os.environ.get(ORT_KERNEL_ENV) == "1"
     pairs = [_Pair(original, fused if kernel else inlined, lifted=False)]
     try:
-        pairs.append(_Pair(original, inlined, lifted=True))
-    except Exception as error:  # onnxruntime's own exception types: no DOUBLE kernel, type errors
+        lifted = _Pair(original, inlined, lifted=True, known=known)
+    except Exception as error:  # onnxruntime's own exception types (a refusal naming no kernel), unknown types
         ops = missing_kernels(error)
         reason = f"onnxruntime has no DOUBLE kernel for {', '.join(ops)}" if ops else str(error).strip().splitlines()[0]
         return pairs, f"the lifted (DOUBLE) comparison could not run ({reason}); checked in the native dtypes only", ops
+    if lifted.referenced:
+        logger.info("lifted run: %s computed by onnx's reference implementation (no DOUBLE kernel in onnxruntime)",
+                    ", ".join(lifted.referenced))
+    pairs.append(lifted)
     return pairs, "", []
 
 
@@ -1092,6 +1130,15 @@ class _UpdateView:
     gradient's name (:func:`_mark_computed_upstream_gradients` in :func:`verify_plans`, where they are the
     original's own nodes; :func:`_mark_proven_upstream_gradients` in ``check``, where they are proven equal
     to the original's node by node). "" otherwise."""
+    negated_upstream: str = ""
+    """``check``: when the fused SGD node's gradient is a ``Neg`` of another update's compared output ``y``
+    (the rewrite's negation of a gradient read with maximize: ``g2 = 2*(-0.5*buf1_new)`` read as ``buf1_new``,
+    maximize, ``lr·2 = 1``), ``y``'s name. The original has no value of the operand's name, so its counterpart
+    is ``-y`` of the original's run (negation is exact), and the bound propagates the measured difference of the
+    two sides' ``y`` as for :attr:`upstream_gradient` (:func:`_view_terms`). Sound whatever the original
+    computes its gradient with: that difference is what the fused node's own ``Neg`` makes of the difference of
+    ``y``, compared within its own update's bound, and how far the original's gradient is from ``-y`` is left to
+    the bound (a coefficient off there fails). "" otherwise."""
     exact_coefficients: frozenset[str] = frozenset()
     """:func:`check_lowered`: the coefficients (of :data:`COEFFICIENTS`) that both implementations are held to
     apply bit for bit, so that the bound gives them no allowance."""
@@ -1618,6 +1665,11 @@ def _view_terms(view: _UpdateView, original_feeds, fused_feeds, original_out, fu
         # the fused one by its probe in check, by its name in verify_plans (:attr:`_UpdateView.upstream_gradient`).
         original_gradient = original_out.get(view.original_gradient or view.upstream_gradient)
         fused_gradient = gradient if view.gradient_side == "fused" else fused_out.get(view.upstream_gradient)
+    elif view.negated_upstream:
+        # The fused node reads Neg(y) of another update's output y: the original's counterpart is -y of its run.
+        upstream = original_out.get(view.negated_upstream)
+        original_gradient = None if upstream is None else np.negative(upstream)
+        fused_gradient = gradient
     else:
         original_gradient = original_out.get(view.original_gradient) if carried and view.original_gradient else None
         fused_gradient = gradient
@@ -1872,6 +1924,7 @@ def _describe_view(view: _UpdateView, rename) -> list:
         view.gradient_side, repr(view.dampening), repr(view.weight_decay), view.nesterov, view.dtype,
         rename(view.original_gradient) if view.original_gradient else "",
         rename(view.upstream_gradient) if view.upstream_gradient else "",
+        rename(view.negated_upstream) if view.negated_upstream else "",
     ]
 
 
@@ -3012,6 +3065,7 @@ class _GroupRunner:
         self.groups_run = 0
         self._chunks = 0
         self._pair_order: dict[str, int] | None = None
+        self.referenced: set[str] = set()  # op types without a DOUBLE kernel met in a chunk so far (the next ones start with them)
 
     def run(self, groups: Sequence[_Group]) -> None:
         """Run ``groups``, packed into models of about :data:`CHECK_CHUNK_NODES` nodes."""
@@ -3045,9 +3099,11 @@ class _GroupRunner:
         inputs = [self.inputs[name] for name in dict.fromkeys(original_fed + fused_fed)]
         outputs = [name for group in chunk for name in group.original_outputs]
         fused_names = [name for group in chunk for name in group.fused_outputs]
-        pairs, note, _ = _make_pairs(original, fused)
+        pairs, note, _ = _make_pairs(original, fused, known=self.referenced)
         if note and note not in self.notes:
             self.notes.append(note)
+        for pair in pairs:
+            self.referenced.update(pair.referenced)
         seed = self.seed + self._chunks - 1
         for pair in pairs:
             for size in _sizes(inputs):
@@ -3545,7 +3601,9 @@ def _mark_proven_upstream_gradients(sides: tuple[_Side, _Side], views: Sequence[
     input, an initializer of the same name, dtype, shape and value, another update's compared output, or the
     output of a node of the same standard op (no subgraph, no model function, the same opset version), the
     same inputs and outputs by name and the same attributes, itself proven so. A gradient that is not proven
-    keeps no allowance in lockstep (a false failure at worst)."""
+    keeps no allowance in lockstep (a false failure at worst). A gradient read as a plain ``Neg`` of another
+    update's compared output gets :attr:`_UpdateView.negated_upstream` instead (no proof needed: its
+    counterpart is computed from the original's own run)."""
     original, fused = sides
     owner = {name: k for k, view in enumerate(views) for name in view.outputs if name in compared}
     reaches: dict[str, bool] = {}
@@ -3629,12 +3687,27 @@ def _mark_proven_upstream_gradients(sides: tuple[_Side, _Side], views: Sequence[
             proven[current] = True
         return True
 
-    for view in views:
+    for k, view in enumerate(views):
         operand = view.gradient_operand
-        if view.upstream_gradient or not view.original_gradient or operand in owner or operand not in fused.producer:
+        if view.upstream_gradient or operand in owner or operand not in fused.producer:
             continue
-        if reach(operand) and prove(operand):
+        negated = _negated_output(fused, fused.producer[operand], owner, k)
+        if negated:
+            view.negated_upstream = negated
+        elif view.original_gradient and reach(operand) and prove(operand):
             view.upstream_gradient = operand
+
+
+def _negated_output(side: "_Side", position: int, owner: Mapping[str, int], own: int) -> str:
+    """The value ``y`` when node ``position`` of ``side`` is a plain ``Neg(y)`` (default domain, no attributes, no
+    overload, top-level) of an output of another update than ``own`` (``owner``: compared output → its view),
+    else "" (:attr:`_UpdateView.negated_upstream`)."""
+    node = side.nodes[position]
+    if (node.op_type != "Neg" or node.domain not in ("", "ai.onnx") or node.attribute or node.overload
+            or side.subgraph[position] or len(side.reads[position]) != 1):
+        return ""
+    (value,) = side.reads[position]
+    return value if owner.get(value, own) != own else ""
 
 
 def _rename_reads(node: onnx.NodeProto, renames: Mapping[str, str]) -> None:

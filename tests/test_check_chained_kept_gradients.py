@@ -307,3 +307,99 @@ def test_the_note_names_a_reader_no_output_is_computed_from_as_not_checked():
     unchecked = [part for part in note.split("; ") if part.endswith("not checked")]
     assert len(checked) == 1 and dead not in checked[0] and all(name in checked[0] for name in fed), note
     assert len(unchecked) == 1 and dead in unchecked[0], note
+
+
+# ------------------------------------------- twice_step at lr 0.5, dampening 0.9: the rewrite's Neg(buf_new)
+#
+# g2 = 2*(-0.5*buf1_new) is -buf1_new exactly: the second update is read as gradient buf1_new with maximize, and
+# its SGD node reads the rewrite's Neg(buf1_new). The original has no value of that name, so check gave the
+# second update no allowance for the difference of the two sides' buf1_new. Both updates apply dampening 0.9 as
+# the FLOAT attribute (1 - 0.9f = 0.10000002, 3.75 FLOAT roundings of k from the graph's 0.1f, inside the
+# allowance of 4): the first update's buffer differs by that, and the second's gradient with it, so the second
+# buffer differed by twice its allowance and check failed the correct fusion (where_1, ratio 1.87, every seed at
+# chain 2). Now the measured difference of buf1_new is propagated (verify._UpdateView.negated_upstream).
+
+
+def _negated_chain(chain: int) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    model, fused = _fused("twice_step", 0.5, 0.9, chain=chain)
+    producers = _producers(fused)
+    for node in [n for n in fused.graph.node if n.op_type == "SGD"][1:]:
+        assert producers[node.input[1]].op_type == "Neg"  # the rewrite's helper, no node of the original
+    return model, fused
+
+
+@pytest.mark.parametrize("chain", [2, 4])
+def test_the_negated_step_chain_at_dampening_0_9_computes_torch_sgd(chain):
+    # The premise, from numpy: the fusion is right (float64 torch.optim.SGD, within FLOAT's roundoff).
+    model, fused = _negated_chain(chain)
+    rng = np.random.default_rng(5)
+    state = {f"{kind}{i}": rng.standard_normal(SHAPE).astype(np.float32) for i in range(chain) for kind in "pb"}
+    want, got = dict(state), dict(state)
+    session, names = make_session(fused), [o.name for o in fused.graph.output]
+    for step in range(5):
+        g0 = rng.standard_normal(SHAPE).astype(np.float32)
+        want = _reference("twice_step", chain, 0.5, 0.9, want, g0, step)
+        out = run(session, {**got, "g0": g0, "step": np.array(step, np.int64)})
+        got = {f"{kind}{i}": out[names[2 * i + j]] for i in range(chain) for j, kind in enumerate("pb")}
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=2e-6, atol=1e-6, err_msg=f"{key} at step {step}")
+
+
+@pytest.mark.parametrize("chain", [2, 4])
+def test_check_passes_the_negated_step_chain_at_dampening_0_9_at_every_seed(chain):
+    model, fused = _negated_chain(chain)
+    for seed in SEEDS:
+        check = check_models(model, fused, seed=seed)
+        assert check.passed, (seed, _failures(check))
+
+
+def _second_sgd_edited(fused: onnx.ModelProto, what: str, ulps: int) -> onnx.ModelProto:
+    """``fused`` with the second SGD node's dampening attribute, or its own copy of the learning rate or momentum
+    initializer, moved by ``ulps`` FLOAT spacings; or (``what`` "gradient") its Neg reading the first update's
+    new weights instead of its new buffer."""
+    model = onnx.ModelProto()
+    model.CopyFrom(fused)
+    sgd = [node for node in model.graph.node if node.op_type == "SGD"][1]
+
+    def moved(value) -> np.float32:
+        value = np.float32(value)
+        for _ in range(abs(ulps)):
+            value = np.nextafter(value, np.float32(np.inf if ulps > 0 else -np.inf))
+        return value
+
+    if what == "dampening":
+        attribute = next(a for a in sgd.attribute if a.name == "dampening")
+        attribute.f = float(moved(attribute.f))
+    elif what == "gradient":
+        negation = next(n for n in model.graph.node if sgd.input[1] in n.output)
+        assert list(negation.input) == [model.graph.output[1].name]  # Neg(buf1_new)
+        negation.input[0] = model.graph.output[0].name
+    else:
+        slot = {"learning_rate": 2, "momentum": 4}[what]
+        (tensor,) = [t for t in model.graph.initializer if t.name == sgd.input[slot]]
+        value = numpy_helper.to_array(tensor)
+        model.graph.initializer.append(numpy_helper.from_array(np.full(value.shape, moved(value), value.dtype), "edited_constant"))
+        sgd.input[slot] = "edited_constant"
+    return model
+
+
+@pytest.mark.parametrize("what, ulps", [("dampening", -1), ("momentum", 4), ("learning_rate", 2), ("gradient", 0)])
+def test_a_wrong_second_link_of_the_negated_step_chain_fails_check(what, ulps):
+    # Regression guard for the allowance above: it is the measured difference of buf1_new, and the second update's
+    # own coefficients are still held to theirs (dampening one ulp low is k 13.75 FLOAT roundings off the graph's
+    # 0.1f; momentum 4 ulps and lr 2 ulps are beyond 4 roundings), and a Neg of another value fails.
+    model, fused = _negated_chain(2)
+    edited = _second_sgd_edited(fused, what, ulps)
+    second = {model.graph.output[2].name, model.graph.output[3].name}
+    for seed in (0, 1, 2, 3):
+        check = check_models(model, edited, seed=seed)
+        assert not check.passed and _failed(check) & second, (seed, _failures(check))
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: the measured |Δbuf1_new| is allowed as a magnitude, so a second-link "
+                   "coefficient error of the opposite sign hides in it (dampening one ulp high: k 6.25 FLOAT roundings "
+                   "off, beside the first link's own +3.75)")
+def test_the_second_links_dampening_one_ulp_high_fails_check():
+    model, fused = _negated_chain(2)
+    edited = _second_sgd_edited(fused, "dampening", 1)
+    assert not any(check_models(model, edited, seed=seed).passed for seed in (0, 1, 2, 3))
