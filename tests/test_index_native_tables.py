@@ -21,7 +21,7 @@ from sgdfuse.contract import TensorSpec
 from sgdfuse.errors import GraphCycleError
 from sgdfuse.passes import index as index_module
 from sgdfuse.passes import value_scan
-from sgdfuse.passes.value_scan import INPUT, OUTPUT, VALUE_INFO, native_available, scan_value_infos
+from sgdfuse.passes.value_scan import INPUT, native_available, scan_value_infos
 
 TESTDATA = Path(__file__).resolve().parent.parent / "testdata"
 MODELS = sorted(TESTDATA.rglob("*.onnx"))

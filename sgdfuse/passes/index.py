@@ -194,7 +194,6 @@ def build_index(model: onnx.ModelProto, *, infer_shapes: bool = True) -> GraphIn
             type, a domain, the model's own strings), named by what carries it (a node by position and op type).
         GraphCycleError, DuplicateValueError: the graph is not a valid ONNX graph.
     """
-    graph = model.graph
     # One serialisation of the model serves the node table, the declared value infos and, when no
     # initializer needs stripping, shape inference (which would serialise it again); without the native
     # scanners every one of them is read through protobuf's Python API as before.
