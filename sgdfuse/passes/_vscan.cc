@@ -18,6 +18,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <structmember.h>
+
 #include "_pylist.h"
 #include "_wire.h"
 
@@ -258,9 +260,200 @@ PyObject* strip(PyObject*, PyObject* args) {
   return result;
 }
 
+// --- add_specs and sweep: the index's tables, built from what the scanners return ------------------------
+//
+// sgdfuse.passes.index builds two tables per model from lists the scanners made: the specs (value name ->
+// TensorSpec, half a million entries at 50,000 updates) and the producer and consumers of every value (from
+// the node table). The loops below are those of index._add_scanned_specs and index._sweep_nodes, step for
+// step (the same dictionary operations in the same order, so the same dictionaries, their order included);
+// value_scan.py documents them and keeps the Python loops as the fallback.
+
+// The byte offset of a slot of ``type`` named ``name`` (a member descriptor of an object slot), or -1.
+Py_ssize_t slot_offset(PyTypeObject* type, const char* name) {
+  PyObject* descriptor = PyDict_GetItemString(type->tp_dict, name);  // borrowed
+  if (descriptor == nullptr || !Py_IS_TYPE(descriptor, &PyMemberDescr_Type)) return -1;
+  PyMemberDef* member = reinterpret_cast<PyMemberDescrObject*>(descriptor)->d_member;
+  if (member->type != T_OBJECT_EX || (member->flags & READONLY)) return -1;
+  return member->offset;
+}
+
+PyObject*& slot(PyObject* object, Py_ssize_t offset) { return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(object) + offset); }
+
+// add_specs(specs, names, type_ids, found_of, spec_type) -> None: for each names[i] whose spec in ``specs`` is
+// missing or has shape None, and whose found_of[type_ids[i]] is a (shape, dtype) pair (not None), set
+// specs[names[i]] = spec_type(names[i], shape, dtype). spec_type is a slots class whose instances are its three
+// slots name, shape and dtype (TensorSpec: a frozen slots dataclass, whose __init__ only sets them); it is
+// made as object.__new__ makes it and its slots set directly.
+PyObject* add_specs(PyObject*, PyObject* args) {
+  PyObject *specs, *names, *type_ids, *found_of;
+  PyTypeObject* spec_type;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyDict_Type, &specs, &PyList_Type, &names, &PyList_Type, &type_ids, &PyList_Type,
+                        &found_of, &PyType_Type, &spec_type))
+    return nullptr;
+  const Py_ssize_t name_at = slot_offset(spec_type, "name"), shape_at = slot_offset(spec_type, "shape"),
+                   dtype_at = slot_offset(spec_type, "dtype");
+  if (name_at < 0 || shape_at < 0 || dtype_at < 0 || spec_type->tp_itemsize != 0) {
+    PyErr_SetString(PyExc_TypeError, "add_specs: spec_type must have the object slots name, shape and dtype");
+    return nullptr;
+  }
+  const Py_ssize_t count = PyList_GET_SIZE(names);
+  if (PyList_GET_SIZE(type_ids) != count) {
+    PyErr_SetString(PyExc_ValueError, "add_specs: names and type_ids differ in length");
+    return nullptr;
+  }
+  const Py_ssize_t kinds = PyList_GET_SIZE(found_of);
+  for (Py_ssize_t i = 0; i < kinds; ++i) {
+    PyObject* found = PyList_GET_ITEM(found_of, i);
+    if (found != Py_None && !(PyTuple_CheckExact(found) && PyTuple_GET_SIZE(found) == 2)) {
+      PyErr_SetString(PyExc_TypeError, "add_specs: found_of holds a (shape, dtype) pair or None per type");
+      return nullptr;
+    }
+  }
+  PyObject* shape_name = PyUnicode_InternFromString("shape");
+  if (shape_name == nullptr) return nullptr;
+  bool failed = false;
+  for (Py_ssize_t i = 0; i < count && !failed; ++i) {
+    PyObject* name = PyList_GET_ITEM(names, i);
+    PyObject* known = PyDict_GetItemWithError(specs, name);  // borrowed
+    if (known == nullptr && PyErr_Occurred()) {
+      failed = true;
+      break;
+    }
+    if (known != nullptr && known != Py_None) {
+      bool shaped;
+      if (Py_IS_TYPE(known, spec_type)) {
+        PyObject* shape = slot(known, shape_at);
+        shaped = shape != nullptr && shape != Py_None;
+      } else {
+        PyObject* shape = PyObject_GetAttr(known, shape_name);
+        if (shape == nullptr) {
+          failed = true;
+          break;
+        }
+        shaped = shape != Py_None;
+        Py_DECREF(shape);
+      }
+      if (shaped) continue;
+    }
+    const Py_ssize_t type_id = PyLong_AsSsize_t(PyList_GET_ITEM(type_ids, i));
+    if (type_id == -1 && PyErr_Occurred()) {
+      failed = true;
+      break;
+    }
+    if (type_id < 0 || type_id >= kinds) {
+      PyErr_SetString(PyExc_IndexError, "add_specs: a type number past found_of");
+      failed = true;
+      break;
+    }
+    PyObject* found = PyList_GET_ITEM(found_of, type_id);
+    if (found == Py_None) continue;
+    PyObject* spec = spec_type->tp_alloc(spec_type, 0);
+    if (spec == nullptr) {
+      failed = true;
+      break;
+    }
+    PyObject* shape = PyTuple_GET_ITEM(found, 0);
+    PyObject* dtype = PyTuple_GET_ITEM(found, 1);
+    Py_INCREF(name);
+    Py_INCREF(shape);
+    Py_INCREF(dtype);
+    slot(spec, name_at) = name;
+    slot(spec, shape_at) = shape;
+    slot(spec, dtype_at) = dtype;
+    failed = PyDict_SetItem(specs, name, spec) != 0;
+    Py_DECREF(spec);
+  }
+  Py_DECREF(shape_name);
+  if (failed) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// sweep(nodes) -> (producer, consumers, holders, defined, text): over the node facts ``nodes`` (a list of
+// tuples (op_type, domain, inputs, outputs, has_subgraph, has_attributes), inputs and outputs tuples of names),
+// in order: producer[name] = k for each non-empty output name of node k, consumers[name] gets k appended for
+// each non-empty input name (a new list at the first), holders the k whose has_subgraph is true, defined the
+// number of non-empty output names; text is true when every op type, domain and non-empty name is a str.
+PyObject* sweep(PyObject*, PyObject* args) {
+  PyObject* nodes;
+  if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &nodes)) return nullptr;
+  PyObject* producer = PyDict_New();
+  PyObject* consumers = PyDict_New();
+  PyObject* holders = PyList_New(0);
+  bool failed = producer == nullptr || consumers == nullptr || holders == nullptr;
+  Py_ssize_t defined = 0;
+  bool text = true;
+  const Py_ssize_t count = PyList_GET_SIZE(nodes);
+  auto nonempty = [&failed, &text](PyObject* name) -> bool {
+    if (PyUnicode_CheckExact(name)) return PyUnicode_GET_LENGTH(name) != 0;
+    const int truth = PyObject_IsTrue(name);
+    if (truth > 0) text = false;
+    if (truth < 0) failed = true;
+    return truth > 0;
+  };
+  for (Py_ssize_t k = 0; k < count && !failed; ++k) {
+    PyObject* facts = PyList_GET_ITEM(nodes, k);
+    if (!PyTuple_Check(facts) || PyTuple_GET_SIZE(facts) != 6 || !PyTuple_Check(PyTuple_GET_ITEM(facts, 2)) ||
+        !PyTuple_Check(PyTuple_GET_ITEM(facts, 3))) {
+      PyErr_SetString(PyExc_TypeError, "sweep: a node's facts are a 6-tuple with tuples of inputs and outputs");
+      failed = true;
+      break;
+    }
+    if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(facts, 0)) || !PyUnicode_CheckExact(PyTuple_GET_ITEM(facts, 1))) text = false;
+    PyObject* position = PyLong_FromSsize_t(k);
+    if (position == nullptr) {
+      failed = true;
+      break;
+    }
+    PyObject* outputs = PyTuple_GET_ITEM(facts, 3);
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(outputs) && !failed; ++j) {
+      PyObject* name = PyTuple_GET_ITEM(outputs, j);
+      if (nonempty(name)) {
+        failed = PyDict_SetItem(producer, name, position) != 0;
+        ++defined;
+      }
+    }
+    PyObject* inputs = PyTuple_GET_ITEM(facts, 2);
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(inputs) && !failed; ++j) {
+      PyObject* name = PyTuple_GET_ITEM(inputs, j);
+      if (!nonempty(name) || failed) continue;
+      PyObject* readers = PyDict_GetItemWithError(consumers, name);  // borrowed
+      if (readers != nullptr) {
+        failed = PyList_Append(readers, position) != 0;
+      } else if (PyErr_Occurred()) {
+        failed = true;
+      } else {
+        PyObject* fresh = PyList_New(1);
+        if (fresh == nullptr) {
+          failed = true;
+        } else {
+          Py_INCREF(position);
+          PyList_SET_ITEM(fresh, 0, position);
+          failed = PyDict_SetItem(consumers, name, fresh) != 0;
+          Py_DECREF(fresh);
+        }
+      }
+    }
+    if (!failed) {
+      const int held = PyObject_IsTrue(PyTuple_GET_ITEM(facts, 4));
+      if (held < 0) failed = true;
+      else if (held) failed = PyList_Append(holders, position) != 0;
+    }
+    Py_DECREF(position);
+  }
+  if (failed) {
+    Py_XDECREF(producer);
+    Py_XDECREF(consumers);
+    Py_XDECREF(holders);
+    return nullptr;
+  }
+  return Py_BuildValue("NNNnO", producer, consumers, holders, defined, text ? Py_True : Py_False);
+}
+
 PyMethodDef kMethods[] = {
     {"scan", scan, METH_VARARGS, "scan(data, wanted) -> (names, type_ids, types, node_count)."},
     {"strip", strip, METH_VARARGS, "strip(data) -> the model's bytes without the fields shape inference never reads."},
+    {"add_specs", add_specs, METH_VARARGS, "add_specs(specs, names, type_ids, found_of, spec_type) -> None: index._add_scanned_specs's loop."},
+    {"sweep", sweep, METH_VARARGS, "sweep(nodes) -> (producer, consumers, holders, defined, text): index._sweep_nodes's loop."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -21,7 +21,7 @@ from types import ModuleType
 from sgdfuse.native import cache_root
 from sgdfuse.passes.scan import NATIVE_ENV, ScanError, ScannerBuildError, build_extension
 
-__all__ = ["INPUT", "OUTPUT", "VALUE_INFO", "ScannedInfos", "scan_value_infos", "native_available", "inference_bytes"]
+__all__ = ["INPUT", "OUTPUT", "VALUE_INFO", "ScannedInfos", "scan_value_infos", "native_available", "inference_bytes", "add_specs", "sweep_nodes"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,43 @@ def inference_bytes(data: bytes | bytearray | memoryview) -> bytes:
         return _module().strip(data)
     except ValueError as error:
         raise ScanError.from_message(str(error)) from None
+
+
+def add_specs(specs: dict, names: list[str], type_ids: list[int], found_of: list[tuple | None], spec_type: type) -> None:
+    """Natively, the loop of :func:`sgdfuse.passes.index._add_scanned_specs`: for each ``names[i]`` (in order) whose
+    entry in ``specs`` is missing or has ``shape`` None, and whose ``found_of[type_ids[i]]`` is a ``(shape, dtype)``
+    pair (not None), set ``specs[names[i]] = spec_type(names[i], shape, dtype)``.
+
+    ``spec_type`` is :class:`~sgdfuse.contract.TensorSpec` (a frozen slots dataclass whose ``__init__`` only sets
+    its three slots ``name``, ``shape``, ``dtype``): each spec is made as ``object.__new__`` makes it, its slots set
+    directly, at about a twentieth of the cost of calling the class (``__init__`` sets each slot through
+    ``object.__setattr__``); at 50,000 updates the index makes half a million.
+
+    Raises:
+        TypeError: ``spec_type`` has no object slots ``name``, ``shape`` and ``dtype``, or an entry of ``found_of``
+            is neither a pair nor None.
+        ValueError, IndexError: ``type_ids`` does not match ``names`` or ``found_of``.
+        ScannerBuildError: the scanner cannot be built.
+    """
+    _module().add_specs(specs, names, type_ids, found_of, spec_type)
+
+
+def sweep_nodes(nodes: list[tuple]) -> tuple[dict, dict, list[int], int, bool]:
+    """Natively, the loop of :func:`sgdfuse.passes.index._sweep_nodes` over the node facts ``nodes``
+    (:data:`sgdfuse.passes.index.NodeFacts`: ``(op_type, domain, inputs, outputs, has_subgraph, has_attributes)``):
+    ``(producer, consumers, holders, defined, text)``, where, node by node in order, ``producer[name] = k`` for
+    each non-empty output name of node ``k``, ``consumers[name]`` has ``k`` appended for each non-empty input name
+    (in the order of the inputs, a name read twice listed twice), ``holders`` lists the ``k`` whose
+    ``has_subgraph`` is true, ``defined`` counts the non-empty output names (``len(producer)`` unless a name is
+    output twice), and ``text`` is True when every op type, domain and non-empty input and output name is a
+    ``str`` (protobuf hands out other bytes as ``bytes``: then :func:`sgdfuse.passes.index._require_text_names`
+    has one to name). The same dictionaries, in the same insertion order, as the Python loop.
+
+    Raises:
+        TypeError: an entry of ``nodes`` is not such a tuple.
+        ScannerBuildError: the scanner cannot be built.
+    """
+    return _module().sweep(nodes)
 
 
 def _module() -> ModuleType:
