@@ -116,7 +116,8 @@ class Plan:
         """Per node, in order, its first output name (None for a node with no output)."""
         replay = self._replay()
         if replay is not None:
-            return [replay.renamed(outputs[0]) if outputs else None for _, _, _, outputs in replay.template.nodes]
+            rename = replay.names.get
+            return [None if name is None else rename(name, name) for name in replay.template.first_outputs]
         first = []
         for node in self.nodes:
             names = node.output  # read once: each read of a protobuf field makes a new object
@@ -241,6 +242,8 @@ class _Template:
     """Per node, its non-empty input and output names (a replay renames a name to a name, never to ``""``)."""
     sgd_overloads: tuple[str, ...] = ()
     """The overloads the SGD nodes among the nodes call (a replay copies them)."""
+    first_outputs: tuple[str | None, ...] = ()
+    """Per node, its first output name (None for a node with no output), as the template holds it."""
 
 
 # Characters a plan's names keep from the parameters' output name (compiled once: _base_of runs per plan).
@@ -458,7 +461,8 @@ class Planner:
         outer_reads = tuple(_reads(node) for node, _, _, _ in nodes)  # stripped: no inputs, its subgraphs' reads only
         named = tuple((tuple(n for n in inputs if n), tuple(n for n in outputs if n)) for _, _, inputs, outputs in nodes)
         sgd_overloads = tuple(node.overload for node, _, _, _ in nodes if node.op_type == OP_TYPE and node.domain == DOMAIN)
-        return _Template(plan, fresh, base, slots, suffixes, nodes, op_types, sgd_position, outer_reads, named, sgd_overloads)
+        first_outputs = tuple(outputs[0] if outputs else None for _, _, _, outputs in nodes)
+        return _Template(plan, fresh, base, slots, suffixes, nodes, op_types, sgd_position, outer_reads, named, sgd_overloads, first_outputs)
 
     def _pristine(self, plan: Plan) -> Plan:
         """``plan`` with copies of its nodes, kept apart from the plans handed out."""
