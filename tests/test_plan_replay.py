@@ -148,3 +148,23 @@ def test_a_replayed_plan_changed_after_it_is_read_is_written_as_changed(monkeypa
     assert other._replay() is not None
     other.nodes = list(other.nodes)
     assert other.sgd_node is other.nodes[other.sgd_position()]
+
+
+def test_a_replayed_plan_holds_what_the_dataclass_would_hold():
+    # Planner._replayed fills a Plan's __dict__ without its __init__: the same keys in the same order and the
+    # same values as Plan(...) given the same fields, and it compares equal to that plan.
+    import dataclasses
+
+    from sgdfuse.passes.rewrite import Plan
+
+    index, matches = _matches(_step())
+    planner = Planner(index, 18)
+    plans = [planner.plan(match) for match in matches]
+    replayed = [plan for plan in plans if plan._replay() is not None]
+    assert replayed, "no plan was replayed"
+    for plan in replayed:
+        replay = plan._replay()
+        direct = Plan(plan.match, replay, [], replay, plan.gradient_input, plan.learning_rate_input, plan.momentum_input, plan.stat)
+        assert list(plan.__dict__) == list(direct.__dict__)
+        assert all(plan.__dict__[k] is direct.__dict__[k] or plan.__dict__[k] == direct.__dict__[k] for k in direct.__dict__)
+        assert [f.name for f in dataclasses.fields(plan)] == [f.name for f in dataclasses.fields(direct)]

@@ -160,6 +160,9 @@ class Plan:
         return self.__dict__
 
 
+_new_plan = object.__new__  # Plan defines no __new__ (Planner._replayed fills a plan's __dict__ itself)
+
+
 class _Replay:
     """The nodes of a plan replayed from ``template``, named by ``names`` (the first member's values and fresh
     names -> the member's), made into ``container`` (the planner's) when the plan's nodes are first read."""
@@ -435,10 +438,17 @@ class Planner:
         # The nodes are made when first read (_Made): apply_plans writes them into its output from the template.
         replay = _Replay(template, names, self._arena.node)
         plan = template.plan
-        return Plan(
-            match, replay, [], replay, rename(plan.gradient_input, plan.gradient_input),
-            rename(plan.learning_rate_input, plan.learning_rate_input), rename(plan.momentum_input, plan.momentum_input), plan.stat,
+        # What Plan(match, replay, [], replay, ...) makes, without its __init__ and the descriptor's two __set__
+        # calls (each asks for the other field, which is not there yet or is this very replay): the fields in
+        # __init__'s order, the two node fields in _Made's slots.
+        made = _new_plan(Plan)
+        made.__dict__.update(
+            match=match, _nodes=replay, initializers=[], _sgd_node=replay,
+            gradient_input=rename(plan.gradient_input, plan.gradient_input),
+            learning_rate_input=rename(plan.learning_rate_input, plan.learning_rate_input),
+            momentum_input=rename(plan.momentum_input, plan.momentum_input), stat=plan.stat,
         )
+        return made
 
     def _template(self, plan: Plan, fresh: list[tuple[str, str]], base: str) -> _Template:
         """The :class:`_Template` of ``plan`` (already :meth:`_pristine`, whose nodes it strips of their names in
