@@ -168,6 +168,8 @@ def test_a_replayed_plan_holds_what_the_dataclass_would_hold():
         assert list(plan.__dict__) == list(direct.__dict__)
         assert all(plan.__dict__[k] is direct.__dict__[k] or plan.__dict__[k] == direct.__dict__[k] for k in direct.__dict__)
         assert [f.name for f in dataclasses.fields(plan)] == [f.name for f in dataclasses.fields(direct)]
+        # (A dict sharing its keys with the other plans', as __init__'s: no larger than the dataclass's.)
+        assert sys.getsizeof(plan.__dict__) <= sys.getsizeof(direct.__dict__)
 
 
 def _renamed(model: onnx.ModelProto, prefix: str) -> onnx.ModelProto:

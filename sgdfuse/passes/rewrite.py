@@ -443,14 +443,18 @@ class Planner:
         plan = template.plan
         # What Plan(match, replay, [], replay, ...) makes, without its __init__ and the descriptor's two __set__
         # calls (each asks for the other field, which is not there yet or is this very replay): the fields in
-        # __init__'s order, the two node fields in _Made's slots.
+        # __init__'s order, the two node fields in _Made's slots, one item at a time (as __init__ sets them: the
+        # dict then shares its keys with every other plan's; dict.update made one of its own, twice the memory).
         made = _new_plan(Plan)
-        made.__dict__.update(
-            match=match, _nodes=replay, initializers=[], _sgd_node=replay,
-            gradient_input=rename(plan.gradient_input, plan.gradient_input),
-            learning_rate_input=rename(plan.learning_rate_input, plan.learning_rate_input),
-            momentum_input=rename(plan.momentum_input, plan.momentum_input), stat=plan.stat,
-        )
+        fields = made.__dict__
+        fields["match"] = match
+        fields["_nodes"] = replay
+        fields["initializers"] = []
+        fields["_sgd_node"] = replay
+        fields["gradient_input"] = rename(plan.gradient_input, plan.gradient_input)
+        fields["learning_rate_input"] = rename(plan.learning_rate_input, plan.learning_rate_input)
+        fields["momentum_input"] = rename(plan.momentum_input, plan.momentum_input)
+        fields["stat"] = plan.stat
         return made
 
     def _template(self, plan: Plan, fresh: list[tuple[str, str]], base: str) -> _Template:
