@@ -504,7 +504,35 @@ class _EntryParts:
         # By identity (the object is kept, so its id is not reused): matches of a structural class share their
         # constant coefficients, and a Poly is not changed after matching.
         self._polys: dict[int, tuple[object, float | str]] = {}
+        # Per replay template of the planner (by identity, kept alive by its plans): the helper passes of its
+        # nodes' op types, the same for every plan replayed from it (Plan.op_types answers from the template).
+        self._passes: dict[int, tuple[object, int]] = {}
+        self._dtype_names: dict[int, str] = {}
         self._check_classes = os.environ.get(MEMO_CHECK_ENV) == "1"
+
+    def dtype_name(self, dtype: int) -> str:
+        """``dtype_name(dtype)`` (:func:`sgdfuse.contract.dtype_name`, a function of the code alone)."""
+        found = self._dtype_names.get(dtype)
+        if found is None:
+            found = self._dtype_names[dtype] = dtype_name(dtype)
+        return found
+
+    def helper_passes(self, plan) -> int:
+        """``traffic.helper_passes(plan.op_types())``, once per replay template: a replayed plan's op types are its
+        template's (:meth:`sgdfuse.passes.rewrite.Plan.op_types`); any other plan's are read from it."""
+        replay = plan._replay() if hasattr(plan, "_replay") else None
+        if replay is None:
+            return traffic.helper_passes(plan.op_types())
+        template = replay.template
+        known = self._passes.get(id(template))
+        if known is not None and known[0] is template:
+            if self._check_classes:
+                direct = traffic.helper_passes(plan.op_types())
+                assert known[1] == direct, f"{plan.match.parameters_out}: helper passes {known[1]} by template, {direct} directly"
+            return known[1]
+        passes = traffic.helper_passes(plan.op_types())
+        self._passes[id(template)] = (template, passes)
+        return passes
 
     def shortest(self, value: float) -> float:
         """``shortest_float32(value)``. Two floats that compare equal are the same number, except 0.0 and -0.0
@@ -546,7 +574,7 @@ def _fused_entry(plan, index, parts: _EntryParts | None = None) -> FusedUpdate:
         parts = _EntryParts(index)
     match: Match = plan.match
     # (The plan's op types and names without making a replayed plan's nodes: rewrite.Plan.op_types.)
-    after = traffic.fused_traffic(index, match.parameters, traffic.helper_passes(plan.op_types()))
+    after = traffic.fused_traffic(index, match.parameters, parts.helper_passes(plan))
     return FusedUpdate(
         traffic_before_bytes=parts.traffic_before(match),
         traffic_after_bytes=after,
@@ -565,7 +593,7 @@ def _fused_entry(plan, index, parts: _EntryParts | None = None) -> FusedUpdate:
         nesterov=bool(match.nesterov),
         maximize=bool(match.maximize),
         stat=plan.stat,
-        dtype=dtype_name(match.dtype),
+        dtype=parts.dtype_name(match.dtype),
         shape=[d for d in match.shape] if match.shape is not None else [],
         # Written when first read (sgdfuse.report._Text): the console summary shows no equation.
         parameter_equation=match.parameter_equation,

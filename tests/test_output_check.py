@@ -212,3 +212,69 @@ def test_fields_this_onnx_does_not_know_are_kept():
     assert len(result.report.fused) == 1
     assert len(unknown_fields.UnknownFieldSet(result.model)) == 1
     assert len(unknown_fields.UnknownFieldSet(result.model.graph)) == 1
+
+
+def _reference_class_key(summary, outer_names, declared, index, new_initializers):
+    """The class key as documented in ``_class_key``, every value read keyed through ``_read_key`` (the
+    reference its inlined case for large typed values must equal)."""
+    from sgdfuse.passes.output_check import _read_key
+
+    nodes, names, places, outputs = summary
+    key = [nodes]
+    named = list(zip(places, names, outputs))
+    named += [(places[names.index(n)], n, outputs[names.index(n)]) if n in names else (n, n, False) for n in outer_names]
+    for place, name, produced in named:
+        if produced:
+            if name in index.producer:
+                spec = index.specs[name]
+                key.append(("replaced", place, spec.dtype, spec.shape))
+            if name in declared:
+                key.append(("declared", place, declared[name]))
+            continue
+        typed = _read_key(name, index, new_initializers)
+        if isinstance(typed, str):
+            return typed
+        key.append((place, typed))
+    return tuple(key)
+
+
+def mixed_updates() -> onnx.ModelProto:
+    """Updates whose values read are large (32 elements: the inlined case), small (4: through ``_read_key``),
+    of a symbolic shape, and a learning rate that is a scalar graph input."""
+    nodes, inputs, outputs = [], [], []
+    for k, (shape, lr) in enumerate([([32], "lr"), ([4], "lr"), (["n"], "lr"), ([32], "lr_in"), ([2, 16], "lr_in")]):
+        p, g, b = f"p{k}", f"g{k}", f"b{k}"
+        nodes += [
+            helper.make_node("Mul", [b, "m"], [f"{b}_scaled"]),
+            helper.make_node("Add", [f"{b}_scaled", g], [f"{b}_out"]),
+            helper.make_node("Mul", [f"{b}_out", lr], [f"{p}_step"]),
+            helper.make_node("Sub", [p, f"{p}_step"], [f"{p}_out"]),
+        ]
+        inputs += [value(p, shape=shape), value(g, shape=shape), value(b, shape=shape)]
+        outputs += [value(f"{p}_out", shape=shape), value(f"{b}_out", shape=shape)]
+    inputs.append(value("lr_in", shape=[]))
+    return make_model(nodes, inputs, outputs, [scalar("m", 0.9), scalar("lr", 0.1)])
+
+
+def test_the_class_key_keys_every_read_as_read_key_does(monkeypatch):
+    import sgdfuse.passes.output_check as output_check
+
+    real = output_check._class_key
+    compared = []
+
+    def checked(summary, outer_names, declared, index, new_initializers, read_keys):
+        key = real(summary, outer_names, declared, index, new_initializers, read_keys)
+        assert key == _reference_class_key(summary, outer_names, declared, index, new_initializers)
+        compared.append(key)
+        return key
+
+    monkeypatch.setattr(output_check, "_class_key", checked)
+    model = mixed_updates()
+    output, index, plans = rewrite(model)
+    assert len(plans) == 5
+    assert unproven(output, model, index, plans) is None
+    assert len(compared) == 5
+    # Every kind of read occurs: large typed values (the inlined case), small and symbolic ones, initializers.
+    reads = [part[1] for key in compared for part in key[1:] if type(part[0]) is int]
+    assert ("typed", F32, (32,)) in reads and ("typed", F32, (4,)) in reads and ("typed", F32, ("n",)) in reads
+    assert ("typed", F32, ()) in reads and ("typed", F32, (2, 16)) in reads

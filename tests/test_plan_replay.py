@@ -148,3 +148,92 @@ def test_a_replayed_plan_changed_after_it_is_read_is_written_as_changed(monkeypa
     assert other._replay() is not None
     other.nodes = list(other.nodes)
     assert other.sgd_node is other.nodes[other.sgd_position()]
+
+
+def test_a_replayed_plan_holds_what_the_dataclass_would_hold():
+    # Planner._replayed fills a Plan's __dict__ without its __init__: the same keys in the same order and the
+    # same values as Plan(...) given the same fields, and it compares equal to that plan.
+    import dataclasses
+
+    from sgdfuse.passes.rewrite import Plan
+
+    index, matches = _matches(_step())
+    planner = Planner(index, 18)
+    plans = [planner.plan(match) for match in matches]
+    replayed = [plan for plan in plans if plan._replay() is not None]
+    assert replayed, "no plan was replayed"
+    for plan in replayed:
+        replay = plan._replay()
+        direct = Plan(plan.match, replay, [], replay, plan.gradient_input, plan.learning_rate_input, plan.momentum_input, plan.stat)
+        assert list(plan.__dict__) == list(direct.__dict__)
+        assert all(plan.__dict__[k] is direct.__dict__[k] or plan.__dict__[k] == direct.__dict__[k] for k in direct.__dict__)
+        assert [f.name for f in dataclasses.fields(plan)] == [f.name for f in dataclasses.fields(direct)]
+        # (A dict sharing its keys with the other plans', as __init__'s: no larger than the dataclass's.)
+        assert sys.getsizeof(plan.__dict__) <= sys.getsizeof(direct.__dict__)
+
+
+def _renamed(model: onnx.ModelProto, prefix: str) -> onnx.ModelProto:
+    """``model`` with ``prefix`` before every value name (the graph's inputs, outputs, initializers, nodes)."""
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(model)
+    graph = renamed.graph
+    for node in graph.node:
+        node.input[:] = [prefix + n if n else n for n in node.input]
+        node.output[:] = [prefix + n for n in node.output]
+    for info in [*graph.input, *graph.output, *graph.initializer]:
+        info.name = prefix + info.name
+    return renamed
+
+
+WRITER_CASES = {**CASES, "long non-ASCII names": {"prefix": "\u00fcber/" * 30}}
+
+
+@pytest.mark.parametrize("case", WRITER_CASES)
+def test_the_native_node_writer_writes_what_protobuf_writes(case, monkeypatch):
+    # _write_nodes serialises runs of replayed nodes natively (_splice.node_wires) and parses them into the
+    # output; without it (or when it refuses a run) each node is written through protobuf (_Replay.write).
+    # All three give the same bytes; names of 128 bytes and more take a two-byte length, non-ASCII ones UTF-8.
+    from sgdfuse.passes import rewrite
+
+    monkeypatch.delenv(MEMO_CHECK_ENV, raising=False)
+    options = dict(WRITER_CASES[case])
+    prefix = options.pop("prefix", "")
+    model = _renamed(_step(**options), prefix) if prefix else _step(**options)
+    index = build_index(model)
+    matches, _ = find_updates(index, Normaliser(index))
+    assert len(matches) == N
+
+    replayed_nodes = []
+
+    def output() -> bytes:
+        planner = Planner(index, function_opset(model))
+        plans = [planner.plan(m) for m in matches]
+        replays = [plan._replay() for plan in plans if plan._replay() is not None]
+        assert len(replays) == N - 1
+        replayed_nodes.append(sum(len(replay.template.nodes) for replay in replays))
+        return apply_plans(model, index, plans).SerializeToString()
+
+    used = []
+    real = rewrite._native_writer
+    if real() is None:
+        pytest.skip("the native node writer does not build here")
+
+    def counted():
+        wires = real()
+        return lambda items: used.append(len(items)) or wires(items)
+
+    monkeypatch.setattr(rewrite, "_native_writer", counted)
+    native = output()
+    assert sum(used) == replayed_nodes[-1], "every replayed node went through the native writer"
+
+    def refusing():
+        def wires(items):
+            raise TypeError("refused")
+        return wires
+
+    monkeypatch.setattr(rewrite, "_native_writer", refusing)
+    refused = output()
+    monkeypatch.setattr(rewrite, "_native_writer", lambda: None)
+    assert native == refused == output()
+    if prefix:
+        assert prefix.encode() in native

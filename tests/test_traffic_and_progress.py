@@ -42,3 +42,20 @@ def test_optimize_reports_its_stages_in_order():
     stages = []
     sgdfuse.optimize("testdata/torch/sgd_wd_dynamo.onnx", progress=stages.append)
     assert stages == ["load", "index", "match", "verify", "rewrite"]
+
+
+def test_replayed_plans_count_their_own_helper_passes():
+    # Three maximize updates alike (one structural class: their plans are replayed, each with a Neg of the
+    # gradient, 2 passes more) beside three plain ones of another class, over [3, 2] FLOAT tensors (24 bytes):
+    # 7 + 2 passes after for the first three, 7 for the others, whatever order the classes come in.
+    b = Builder()
+    outputs = []
+    for k in range(6):
+        p, g, buf = b.tensor_input(f"p{k}"), b.tensor_input(f"g{k}"), b.tensor_input(f"buf{k}")
+        gradient = b.neg(g) if k % 2 == 0 else g
+        b.add(b.mul(buf, b.scalar(0.9)), gradient, out=f"buf{k}_new")
+        b.sub(p, b.mul(b.scalar(0.01), f"buf{k}_new"), out=f"p{k}_new")
+        outputs += [f"p{k}_new", f"buf{k}_new"]
+    report = sgdfuse.inspect(b.model(outputs))
+    after = {f.parameters: f.traffic_after_bytes for f in report.fused}
+    assert after == {f"p{k}": (9 if k % 2 == 0 else 7) * 24 for k in range(6)}

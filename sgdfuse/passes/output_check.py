@@ -322,6 +322,7 @@ def _class_key(
     named = zip(places, names, outputs)
     if outer_names:
         named = [*named, *((places[names.index(n)], n, outputs[names.index(n)]) if n in names else (n, n, False) for n in outer_names)]
+    declared_get = declared.get
     for place, name, produced in named:
         if produced:
             if name in producer:  # an old value the plan now produces: its type must not change
@@ -329,7 +330,7 @@ def _class_key(
                 if spec is None or not spec.dtype:
                     return f"{name!r}, which the rewrite produces anew, had no known type"
                 append(("replaced", place, spec.dtype, spec.shape))
-            types = declared.get(name)
+            types = declared_get(name)
             if types is not None:
                 append(("declared", place, types))
             continue
@@ -338,11 +339,22 @@ def _class_key(
             if typed is None:
                 typed = read_keys[name] = _read_key(name, index, new_initializers)
         else:
-            typed = _read_key(name, index, new_initializers)
+            # _read_key's last case inlined (most reads: a plan's parameters, gradient and buffer): a typed
+            # value of known dtype whose known element count is above SMALL_CONSTANT_ELEMENTS (then it is never
+            # asked whether a Constant makes it); every other read through _read_key.
+            spec = specs.get(name)
+            typed = None
+            if spec is not None and spec.dtype:
+                count = spec.num_elements()
+                if count is not None and count > SMALL_CONSTANT_ELEMENTS:
+                    typed = ("typed", spec.dtype, spec.shape)
+            if typed is None:
+                typed = _read_key(name, index, new_initializers)
         if isinstance(typed, str):
             return typed
         append((place, typed))
     return tuple(key)
+
 
 
 def _read_key(name: str, index: GraphIndex, new_initializers: dict[str, onnx.TensorProto]) -> tuple | str:

@@ -116,7 +116,8 @@ class Plan:
         """Per node, in order, its first output name (None for a node with no output)."""
         replay = self._replay()
         if replay is not None:
-            return [replay.renamed(outputs[0]) if outputs else None for _, _, _, outputs in replay.template.nodes]
+            rename = replay.names.get
+            return [None if name is None else rename(name, name) for name in replay.template.first_outputs]
         first = []
         for node in self.nodes:
             names = node.output  # read once: each read of a protobuf field makes a new object
@@ -157,6 +158,9 @@ class Plan:
         if self._replay() is not None:
             _make(self)
         return self.__dict__
+
+
+_new_plan = object.__new__  # Plan defines no __new__ (Planner._replayed fills a plan's __dict__ itself)
 
 
 class _Replay:
@@ -241,6 +245,11 @@ class _Template:
     """Per node, its non-empty input and output names (a replay renames a name to a name, never to ``""``)."""
     sgd_overloads: tuple[str, ...] = ()
     """The overloads the SGD nodes among the nodes call (a replay copies them)."""
+    first_outputs: tuple[str | None, ...] = ()
+    """Per node, its first output name (None for a node with no output), as the template holds it."""
+    wire_nodes: tuple[tuple[bytes, str, tuple[str, ...], tuple[str, ...]], ...] = ()
+    """Per node, its stripped copy serialised (every field but the inputs, outputs and name, which come first in
+    field order), its name, inputs and outputs: what the native writer reads (:func:`_write_nodes`)."""
 
 
 # Characters a plan's names keep from the parameters' output name (compiled once: _base_of runs per plan).
@@ -432,10 +441,21 @@ class Planner:
         # The nodes are made when first read (_Made): apply_plans writes them into its output from the template.
         replay = _Replay(template, names, self._arena.node)
         plan = template.plan
-        return Plan(
-            match, replay, [], replay, rename(plan.gradient_input, plan.gradient_input),
-            rename(plan.learning_rate_input, plan.learning_rate_input), rename(plan.momentum_input, plan.momentum_input), plan.stat,
-        )
+        # What Plan(match, replay, [], replay, ...) makes, without its __init__ and the descriptor's two __set__
+        # calls (each asks for the other field, which is not there yet or is this very replay): the fields in
+        # __init__'s order, the two node fields in _Made's slots, one item at a time (as __init__ sets them: the
+        # dict then shares its keys with every other plan's; dict.update made one of its own, twice the memory).
+        made = _new_plan(Plan)
+        fields = made.__dict__
+        fields["match"] = match
+        fields["_nodes"] = replay
+        fields["initializers"] = []
+        fields["_sgd_node"] = replay
+        fields["gradient_input"] = rename(plan.gradient_input, plan.gradient_input)
+        fields["learning_rate_input"] = rename(plan.learning_rate_input, plan.learning_rate_input)
+        fields["momentum_input"] = rename(plan.momentum_input, plan.momentum_input)
+        fields["stat"] = plan.stat
+        return made
 
     def _template(self, plan: Plan, fresh: list[tuple[str, str]], base: str) -> _Template:
         """The :class:`_Template` of ``plan`` (already :meth:`_pristine`, whose nodes it strips of their names in
@@ -458,7 +478,11 @@ class Planner:
         outer_reads = tuple(_reads(node) for node, _, _, _ in nodes)  # stripped: no inputs, its subgraphs' reads only
         named = tuple((tuple(n for n in inputs if n), tuple(n for n in outputs if n)) for _, _, inputs, outputs in nodes)
         sgd_overloads = tuple(node.overload for node, _, _, _ in nodes if node.op_type == OP_TYPE and node.domain == DOMAIN)
-        return _Template(plan, fresh, base, slots, suffixes, nodes, op_types, sgd_position, outer_reads, named, sgd_overloads)
+        first_outputs = tuple(outputs[0] if outputs else None for _, _, _, outputs in nodes)
+        wire_nodes = tuple((node.SerializeToString(), name, inputs, outputs) for node, name, inputs, outputs in nodes)
+        return _Template(
+            plan, fresh, base, slots, suffixes, nodes, op_types, sgd_position, outer_reads, named, sgd_overloads, first_outputs, wire_nodes,
+        )
 
     def _pristine(self, plan: Plan) -> Plan:
         """``plan`` with copies of its nodes, kept apart from the plans handed out."""
@@ -838,7 +862,7 @@ def apply_plans(model: onnx.ModelProto, index: GraphIndex, plans: Sequence[Plan]
     _copy_into(result, model, skip={"graph"})
     graph = result.graph
     _copy_into(graph, model.graph, skip={"node", "initializer", "value_info"})
-    _write_nodes(graph.node, ordered)
+    _write_nodes(graph, ordered)
     graph.initializer.extend(kept_initializers)
     graph.initializer.extend(t for plan in plans for t in plan.initializers)
     graph.value_info.extend(vi for vi in model.graph.value_info if vi.name not in gone_values)
@@ -1084,22 +1108,72 @@ def _sweep_cone(cone: set[int], removed: set[int], gone: bytearray, facts, kept_
             gone[i] = 1
 
 
-def _write_nodes(target, ordered: list) -> None:
-    """Append ``ordered`` to the repeated ``NodeProto`` field ``target``: a node is copied (runs of them in one
-    call), a ``(replay, j)`` entry is node ``j`` of the replay, written once, in place."""
+def _write_nodes(graph: onnx.GraphProto, ordered: list) -> None:
+    """Append ``ordered`` to ``graph.node``: a node is copied (runs of them in one call), a ``(replay, j)`` entry
+    is node ``j`` of the replay, written once: natively, a run of them serialised by ``_splice.node_wires`` (the
+    node :meth:`_Replay.write` makes, its fields in number order: inputs, outputs, name, then the template's
+    bytes of the rest, :attr:`_Template.wire_nodes`) and parsed into ``graph`` in one ``MergeFromString``
+    (merging appends to a repeated field), which makes the same message; else (no native writer, or it
+    refuses) :meth:`_Replay.write` in place. tests/test_plan_replay.py holds the two to equal bytes."""
+    target = graph.node
+    wires = _native_writer()
     run: list[onnx.NodeProto] = []
-    add = target.add
+    replayed: list[tuple[_Replay, int]] = []
     for item in ordered:
         if type(item) is tuple:
             if run:
                 target.extend(run)
                 run = []
-            replay, j = item
-            replay.write(j, add())
+            if wires is None:
+                replay, j = item
+                replay.write(j, target.add())
+            else:
+                replayed.append(item)
         else:
+            if replayed:
+                _write_replayed(graph, replayed, wires)
+                replayed = []
             run.append(item)
     if run:
         target.extend(run)
+    if replayed:
+        _write_replayed(graph, replayed, wires)
+
+
+def _write_replayed(graph: onnx.GraphProto, items: list, wires) -> None:
+    """Append the replayed nodes ``items`` (``(replay, j)``) to ``graph.node`` through the native ``wires``, or
+    one by one (:meth:`_Replay.write`) when it refuses them (nothing is appended then)."""
+    try:
+        data = wires(items)
+    except (TypeError, ValueError, IndexError, AttributeError) as error:  # a name protobuf would refuse too
+        logger.debug("native node writer refused a run of replayed nodes, writing them one by one: %s", error)
+        add = graph.node.add
+        for replay, j in items:
+            replay.write(j, add())
+        return
+    graph.MergeFromString(data)
+
+
+_SPLICE_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_splice.cc")
+
+
+def _native_writer():
+    """``_splice.node_wires``, or None when the native scanners are off (``$SGDFUSE_NATIVE_SCAN=0``) or it does
+    not build (why is logged at debug level; :func:`sgdfuse.passes.scan.build_extension`)."""
+    from pathlib import Path
+
+    from sgdfuse.errors import NativeBuildError
+    from sgdfuse.native import cache_root
+    from sgdfuse.passes.scan import NATIVE_ENV, build_extension
+
+    if os.environ.get(NATIVE_ENV, "").strip() == "0":
+        return None
+    try:
+        module = build_extension(Path(_SPLICE_SOURCE), "sgdfuse.passes._splice", "splice", "the native node writer", root=str(cache_root())).module
+    except NativeBuildError as error:
+        logger.debug("native node writer unavailable, writing replayed nodes through protobuf: %s", error)
+        return None
+    return module.node_wires
 
 
 def _copy_into(target, source, *, skip: set[str]) -> None:
