@@ -211,6 +211,7 @@ import logging
 import marshal
 import os
 import random
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -488,7 +489,7 @@ def _bounds(terms: _Terms, *, lifted: bool) -> tuple[np.ndarray, np.ndarray]:
     # A NaN left in a bound comes from a NaN term the update does form: the exact value is NaN there, both
     # sides must give NaN (difference 0), and a finite value on either side fails. (An infinite bound would
     # pass any finite difference: a wrong momentum once passed where a NaN gradient had made the parameters NaN.)
-    b_w, b_v = np.nan_to_num(b_w, nan=0.0, posinf=np.inf), np.nan_to_num(b_v, nan=0.0, posinf=np.inf)
+    b_w, b_v = _nan_to_num(np.asarray(b_w), nan=0.0, posinf=np.inf), _nan_to_num(np.asarray(b_v), nan=0.0, posinf=np.inf)
     if not np.isscalar(t.dg) or t.dg:
         # check_lowered: the measured |Δg| of the gradients the two sides read, propagated, added after the NaN
         # rule: a guard that keeps the old state where the gradient is NaN (a loss-scaling skip) still allows
@@ -518,7 +519,18 @@ def difference(want: np.ndarray, have: np.ndarray) -> np.ndarray:
     want, have = want.astype(np.float64), have.astype(np.float64)
     with np.errstate(invalid="ignore"):
         same = (want == have) | (np.isnan(want) & np.isnan(have))
-        return np.nan_to_num(np.where(same, 0.0, np.abs(have - want)), nan=np.inf)
+        return _nan_to_num(np.where(same, 0.0, np.abs(have - want)), nan=np.inf)
+
+
+def _nan_to_num(x: np.ndarray, *, nan: float, posinf: float | None = None):
+    """``np.nan_to_num(x, nan=nan, posinf=posinf)`` of a float64 array (the result of an arithmetic on
+    float64 arrays, not shared), returned as it is when every element is finite: ``np.nan_to_num`` would
+    return an equal copy (``x[()]`` for a 0-d ``x``), after three masks and several Python calls, and
+    :func:`difference` and :func:`_bounds` run tens of thousands of times per verification, on values that
+    are mostly finite."""
+    if x.dtype == np.float64 and np.isfinite(x).all():
+        return x[()] if x.ndim == 0 else x
+    return np.nan_to_num(x, nan=nan, posinf=posinf)
 
 
 # ------------------------------------------------------------------------------------------ tallies
@@ -617,7 +629,7 @@ class _Tally:
         self.max_abs = max(self.max_abs, float(np.max(error)))
         with np.errstate(invalid="ignore", divide="ignore"):
             ratio = np.where(error == 0, 0.0, error / np.where(bound > 0, bound, 0.0))
-        ratio = np.nan_to_num(ratio, nan=np.inf)
+        ratio = _nan_to_num(ratio, nan=np.inf)
         worst = int(np.argmax(ratio))
         self.max_ratio = max(self.max_ratio, float(ratio.reshape(-1)[worst]))
         if ratio.reshape(-1)[worst] > 1:
@@ -1627,8 +1639,27 @@ class _RunError(Exception):
         self.original = side.split()[0] == "original"
 
 
+_INPUT_NAMES: "weakref.WeakKeyDictionary[object, frozenset[str]]" = weakref.WeakKeyDictionary()
+
+
+def _input_names(session) -> frozenset[str]:
+    """The input names of ``session``, read once per session (``get_inputs`` builds its ``NodeArg`` s anew at
+    every call, and a schedule runs each session about 17 times); not cached for a session that cannot be
+    weakly referenced."""
+    try:
+        return _INPUT_NAMES[session]
+    except (KeyError, TypeError):
+        pass
+    names = frozenset(i.name for i in session.get_inputs())
+    try:
+        _INPUT_NAMES[session] = names
+    except TypeError:
+        pass
+    return names
+
+
 def _run_side(session, feeds: Mapping[str, np.ndarray], names: Sequence[str], side: str) -> dict[str, np.ndarray]:
-    wanted = {i.name for i in session.get_inputs()}
+    wanted = _input_names(session)
     try:
         return run(session, {k: v for k, v in feeds.items() if k in wanted}, names)
     except Exception as error:  # onnxruntime's own exception types
