@@ -159,9 +159,22 @@ class GEModel:
         if not isinstance(self.__dict__["_model"], bytes):
             return len(self.graph.op)
         data, pos, count = self.graph_bytes(), 0, 0
-        while pos < len(data):
-            tag, pos = read_varint(data, pos)
-            length, pos = read_varint(data, pos)  # every GraphDef field is length-delimited
+        size = len(data)
+        while pos < size:
+            # Every GraphDef field is length-delimited, with a one-byte tag (field numbers below 16); most lengths
+            # take one or two bytes, read here without a call (the op fields of a 50,000-update graph: 313,000).
+            tag = data[pos]
+            if tag < 0x80 and pos + 2 < size:
+                length = data[pos + 1]
+                if length < 0x80:
+                    pos += 2
+                elif data[pos + 2] < 0x80:
+                    length, pos = (length & 0x7F) | data[pos + 2] << 7, pos + 3
+                else:
+                    length, pos = read_varint(data, pos + 1)
+            else:
+                tag, pos = read_varint(data, pos)
+                length, pos = read_varint(data, pos)
             count += tag >> 3 == _OP_FIELD
             pos += length
         return count

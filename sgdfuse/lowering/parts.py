@@ -284,19 +284,22 @@ class LoweredParts:
             next value an output); its outputs include the GE graph's. It must outlive this object.
         pairs: ONNX state input → its next value (an output of ``probe``).
         lowered: the GE model lowered from the fused model.
+        read: ``(step ops, init ops, bodies)`` already read from ``lowered``'s graphs by :func:`_read_ops` (one
+            ``bodies`` dictionary for both), or None to read them here.
 
     Raises:
         ValueError: a GE graph's bytes are not laid out as expected (a bug in sgdfuse).
     """
 
-    def __init__(self, probe: onnx.ModelProto, pairs: Mapping[str, str], lowered: GEModel) -> None:
+    def __init__(self, probe: onnx.ModelProto, pairs: Mapping[str, str], lowered: GEModel, *, read: tuple | None = None) -> None:
         self.lowered = lowered
         self.pairs = dict(pairs)
         self.onnx = ModelParts(probe, pairs=pairs)
-        bodies: dict = {}
         self._variables = {v.name: v for v in lowered.state}
-        self.step = _read_ops(lowered.graph_bytes(), bodies)
-        self.init = _read_ops(lowered.graph_bytes(init=True), bodies)
+        if read is None:  # else (step ops, init ops, their bodies' numbers), read by _read_ops from lowered's graphs
+            bodies: dict = {}
+            read = (_read_ops(lowered.graph_bytes(), bodies), _read_ops(lowered.graph_bytes(init=True), bodies), bodies)
+        self.step, self.init = read[0], read[1]
         step = self.step
         # graph output name -> (producer position, output index) of the NetOutput input that returns it
         self._outputs = dict(zip(lowered.outputs, step.sources[step.net_output])) if step.net_output >= 0 else {}
@@ -310,13 +313,26 @@ class LoweredParts:
         group_of_output = {name: k for k, (outputs, _) in enumerate(groups) for name in outputs}
         group_of_state = {name: k for k, (_, states) in enumerate(groups) for name in states}
         copied = (_copied(step), _copied(init))
+        parent = components.parent
         for ops, flags, offset in ((step, copied[0], g), (init, copied[1], g + s)):
+            net_output = ops.net_output
             for k, sources in enumerate(ops.sources):
-                if flags[k] or k == ops.net_output:
+                if flags[k] or k == net_output:
                     continue
+                # components.union(offset + k, offset + j) for each source j kept, inlined (150,000 edges at 10k
+                # updates): the same path halving and the same root kept, so the same components.
                 for j, _ in sources:
                     if j >= 0 and not flags[j]:
-                        components.union(offset + k, offset + j)
+                        a = offset + k
+                        while parent[a] != a:
+                            parent[a] = parent[parent[a]]
+                            a = parent[a]
+                        b = offset + j
+                        while parent[b] != b:
+                            parent[b] = parent[parent[b]]
+                            b = parent[b]
+                        if a != b:
+                            parent[a] = b
         for name, (j, _) in self._outputs.items():
             if j >= 0 and name in group_of_output:
                 components.union(g + j, group_of_output[name])
@@ -386,10 +402,15 @@ class LoweredParts:
         fed = []
         for ops, positions, local, feeds_of, entries_of in ((step, part.step_ops, local_step, lowered.input_names, entries[0]),
                                                             (init, part.init_ops, local_init, lowered.init_inputs, entries[1])):
+            sources_of, bodies, types, names_of, at = ops.sources, ops.bodies, ops.types, ops.names, local.get
             for k in positions:
-                edges = [(local.get(j, -3) if j >= 0 else j, index) for j, index in ops.sources[k]]
-                entries_of.append((ops.bodies[k], edges))
-                op_type, name = ops.types[k], ops.names[k]
+                edges = [(at(j, -3) if j >= 0 else j, index) for j, index in sources_of[k]]
+                entries_of.append((bodies[k], edges))
+                op_type = types[k]
+                if op_type == "Variable" or op_type == "Data":
+                    name = names_of[k]
+                else:
+                    continue
                 if op_type == "Data":
                     fed.append((local[k], rename(feeds_of.get(name, ""))))
                 elif op_type == "Variable":

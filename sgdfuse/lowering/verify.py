@@ -392,12 +392,18 @@ def _sgd_attributes_differ(fused: onnx.ModelProto, sub: GEModel) -> str:
     return ""
 
 
-def _data_indices_differ(graph: bytes, what: str) -> str:
+def _data_indices_differ(graph: bytes, what: str, ops=None) -> str:
     """The first ``Data`` op of the serialised ``GraphDef`` ``graph`` whose ``index`` is not its place in the
     graph's input list (``GraphDef.input``), described; else "". GE binds the k-th input fed to the ``Data`` op of
     index k, while the executor feeds ``Data`` ops by name: two ``Data`` ops with their indices swapped passed the
     numbers and would take each other's inputs on the device. Read from the bytes without parsing any op but
-    the ``Data`` ops (a step graph of 10,000 updates has 150,000 ops)."""
+    the ``Data`` ops (a step graph of 10,000 updates has 150,000 ops).
+
+    ``ops``: the ops of ``graph`` as :func:`sgdfuse.lowering.parts._read_ops` read them (``graph`` is their
+    ``data``), or None. With them only the bytes between the ops are walked for the input list (:func:`_fields_between`)
+    and only the ``Data`` ops are parsed; where those bytes are not the ops' headers alone, laid out as read, the
+    whole graph is walked field by field as without them, so the answer is the same either way
+    (tests/test_lowering_data_index.py)."""
     from sgdfuse.lowering import ge_ir
     from sgdfuse.lowering.ge_model import read_varint
 
@@ -406,7 +412,15 @@ def _data_indices_differ(graph: bytes, what: str) -> str:
     type_field = ge_ir.OpDef.DESCRIPTOR.fields_by_name["type"].number
     inputs: list[str] = []
     indices: dict[str, int | None] = {}
-    pos = 0
+    between = None if ops is None or ops.data is not graph else _fields_between(ops, op_field)
+    if between is not None:
+        inputs = [graph[start:end].decode() for tag, start, end in between if tag >> 3 == input_field]
+        spans = ops.spans
+        for k in [k for k, op_type in enumerate(ops.types) if op_type == "Data"]:
+            start, end = spans[k]
+            op = ge_ir.OpDef.FromString(graph[start:end])
+            indices[op.name] = op.attr["index"].i if "index" in op.attr else None
+    pos = len(graph) if between is not None else 0
     while pos < len(graph):
         tag, pos = read_varint(graph, pos)
         length, pos = read_varint(graph, pos)  # every GraphDef field is length-delimited
@@ -425,6 +439,64 @@ def _data_indices_differ(graph: bytes, what: str) -> str:
     if missing:
         return f"the {what} graph's Data op {missing[0]} is not in its input list (a bug of the lowering; please report it with the model)"
     return ""
+
+
+def _fields_between(ops, op_field: int) -> list[tuple[int, int, int]] | None:
+    """The ``GraphDef`` fields of ``ops.data`` that are not ops, as ``(tag, start, end)`` of their payloads, found
+    by walking only the bytes before, between and after the ops' spans; None when those bytes are not exactly
+    other fields and each op's own header (a one-byte tag ``op_field`` and the shortest varint of its length,
+    what canonical bytes write) or an op field lies between the ops: the caller then walks every field.
+
+    Cost: a few numpy operations over the spans, and a walk of the other fields (the input and output lists,
+    the graph's name and attributes)."""
+    import numpy as np
+
+    from sgdfuse.lowering.ge_model import read_varint
+
+    data, spans = ops.data, ops.spans
+    op_tag = op_field << 3 | 2
+    if op_tag >= 0x80:
+        return None
+    if not spans:
+        bounds = np.zeros((0, 2), dtype=np.int64)
+    else:
+        bounds = np.array(spans, dtype=np.int64).reshape(-1, 2)
+    lengths = bounds[:, 1] - bounds[:, 0]
+    header = 2 + (lengths >= 1 << 7) + (lengths >= 1 << 14) + (lengths >= 1 << 21) + (lengths >= 1 << 28) + (lengths >= 1 << 35)
+    begins = bounds[:, 0] - header  # where each op's field starts if its header is the canonical one
+    previous = np.concatenate(([0], bounds[:-1, 1]))
+    if np.any(begins < previous):
+        return None
+    regions = [(int(previous[k]), int(begins[k])) for k in np.flatnonzero(begins != previous)]
+    regions.append((int(bounds[-1, 1]) if len(bounds) else 0, len(data)))
+    fields: list[tuple[int, int, int]] = []
+    for pos, stop in regions:
+        while pos < stop:
+            tag = data[pos]
+            length = data[pos + 1] if pos + 1 < stop else 0x80
+            if tag < 0x80 and length < 0x80:  # one-byte tag and length: the input list's entries
+                pos += 2
+            else:
+                tag, pos = read_varint(data, pos)
+                length, pos = read_varint(data, pos)
+            if tag & 7 != 2 or tag >> 3 == op_field:
+                return None
+            fields.append((tag, pos, pos + length))
+            pos += length
+        if pos != stop:
+            return None
+    # Each op's header as read: its tag, then its length as the shortest varint, nothing else.
+    if len(bounds):
+        wire = np.frombuffer(data, dtype=np.uint8)
+        if np.any(wire[begins] != op_tag):
+            return None
+        digits = header - 1
+        for j in range(int(digits.max())):
+            has = digits > j
+            want = ((lengths[has] >> 7 * j) & 0x7F) | np.where(digits[has] > j + 1, 0x80, 0)
+            if np.any(wire[begins[has] + 1 + j] != want):
+                return None
+    return fields
 
 
 def _op_type(data: bytes, pos: int, end: int, type_field: int, read_varint) -> str:
@@ -723,15 +795,21 @@ def verify_lowering(fused: onnx.ModelProto, lowered: GEModel, *, steps: int = 3,
 
 
 def _verify(fused: onnx.ModelProto, lowered: GEModel, steps: int, seed: int) -> LoweringCheck:
-    from sgdfuse.lowering.parts import LoweredParts
+    from sgdfuse.lowering.parts import LoweredParts, _read_ops
     from sgdfuse.verify import CLASS_MIN_PLANS, CLASS_SAMPLE
 
     setup = _setup(fused, lowered)
+    bodies: dict = {}
+    try:  # the parts' reading of the ops, which the check of the Data ops' indices reuses
+        read: tuple | None = (_read_ops(lowered.graph_bytes(), bodies), _read_ops(lowered.graph_bytes(init=True), bodies), bodies)
+    except Exception:  # bytes the reader refuses (a Data op without an index): checked first by the whole walk, as
+        read = None    # before; LoweredParts then reads them again, and raises as it did
     for what, init in (("step", False), ("init", True)):
-        problem = _data_indices_differ(lowered.graph_bytes(init=init), what)
+        ops = None if read is None else read[init]
+        problem = _data_indices_differ(lowered.graph_bytes(init=init) if ops is None else ops.data, what, ops)
         if problem:
             return LoweringCheck(steps, False, {name: 0.0 for name in lowered.outputs}, problem)
-    parts = LoweredParts(setup.probe, {state: output for output, state in setup.pairs.items()}, lowered)
+    parts = LoweredParts(setup.probe, {state: output for output, state in setup.pairs.items()}, lowered, read=read)
     lowered_outputs = set(lowered.outputs)
     worst = {name: 0.0 for name in lowered.outputs}
     every = list(range(len(parts.parts)))
