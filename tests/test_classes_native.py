@@ -131,6 +131,10 @@ def _hand_made(max_walk: bool = False) -> onnx.ModelProto:
         helper.make_node("Add", ["uh", "p"], ["r_out"]),
         helper.make_node("Mul", ["half", "x"], ["xh"]),
         helper.make_node("Add", ["xh", "c"], ["t_out"]),
+        # Two outputs, the second only listed in the first's region (an operand of its MatMul leaf).
+        helper.make_node("MatMul", ["xj", "k_out"], ["jm"]),
+        helper.make_node("Sub", ["j", "jm"], ["j_out"]),
+        helper.make_node("Add", ["k", "kk"], ["k_out"]),
     ]
     # One-element updates reading the learning rate (read by more than SHARED_SCALAR_REGIONS regions).
     for k in range(classes.SHARED_SCALAR_REGIONS + 1):
@@ -142,11 +146,12 @@ def _hand_made(max_walk: bool = False) -> onnx.ModelProto:
             previous = f"z{k}"
         nodes.append(helper.make_node("Identity", [previous], ["z_out"]))
     inputs = [helper.make_tensor_value_info("g0", f, [8])]
-    inputs += [helper.make_tensor_value_info(n, f, [4]) for n in ("w", "x", "v", "c", "u", "b", "g2", "p", "z")]
+    inputs += [helper.make_tensor_value_info(n, f, [4]) for n in ("w", "x", "v", "c", "u", "b", "g2", "p", "z", "j", "k", "kk")]
+    inputs.append(helper.make_tensor_value_info("xj", f, [4, 4]))
     inputs += [helper.make_tensor_value_info(n, f, []) for n in ("lr", "m")]
     inputs += [helper.make_tensor_value_info(f"e{k}", f, []) for k in range(classes.SHARED_SCALAR_REGIONS + 1)]
     inputs.append(helper.make_tensor_value_info("cond", TensorProto.BOOL, []))
-    outputs = [helper.make_tensor_value_info(n, f, None) for n in ("w_out", "w_copy", "v_out", "u_out", "b_out", "p_out", "q_out", "r_out", "t_out")]
+    outputs = [helper.make_tensor_value_info(n, f, None) for n in ("w_out", "w_copy", "v_out", "u_out", "b_out", "p_out", "q_out", "r_out", "t_out", "j_out", "k_out")]
     outputs += [helper.make_tensor_value_info(f"e{k}_out", f, None) for k in range(classes.SHARED_SCALAR_REGIONS + 1)]
     if max_walk:
         outputs.append(helper.make_tensor_value_info("z_out", f, None))
@@ -166,6 +171,7 @@ def test_hand_made_regions_walk_the_same_natively():
     assert {"lr", "half"} <= set(unlinked)  # a shared scalar (linking only one-element updates), a constant
     assert len({cluster_of[f"e{k}_out"] for k in range(classes.SHARED_SCALAR_REGIONS + 1)}) == 1
     assert cluster_of["w_out"] == cluster_of["v_out"] != cluster_of["e0_out"]
+    assert "k_out" in walk.fringes["j_out"] and cluster_of["j_out"] == cluster_of["k_out"]
     _assert_same_walk(model)
 
 

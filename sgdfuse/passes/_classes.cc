@@ -10,6 +10,7 @@
 //   union(outputs, appearances, links, one_element_readers)            == classes._union_python
 //   key_clusters(clusters, ...)                                        == the loop of classes._key_together
 //   facts(values, steps, ...)                                          == classes._Walker.facts_python
+//   cluster_values(clusters, regions, steps, fringes, shared, listed)  == classes._values of each cluster
 //
 // They build the same dicts, lists, sets and tuples in the same insertion order, with the same objects in
 // them (names, inputs tuples and kinds are the caller's objects, not copies), so everything downstream reads
@@ -21,6 +22,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -681,13 +683,22 @@ PyObject* facts(PyObject*, PyObject* args) {
   Ref dtype_word(PyUnicode_InternFromString("dtype")), shape_word(PyUnicode_InternFromString("shape"));
   Ref result(PyList_New(count));
   if (!dtype_word || !shape_word || !result) return nullptr;
-  struct Seen {
+  // The distinct object combinations of this call, to their numbers.
+  struct Objects {
     PyObject *dtype, *shape, *kind;
     int is_output;
-    PyObject* number;  // borrowed from ``numbers``
+    bool operator==(const Objects& o) const { return dtype == o.dtype && shape == o.shape && kind == o.kind && is_output == o.is_output; }
   };
-  std::vector<Seen> seen;  // the distinct object combinations of this call (a few dozen)
-  std::vector<Ref> kept;   // references to the objects ``seen`` names, so that no address is reused meanwhile
+  struct Hash {
+    size_t operator()(const Objects& o) const {
+      size_t h = reinterpret_cast<size_t>(o.dtype);
+      for (size_t part : {reinterpret_cast<size_t>(o.shape), reinterpret_cast<size_t>(o.kind), static_cast<size_t>(o.is_output)})
+        h = h * 1000003u ^ part;
+      return h;
+    }
+  };
+  std::unordered_map<Objects, PyObject*, Hash> seen;  // numbers borrowed from ``numbers``, which never drops one
+  std::vector<Ref> kept;  // references to the objects ``seen`` names, so that no address is reused meanwhile
   // Kinds of the holes first (leaves, entered ops with attributes), as the Python method fills them before
   // numbering anything.
   std::vector<Ref> hole_kinds(count);
@@ -722,13 +733,9 @@ PyObject* facts(PyObject*, PyObject* args) {
     if (!dtype || !shape) return nullptr;
     const int is_output = PySet_Contains(outputs, value);
     if (is_output < 0) return nullptr;
-    PyObject* found = nullptr;
-    for (const Seen& s : seen) {
-      if (s.dtype == dtype.get() && s.shape == shape.get() && s.kind == kind && s.is_output == is_output) {
-        found = s.number;
-        break;
-      }
-    }
+    const Objects objects{dtype.get(), shape.get(), kind, is_output};
+    auto known = seen.find(objects);
+    PyObject* found = known == seen.end() ? nullptr : known->second;
     if (found == nullptr) {
       Ref key(PyTuple_Pack(4, dtype.get(), shape.get(), kind, is_output ? Py_True : Py_False));
       if (!key) return nullptr;
@@ -745,16 +752,112 @@ PyObject* facts(PyObject*, PyObject* args) {
       }
       // Remembered by identity, with a reference to each object held until the call ends: an address in
       // ``seen`` is always the object it was, never a later one at the same address.
-      if (seen.size() < 64) {
-        seen.push_back({dtype.get(), shape.get(), kind, is_output, found});
-        for (PyObject* o : {dtype.get(), shape.get(), kind, found}) {
-          Py_INCREF(o);
-          kept.emplace_back(o);
-        }
+      seen.emplace(objects, found);
+      for (PyObject* o : {dtype.get(), shape.get(), kind, found}) {
+        Py_INCREF(o);
+        kept.emplace_back(o);
       }
     }
     Py_INCREF(found);
     PyList_SET_ITEM(result.get(), position, found);
+  }
+  return result.release();
+}
+
+
+// cluster_values(clusters, regions, steps, fringes, shared, listed) -> [(values, steps)]: classes._values of
+// each cluster (a list of clusters), in turn.
+PyObject* cluster_values(PyObject*, PyObject* args) {
+  PyObject *clusters, *regions, *steps_of, *fringes, *shared, *listed_word;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O", &PyList_Type, &clusters, &PyDict_Type, &regions, &PyDict_Type, &steps_of, &PyDict_Type,
+                        &fringes, &PySet_Type, &shared, &listed_word))
+    return nullptr;
+  Ref outputs_word(PyUnicode_InternFromString("outputs"));
+  const Py_ssize_t n_clusters = PyList_GET_SIZE(clusters);
+  Ref result(PyList_New(n_clusters));
+  if (!outputs_word || !result) return nullptr;
+  auto item = [](PyObject* table, PyObject* key) -> PyObject* {  // table[key], borrowed
+    PyObject* found = PyDict_GetItemWithError(table, key);
+    if (found == nullptr && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
+    return found;
+  };
+  const bool any_shared = PySet_GET_SIZE(shared) > 0;
+  for (Py_ssize_t j = 0; j < n_clusters; ++j) {
+    Ref outputs_object(PyObject_GetAttr(PyList_GET_ITEM(clusters, j), outputs_word.get()));
+    if (!outputs_object) return nullptr;
+    Ref outputs(PySequence_Fast(outputs_object.get(), "cluster outputs must be a sequence"));
+    if (!outputs) return nullptr;
+    const Py_ssize_t n_outputs = PySequence_Fast_GET_SIZE(outputs.get());
+    PyObject** out = PySequence_Fast_ITEMS(outputs.get());
+    if (n_outputs == 0) {
+      PyErr_SetString(PyExc_IndexError, "a cluster without outputs");
+      return nullptr;
+    }
+    PyObject* first = item(regions, out[0]);
+    if (first == nullptr) return nullptr;
+    bool alone = false;
+    if (first != Py_None) {
+      if (n_outputs == 1) {
+        alone = true;
+      } else if (n_outputs == 2) {
+        // A parameter update and the new buffer it reads: the second region adds nothing.
+        const int in_first = PySequence_Contains(first, out[1]);
+        if (in_first < 0) return nullptr;
+        if (in_first) {
+          PyObject* fringe = item(fringes, out[0]);
+          if (fringe == nullptr) return nullptr;
+          const int in_fringe = PySequence_Contains(fringe, out[1]);
+          if (in_fringe < 0) return nullptr;
+          alone = !in_fringe;
+        }
+      }
+    }
+    Ref values, steps;
+    if (alone) {
+      PyObject* first_steps = item(steps_of, out[0]);
+      if (first_steps == nullptr) return nullptr;
+      values.reset(PySequence_List(first));
+      steps.reset(PySequence_List(first_steps));
+    } else {
+      // The first place of each value, with the step of its last.
+      Ref merged(PyDict_New());
+      if (!merged) return nullptr;
+      for (Py_ssize_t k = 0; k < n_outputs; ++k) {
+        PyObject* region = item(regions, out[k]);
+        if (region == nullptr) return nullptr;
+        if (region == Py_None) {
+          if (PyDict_SetItem(merged.get(), out[k], listed_word) != 0) return nullptr;
+          continue;
+        }
+        PyObject* region_steps = item(steps_of, out[k]);
+        if (region_steps == nullptr) return nullptr;
+        Ref names(PySequence_Fast(region, "a region must be a sequence")), its(PySequence_Fast(region_steps, "steps must be a sequence"));
+        if (!names || !its) return nullptr;
+        const Py_ssize_t n = std::min(PySequence_Fast_GET_SIZE(names.get()), PySequence_Fast_GET_SIZE(its.get()));
+        for (Py_ssize_t i = 0; i < n; ++i)
+          if (PyDict_SetItem(merged.get(), PySequence_Fast_GET_ITEM(names.get(), i), PySequence_Fast_GET_ITEM(its.get(), i)) != 0) return nullptr;
+      }
+      values.reset(PyDict_Keys(merged.get()));
+      steps.reset(PyDict_Values(merged.get()));
+    }
+    if (!values || !steps) return nullptr;
+    if (any_shared) {
+      Ref kept_values(PyList_New(0)), kept_steps(PyList_New(0));
+      if (!kept_values || !kept_steps) return nullptr;
+      const Py_ssize_t n = PyList_GET_SIZE(values.get());
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* value = PyList_GET_ITEM(values.get(), i);
+        const int is_shared = PySet_Contains(shared, value);
+        if (is_shared < 0) return nullptr;
+        if (is_shared) continue;
+        if (PyList_Append(kept_values.get(), value) != 0 || PyList_Append(kept_steps.get(), PyList_GET_ITEM(steps.get(), i)) != 0) return nullptr;
+      }
+      values.reset(kept_values.release());
+      steps.reset(kept_steps.release());
+    }
+    PyObject* pair = PyTuple_Pack(2, values.get(), steps.get());
+    if (pair == nullptr) return nullptr;
+    PyList_SET_ITEM(result.get(), j, pair);
   }
   return result.release();
 }
@@ -770,6 +873,7 @@ PyMethodDef kMethods[] = {
      "shared_below) -> None: set each cluster's values, nodes and key."},
     {"facts", facts, METH_VARARGS,
      "facts(values, steps, leaf_step, leaf_kinds, leaf_kind, kind_with_attributes, specs, no_spec, outputs, numbers, number) -> numbers."},
+    {"cluster_values", cluster_values, METH_VARARGS, "cluster_values(clusters, regions, steps, fringes, shared, listed) -> [(values, steps)]."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -830,8 +830,12 @@ def _tables(walker: _Walker, batch: list[Cluster], walk: _Walk, shared: set[str]
     kept: list[Cluster] = []
     values_of: list[list[str]] = []
     steps_of: list[list] = []
-    for cluster in batch:
-        values, steps = _values(cluster, walk, shared)
+    native = _native()
+    if native is not None and type(shared) is set:
+        found = native.cluster_values(batch, walk.regions, walk.steps, walk.fringes, shared, _LISTED)  # (the same lists)
+    else:
+        found = [_values(cluster, walk, shared) for cluster in batch]
+    for cluster, (values, steps) in zip(batch, found):
         if len(values) <= MAX_REGION:
             kept.append(cluster)
             values_of.append(values)
