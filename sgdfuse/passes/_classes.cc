@@ -8,6 +8,7 @@
 //   walk(outputs, behind_copies, steps, leaf_step, listed, walked, nothing, max_walk, max_region,
 //        too_large, not_one, links)                                    == classes._walk_regions_python (core)
 //   union(outputs, appearances, links, one_element_readers)            == classes._union_python
+//   key_columns(computed, starts, referred, listed, local)             == the columns of classes._key_together
 //   key_clusters(clusters, ...)                                        == the loop of classes._key_together
 //   facts(values, steps, ...)                                          == classes._Walker.facts_python
 //   cluster_values(clusters, regions, steps, fringes, shared, listed)  == classes._values of each cluster
@@ -862,6 +863,111 @@ PyObject* cluster_values(PyObject*, PyObject* args) {
   return result.release();
 }
 
+
+// key_columns(computed, starts, referred, listed, local) -> (ends, node_ids, arities, inputs, at): the columns
+// classes._key_together computes before its loop: where each cluster's computed entries end (``computed``
+// sorted), each entry's node number within its cluster (None for none), how many names each entry refers to
+// (-1 for the ``listed`` entries), every referred name as its position (``local``) or itself, and where each
+// entry's names begin.
+PyObject* key_columns(PyObject*, PyObject* args) {
+  PyObject *computed, *starts, *referred, *listed, *local;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyList_Type, &computed, &PyList_Type, &starts, &PyList_Type, &referred, &PyList_Type, &listed,
+                        &PyDict_Type, &local))
+    return nullptr;
+  const Py_ssize_t count = PyList_GET_SIZE(referred);
+  const Py_ssize_t n_computed = PyList_GET_SIZE(computed);
+  const Py_ssize_t n_starts = PyList_GET_SIZE(starts);
+  std::vector<Py_ssize_t> computed_at(n_computed);
+  for (Py_ssize_t i = 0; i < n_computed; ++i) {
+    computed_at[i] = PyLong_AsSsize_t(PyList_GET_ITEM(computed, i));
+    if (computed_at[i] == -1 && PyErr_Occurred()) return nullptr;
+    if (computed_at[i] < 0 || computed_at[i] >= count || (i > 0 && computed_at[i] <= computed_at[i - 1])) {
+      PyErr_SetString(PyExc_ValueError, "key_columns: computed must be increasing entries");
+      return nullptr;
+    }
+  }
+  Ref ends(PyList_New(n_starts));
+  if (!ends) return nullptr;
+  std::vector<Py_ssize_t> end_at(n_starts);
+  for (Py_ssize_t j = 0; j < n_starts; ++j) {
+    const Py_ssize_t start = PyLong_AsSsize_t(PyList_GET_ITEM(starts, j));
+    if (start == -1 && PyErr_Occurred()) return nullptr;
+    end_at[j] = std::lower_bound(computed_at.begin(), computed_at.end(), start) - computed_at.begin();
+    PyObject* number = PyLong_FromSsize_t(end_at[j]);
+    if (!number) return nullptr;
+    PyList_SET_ITEM(ends.get(), j, number);
+  }
+  Ref node_ids(PyTuple_New(count));
+  if (!node_ids) return nullptr;
+  for (Py_ssize_t position = 0; position < count; ++position) {
+    Py_INCREF(Py_None);
+    PyTuple_SET_ITEM(node_ids.get(), position, Py_None);
+  }
+  // node_of: computed[i], of cluster j (ends[j] <= i < ends[j + 1]), is node i - ends[j]; entries before
+  // the first cluster's end or past the last are numbered as zip() pairs them with the ranges, which covers
+  // exactly the computed entries between ends[0] and ends[-1].
+  for (Py_ssize_t j = 0; j + 1 < n_starts; ++j) {
+    for (Py_ssize_t i = end_at[j]; i < end_at[j + 1]; ++i) {
+      PyObject* number = PyLong_FromSsize_t(i - end_at[j]);
+      if (!number) return nullptr;
+      PyObject* old = PyTuple_GET_ITEM(node_ids.get(), computed_at[i]);
+      PyTuple_SET_ITEM(node_ids.get(), computed_at[i], number);
+      Py_DECREF(old);
+    }
+  }
+  Ref arities(PyTuple_New(count)), at(PyList_New(count + 1));
+  if (!arities || !at) return nullptr;
+  std::vector<Ref> fast(count);
+  Py_ssize_t total = 0;
+  for (Py_ssize_t position = 0; position < count; ++position) {
+    fast[position].reset(PySequence_Fast(PyList_GET_ITEM(referred, position), "referred names must be a sequence"));
+    if (!fast[position]) return nullptr;
+    PyObject* start = PyLong_FromSsize_t(total);
+    if (!start) return nullptr;
+    PyList_SET_ITEM(at.get(), position, start);
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast[position].get());
+    PyObject* arity = PyLong_FromSsize_t(n);
+    if (!arity) return nullptr;
+    PyTuple_SET_ITEM(arities.get(), position, arity);
+    total += n;
+  }
+  {
+    PyObject* end = PyLong_FromSsize_t(total);
+    if (!end) return nullptr;
+    PyList_SET_ITEM(at.get(), count, end);
+  }
+  for (Py_ssize_t k = 0; k < PyList_GET_SIZE(listed); ++k) {
+    const Py_ssize_t position = PyLong_AsSsize_t(PyList_GET_ITEM(listed, k));
+    if (position == -1 && PyErr_Occurred()) return nullptr;
+    if (position < 0 || position >= count) {
+      PyErr_SetString(PyExc_IndexError, "key_columns: a listed entry out of range");
+      return nullptr;
+    }
+    PyObject* minus_one = PyLong_FromLong(-1);
+    if (!minus_one) return nullptr;
+    PyObject* old = PyTuple_GET_ITEM(arities.get(), position);
+    PyTuple_SET_ITEM(arities.get(), position, minus_one);
+    Py_DECREF(old);
+  }
+  Ref inputs(PyTuple_New(total));
+  if (!inputs) return nullptr;
+  Py_ssize_t next = 0;
+  for (Py_ssize_t position = 0; position < count; ++position) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast[position].get());
+    PyObject** item = PySequence_Fast_ITEMS(fast[position].get());
+    for (Py_ssize_t k = 0; k < n; ++k) {
+      PyObject* found = PyDict_GetItemWithError(local, item[k]);
+      if (found == nullptr) {
+        if (PyErr_Occurred()) return nullptr;
+        found = item[k];
+      }
+      Py_INCREF(found);
+      PyTuple_SET_ITEM(inputs.get(), next++, found);
+    }
+  }
+  return PyTuple_Pack(5, ends.get(), node_ids.get(), arities.get(), inputs.get(), at.get());
+}
+
 PyMethodDef kMethods[] = {
     {"steps", steps, METH_VARARGS, "steps(nodes, entered_ops, direct_ops, copy_ops, default_domains) -> (steps, copies)."},
     {"walk", walk, METH_VARARGS,
@@ -874,6 +980,7 @@ PyMethodDef kMethods[] = {
     {"facts", facts, METH_VARARGS,
      "facts(values, steps, leaf_step, leaf_kinds, leaf_kind, kind_with_attributes, specs, no_spec, outputs, numbers, number) -> numbers."},
     {"cluster_values", cluster_values, METH_VARARGS, "cluster_values(clusters, regions, steps, fringes, shared, listed) -> [(values, steps)]."},
+    {"key_columns", key_columns, METH_VARARGS, "key_columns(computed, starts, referred, listed, local) -> (ends, node_ids, arities, inputs, at)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -28,6 +28,11 @@ are keyed by their literal name and not entered. A cluster whose region holds a 
 node with a subgraph, whose outputs come out of an op the walk does not enter, or whose region is large is
 solved directly; so is every member of a class whose solved member was refused (the refusal's wording names
 the member's own values). Without a class to share, the result is exactly :func:`_find`'s.
+
+The walker's steps, the region walk, the union, the clusters' values, the facts' numbering and the per-cluster
+loop of the keys run natively (``_classes.cc``, :func:`_native`) where the extension builds, each a port of a
+Python function here that stays as the fallback and gives the same tables in the same order
+(tests/test_classes_native.py; docs/design.md, "The walk and the keys' loops, run natively").
 """
 
 from __future__ import annotations
@@ -921,15 +926,20 @@ def _key_together(walker: _Walker, tables: _Tables, local: dict[str, int], compu
     flat, referred, starts = tables.flat, tables.referred, tables.starts
     count = len(flat)
     facts = tuple(tables.facts)
-    # Each cluster's computed values are computed[ends[j]:ends[j + 1]] (computed is in entry order).
-    ends = list(map(functools.partial(bisect.bisect_left, computed), starts))
-    node_of = dict(zip(computed, itertools.chain.from_iterable(map(range, map(operator.sub, ends[1:], ends)))))
-    node_ids = tuple(map(node_of.get, range(count)))
-    arities = _arities(referred, tables.listed)
-    names = list(itertools.chain.from_iterable(referred))
-    inputs = tuple(map(local.get, names, names))
-    # Each cluster's inputs are inputs[at[start]:at[end]].
-    at = list(itertools.accumulate(map(len, referred), initial=0))
+    native = _native()
+    if native is not None:
+        # The columns below, natively (the same tuples: tests/test_classes_native.py).
+        ends, node_ids, arities, inputs, at = native.key_columns(computed, starts, referred, tables.listed, local)
+    else:
+        # Each cluster's computed values are computed[ends[j]:ends[j + 1]] (computed is in entry order).
+        ends = list(map(functools.partial(bisect.bisect_left, computed), starts))
+        node_of = dict(zip(computed, itertools.chain.from_iterable(map(range, map(operator.sub, ends[1:], ends)))))
+        node_ids = tuple(map(node_of.get, range(count)))
+        arities = _arities(referred, tables.listed)
+        names = list(itertools.chain.from_iterable(referred))
+        inputs = tuple(map(local.get, names, names))
+        # Each cluster's inputs are inputs[at[start]:at[end]].
+        at = list(itertools.accumulate(map(len, referred), initial=0))
     tails = tables.tails
     if tables.pointing:
         # Name facts naming other values: each such value by its position in the entry's own cluster.
@@ -946,7 +956,6 @@ def _key_together(walker: _Walker, tables: _Tables, local: dict[str, int], compu
     # The computed values read outside their regions, in entry order (a sentinel ends them).
     read = _read_outside(walker, list(map(flat.__getitem__, computed)), set(nodes), computed)
     shared_below = walker.shared_below
-    native = _native()
     if native is not None:
         # The loop below, natively (the same keys: tests/test_classes_native.py).
         native.key_clusters(tables.clusters, tables.values, starts, ends, nodes, facts, node_ids, arities, inputs, at, tails, referred, local, read, shared_below)
