@@ -28,6 +28,11 @@ are keyed by their literal name and not entered. A cluster whose region holds a 
 node with a subgraph, whose outputs come out of an op the walk does not enter, or whose region is large is
 solved directly; so is every member of a class whose solved member was refused (the refusal's wording names
 the member's own values). Without a class to share, the result is exactly :func:`_find`'s.
+
+The walker's steps, the region walk, the union, the clusters' values, the facts' numbering and the per-cluster
+loop of the keys run natively (``_classes.cc``, :func:`_native`) where the extension builds, each a port of a
+Python function here that stays as the fallback and gives the same tables in the same order
+(tests/test_classes_native.py; docs/design.md, "The walk and the keys' loops, run natively").
 """
 
 from __future__ import annotations
@@ -39,13 +44,17 @@ import functools
 import itertools
 import logging
 import operator
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
+from pathlib import Path
 
 import onnx
 
 from sgdfuse.contract import TensorSpec
+from sgdfuse.native import cache_root
 from sgdfuse.passes.index import GraphIndex
+from sgdfuse.passes.scan import NATIVE_ENV, ScannerBuildError, build_extension
 
 __all__ = ["ENTERED_OPS", "MAX_REGION", "Cluster", "find_by_class", "clusters_of"]
 
@@ -145,7 +154,32 @@ _is_output_of = operator.itemgetter(3)
 _is_not_none = functools.partial(operator.is_not, None)
 
 
+_NATIVE_SOURCE = Path(__file__).with_name("_classes.cc")
+
+
+def _native() -> object | None:
+    """The native region walk (``_classes.cc``, compiled on first use and cached like the node scanner,
+    :func:`sgdfuse.passes.scan.build_extension`), or None where it does not build or ``$SGDFUSE_NATIVE_SCAN``
+    is ``0``: then :func:`_steps_python` and :func:`_walk_regions_python` run instead, with the same results
+    (tests/test_classes_native.py)."""
+    if os.environ.get(NATIVE_ENV, "").strip() == "0":
+        return None
+    try:
+        return build_extension(_NATIVE_SOURCE, "sgdfuse.passes._classes", "classes-walk", "the native region walk", root=str(cache_root())).module
+    except ScannerBuildError as error:
+        logger.debug("native region walk unavailable, walking in Python: %s", error)
+        return None
+
+
 def _steps(nodes: Sequence[tuple]) -> tuple[dict[str, tuple], set[str]]:
+    """:func:`_steps_python`, natively where the extension builds (:func:`_native`)."""
+    native = _native()
+    if native is None or type(nodes) is not list:
+        return _steps_python(nodes)
+    return native.steps(nodes, ENTERED_OPS, DIRECT_OPS, _COPY_OPS, _DEFAULT_DOMAINS)
+
+
+def _steps_python(nodes: Sequence[tuple]) -> tuple[dict[str, tuple], set[str]]:
     """The walk's step (:meth:`_Walker.step`) of every value a node outputs; a later producer of a name wins, as
     in the index's ``producer``.
 
@@ -283,6 +317,17 @@ class _Walker:
         Numbers stand for the facts in the key: one walker numbers distinct facts apart, so equal numbers are
         equal facts, and an int hashes and compares at once where the tuple would be walked again at every
         class look-up."""
+        native = _native()
+        if native is not None and type(values) is list and type(steps) is list and type(self.outputs) is set:
+            # In one native pass (the same numbers, numbered in the same order: tests/test_classes_native.py).
+            return native.facts(
+                values, steps, _LEAF_STEP, self._leaf_kinds, self._leaf_kind, self._kind_with_attributes, self.index.specs, _NO_SPEC,
+                self.outputs, self._numbers, self._number,
+            )
+        return self.facts_python(values, steps)
+
+    def facts_python(self, values: list[str], steps: list[tuple]) -> list[int]:
+        """:meth:`facts` in Python (the fallback, and the reference the native pass is tested against)."""
         count = len(values)
         kinds = list(map(_kind_of_step, steps))
         holes = list(itertools.compress(range(count), map(operator.is_, kinds, itertools.repeat(None, count))))
@@ -493,24 +538,56 @@ class _Walk:
 
 
 def _walk_regions(walker: _Walker, outputs: Sequence[str]) -> _Walk:
-    """Walk the outputs' regions (:class:`_Walk`), later outputs first.
+    """Walk the outputs' regions (:class:`_Walk`), later outputs first: :func:`_walk_regions_python`, its loop
+    run natively where the extension builds (:func:`_native`; the same dicts, lists and sets in the same
+    order).
 
     Raises:
         _TooLarge: a region has more than :data:`MAX_WALK` values.
     """
-    regions: dict[str, list[str] | None] = {}
-    steps: dict[str, list[tuple | str]] = {}
-    fringes: dict[str, AbstractSet[str]] = {}
-    leaves: dict[str, list[str]] = {}
-    direct: set[str] = set()
-    appearances: dict[str, list[str]] = collections.defaultdict(list)
-    # Each output past its copies, and every value an output copies (most outputs copy nothing).
+    native = _native()
+    if native is None:
+        return _walk_regions_python(walker, outputs)
+    outputs = list(outputs)
+    behind_copies, output_copies = _behind_copies(walker, outputs)
+    linking: dict[str, bool] = {}
+    copy_chain = walker.copy_chain
+    spec = walker.index.spec
+
+    def links(name: str) -> bool:
+        # Whether a value only listed links its region: it is (a copy of) a graph output's value.
+        found = linking.get(name)
+        if found is None:
+            found = linking[name] = not output_copies.isdisjoint(copy_chain(name))
+        return found
+
+    regions, steps, fringes, direct, appearances, leaves = native.walk(
+        outputs, behind_copies, walker._steps, _LEAF_STEP, _LISTED, _WALKED, _NOTHING, MAX_WALK, MAX_REGION, _TooLarge,
+        lambda o: spec(o).num_elements() != 1, links,
+    )
+    return _Walk(regions, steps, fringes, direct, appearances, leaves)
+
+
+def _behind_copies(walker: _Walker, outputs: Sequence[str]) -> tuple[dict[str, str], set[str]]:
+    """Each output past its copies, and every value an output copies (most outputs copy nothing)."""
     behind_copies = dict(zip(outputs, outputs))
     output_copies = set(outputs)
     for o in output_copies.intersection(walker.copies):
         chain = walker.copy_chain(o)
         behind_copies[o] = chain[-1]
         output_copies.update(chain)
+    return behind_copies, output_copies
+
+
+def _walk_regions_python(walker: _Walker, outputs: Sequence[str]) -> _Walk:
+    """:func:`_walk_regions` in Python (the fallback, and the reference the native walk is tested against)."""
+    regions: dict[str, list[str] | None] = {}
+    steps: dict[str, list[tuple | str]] = {}
+    fringes: dict[str, AbstractSet[str]] = {}
+    leaves: dict[str, list[str]] = {}
+    direct: set[str] = set()
+    appearances: dict[str, list[str]] = collections.defaultdict(list)
+    behind_copies, output_copies = _behind_copies(walker, outputs)
     linking: dict[str, bool] = {}
     spec = walker.index.spec
     steps_get = walker._steps.get
@@ -589,7 +666,27 @@ def _walked_in(value: str, readers: list[str] | None, fringes: dict[str, Abstrac
 def _union(walker: _Walker, outputs: Sequence[str], appearances: dict[str, list[str]]) -> tuple[dict[str, str], dict[str, list[str]], list[str]]:
     """Link the outputs whose regions share a value (:func:`_links`): each output's cluster root, each root's
     outputs in graph order, and the values whose readers this did not link all (the only ones that can be
-    shared by clusters: linking only merges)."""
+    shared by clusters: linking only merges). :func:`_union_python`, natively where the extension builds
+    (:func:`_native`; the same dicts and lists in the same order)."""
+    native = _native()
+    if native is None:
+        return _union_python(walker, outputs, appearances)
+    outputs = list(outputs)
+    parent_keys = dict.fromkeys(outputs)
+    one_element: dict[str, bool] = {}
+
+    def one_element_readers(readers: list[str]) -> list[str]:
+        # The readers that are one-element outputs (updates of one-element state), the table filled once.
+        if len(one_element) < len(parent_keys):
+            for o in parent_keys.keys() - one_element.keys():
+                one_element[o] = walker.index.spec(o).num_elements() in (1, None)
+        return list(filter(one_element.__getitem__, readers))
+
+    return native.union(outputs, appearances, functools.partial(_links, walker), one_element_readers)
+
+
+def _union_python(walker: _Walker, outputs: Sequence[str], appearances: dict[str, list[str]]) -> tuple[dict[str, str], dict[str, list[str]], list[str]]:
+    """:func:`_union` in Python (the fallback, and the reference the native one is tested against)."""
     parent = {o: o for o in outputs}
 
     def find(o: str) -> str:
@@ -738,8 +835,12 @@ def _tables(walker: _Walker, batch: list[Cluster], walk: _Walk, shared: set[str]
     kept: list[Cluster] = []
     values_of: list[list[str]] = []
     steps_of: list[list] = []
-    for cluster in batch:
-        values, steps = _values(cluster, walk, shared)
+    native = _native()
+    if native is not None and type(shared) is set:
+        found = native.cluster_values(batch, walk.regions, walk.steps, walk.fringes, shared, _LISTED)  # (the same lists)
+    else:
+        found = [_values(cluster, walk, shared) for cluster in batch]
+    for cluster, (values, steps) in zip(batch, found):
         if len(values) <= MAX_REGION:
             kept.append(cluster)
             values_of.append(values)
@@ -825,15 +926,20 @@ def _key_together(walker: _Walker, tables: _Tables, local: dict[str, int], compu
     flat, referred, starts = tables.flat, tables.referred, tables.starts
     count = len(flat)
     facts = tuple(tables.facts)
-    # Each cluster's computed values are computed[ends[j]:ends[j + 1]] (computed is in entry order).
-    ends = list(map(functools.partial(bisect.bisect_left, computed), starts))
-    node_of = dict(zip(computed, itertools.chain.from_iterable(map(range, map(operator.sub, ends[1:], ends)))))
-    node_ids = tuple(map(node_of.get, range(count)))
-    arities = _arities(referred, tables.listed)
-    names = list(itertools.chain.from_iterable(referred))
-    inputs = tuple(map(local.get, names, names))
-    # Each cluster's inputs are inputs[at[start]:at[end]].
-    at = list(itertools.accumulate(map(len, referred), initial=0))
+    native = _native()
+    if native is not None:
+        # The columns below, natively (the same tuples: tests/test_classes_native.py).
+        ends, node_ids, arities, inputs, at = native.key_columns(computed, starts, referred, tables.listed, local)
+    else:
+        # Each cluster's computed values are computed[ends[j]:ends[j + 1]] (computed is in entry order).
+        ends = list(map(functools.partial(bisect.bisect_left, computed), starts))
+        node_of = dict(zip(computed, itertools.chain.from_iterable(map(range, map(operator.sub, ends[1:], ends)))))
+        node_ids = tuple(map(node_of.get, range(count)))
+        arities = _arities(referred, tables.listed)
+        names = list(itertools.chain.from_iterable(referred))
+        inputs = tuple(map(local.get, names, names))
+        # Each cluster's inputs are inputs[at[start]:at[end]].
+        at = list(itertools.accumulate(map(len, referred), initial=0))
     tails = tables.tails
     if tables.pointing:
         # Name facts naming other values: each such value by its position in the entry's own cluster.
@@ -848,9 +954,14 @@ def _key_together(walker: _Walker, tables: _Tables, local: dict[str, int], compu
             )
     tails = tuple(tails)
     # The computed values read outside their regions, in entry order (a sentinel ends them).
-    outside = iter(_read_outside(walker, list(map(flat.__getitem__, computed)), set(nodes), computed) + [count])
-    next_outside = next(outside)
+    read = _read_outside(walker, list(map(flat.__getitem__, computed)), set(nodes), computed)
     shared_below = walker.shared_below
+    if native is not None:
+        # The loop below, natively (the same keys: tests/test_classes_native.py).
+        native.key_clusters(tables.clusters, tables.values, starts, ends, nodes, facts, node_ids, arities, inputs, at, tails, referred, local, read, shared_below)
+        return
+    outside = iter(read + [count])
+    next_outside = next(outside)
     for j, cluster in enumerate(tables.clusters):
         start, end = starts[j], starts[j + 1]
         values = tables.values[j]
