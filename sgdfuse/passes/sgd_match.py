@@ -1118,20 +1118,7 @@ def _non_copy_readers(index: GraphIndex, value: str) -> list[str]:
 def _read_only_by_copies(index: GraphIndex, value: str) -> bool:
     """True when nothing but copies (``Identity``, float-to-float ``Cast``/``CastLike``, as
     :func:`_skip_copies` follows) read ``value``, and nothing but copies read those, nor any subgraph."""
-    stack, seen = [value], set()
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        if name in index.subgraph_reads:
-            return False
-        for position in index.consumers.get(name, ()):
-            reader = index.graph.node[position]
-            if not reader.output or _skip_copies(index, reader.output[0]) != _skip_copies(index, name):
-                return False
-            stack.extend(reader.output)
-    return True
+    return not _non_copy_readers(index, value)
 
 
 
