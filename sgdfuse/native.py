@@ -14,11 +14,13 @@ unchanged setup reuses the library. The cache root is ``$SGDFUSE_CACHE_DIR``, el
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -89,23 +91,31 @@ def build_cached(
 
     Concurrent builders serialise on a lock file in ``directory``; the library is written to a temporary
     name and renamed, so a reader never sees a partial file, and a failed build leaves none. ``build.json``
-    beside the library records the command, the compiler, the compile time and ``metadata``.
+    beside the library records the command, the compiler, the compile time, ``metadata`` and the library's
+    size and SHA-256: a library is reused only when it matches them (a truncated file is built again, not
+    loaded), and an intact build is reused without writing anything, so a read-only cache serves.
 
     Returns:
         ``(library path, cached, compile seconds)`` (``cached`` True and 0 s when an earlier build was reused).
 
     Raises:
-        error_type: ``reason="compile-failed"`` when the directory cannot be made, the compiler cannot run,
-            or it fails (the message ends with the last lines of its output; ``log`` holds all of it).
+        error_type: ``reason="compile-failed"`` when the directory cannot be made or written and holds no
+            intact build, the compiler cannot run, it fails (the message ends with the last lines of its
+            output; ``log`` holds all of it), or it exits 0 without writing a shared library.
     """
     library = directory / library_name
+    if not force and _intact(directory, library):
+        return library, True, 0.0  # a read-only cache serves as well: nothing is written to reuse a build
     try:
         directory.mkdir(parents=True, exist_ok=True)
+        lock = open(directory / ".lock", "w")
     except OSError as error:
-        raise error_type("compile-failed", f"cannot create the cache directory {directory} for {what}: {error}") from error
-    with open(directory / ".lock", "w") as lock:
+        raise error_type(
+            "compile-failed", f"cannot write the cache directory {directory} for {what} ({error}), and it holds no intact build"
+        ) from error
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if library.is_file() and not force:
+        if not force and _intact(directory, library):
             return library, True, 0.0
         descriptor, temporary = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=directory)
         os.close(descriptor)
@@ -125,7 +135,51 @@ def build_cached(
             raise error_type(
                 "compile-failed", f"building {what} with {compiler} ({compiler_version}) failed; last lines:\n{tail}", log
             )
+        built = Path(temporary).read_bytes()
+        if not _looks_like_library(built):
+            os.unlink(temporary)
+            raise error_type(
+                "compile-failed",
+                f"{compiler} ({compiler_version}) exited 0 building {what} but wrote no shared library "
+                f"({len(built)} bytes, not {'ELF' if sys.platform.startswith('linux') else 'a library'})",
+            )
+        record = {**(metadata or {}), "compiler": compiler, "compiler_version": compiler_version, "command": argv, "seconds": round(seconds, 2),
+                  "library": library_name, "size": len(built), "sha256": hashlib.sha256(built).hexdigest()}
+        # The record first, then the library: a reader finds the library only with the record that vouches for it.
+        _write_atomically(directory / "build.json", json.dumps(record, indent=2).encode())
         os.replace(temporary, library)
-        record = {**(metadata or {}), "compiler": compiler, "compiler_version": compiler_version, "command": argv, "seconds": round(seconds, 2)}
-        (directory / "build.json").write_text(json.dumps(record, indent=2))
         return library, False, seconds
+
+
+def _looks_like_library(data: bytes) -> bool:
+    """Whether ``data`` starts as a shared library of this platform does (ELF on Linux, Mach-O on macOS)."""
+    if sys.platform == "darwin":
+        return data[:4] in (b"\xcf\xfa\xed\xfe", b"\xca\xfe\xba\xbe", b"\xce\xfa\xed\xfe")
+    return data[:4] == b"\x7fELF" if sys.platform.startswith("linux") else len(data) > 0
+
+
+def _intact(directory: Path, library: Path) -> bool:
+    """Whether ``library`` is the one ``build.json`` beside it records, by size and SHA-256: a truncated or
+    replaced file (loading a truncated library can kill the process with SIGBUS) or one without a record
+    (an older sgdfuse's build) is not reused."""
+    try:
+        record = json.loads((directory / "build.json").read_text())
+        data = library.read_bytes()
+    except (OSError, ValueError):
+        return False
+    if not isinstance(record, dict) or record.get("library") != library.name:
+        return False
+    return record.get("size") == len(data) and record.get("sha256") == hashlib.sha256(data).hexdigest() and _looks_like_library(data)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Write ``path`` through a temporary file beside it and a rename."""
+    descriptor, temporary = tempfile.mkstemp(prefix=".write-", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise

@@ -435,8 +435,8 @@ def _build_extension(source: Path, module_name: str, cache_name: str, what: str,
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ScannerBuildError("compile-failed", f"{path} cannot be loaded as an extension module")
-    module = importlib.util.module_from_spec(spec)
     try:
+        module = importlib.util.module_from_spec(spec)  # dlopen: a library that is no library fails here
         spec.loader.exec_module(module)
     except ImportError as error:
         raise ScannerBuildError("compile-failed", f"{what} built at {path} does not load: {error}") from error
