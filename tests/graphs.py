@@ -14,6 +14,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 __all__ = [
+    "bench_generator",
     "F32",
     "F16",
     "SHAPE",
@@ -110,3 +111,15 @@ def random_feeds(model: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]
         else:
             feeds[info.name] = rng.standard_normal(shape).astype(dtype)
     return feeds
+
+
+def bench_generator():
+    """``bench/generate.py`` loaded as a module (it is a script, not a package): its ``build(size, seed=0)``
+    returns a synthetic training-update graph and its manifest."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_generate", Path(__file__).resolve().parent.parent / "bench" / "generate.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module

@@ -13,11 +13,11 @@ themselves (``clusters_of``: clusters, values, nodes, keys) must be the same wit
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import onnx
 import pytest
+from graphs import bench_generator
 from onnx import TensorProto, helper
 
 from sgdfuse.passes import classes, sgd_match
@@ -38,10 +38,7 @@ def _native():
 
 
 def _bench_model(size: int) -> onnx.ModelProto:
-    spec = importlib.util.spec_from_file_location("bench_generate", ROOT / "bench" / "generate.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    model, _ = module.build(size)
+    model, _ = bench_generator().build(size)
     return model
 
 

@@ -13,12 +13,12 @@ the code under test.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import onnx
 import pytest
+from graphs import bench_generator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -34,10 +34,7 @@ PINS = {"none": RolePins(), "buffer-globs": RolePins(buffers=("*buf*", "*momentu
 
 
 def _bench_model(size: int) -> onnx.ModelProto:
-    spec = importlib.util.spec_from_file_location("bench_generate", ROOT / "bench" / "generate.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    model, _ = module.build(size)
+    model, _ = bench_generator().build(size)
     return model
 
 

@@ -4,12 +4,12 @@ generated graphs of growing size (bench/generate.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
 from pathlib import Path
 
 import pytest
+from graphs import bench_generator
 
 import sgdfuse
 from sgdfuse.lowering.dag import OpOrder
@@ -101,10 +101,7 @@ def _succs(builder: GraphBuilder) -> dict[str, set[str]]:
 
 
 def _generate(size: int, directory: Path) -> Path:
-    spec = importlib.util.spec_from_file_location("bench_generate", Path(__file__).resolve().parent.parent / "bench" / "generate.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    model, _ = module.build(size)
+    model, _ = bench_generator().build(size)
     path = directory / f"fused_{size}.onnx"
     sgdfuse.optimize(model, verify=False).save(path)
     return path

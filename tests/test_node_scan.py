@@ -11,7 +11,6 @@ The native build is not optional here: a failed build fails these tests (CI has 
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import onnx
 import pytest
+from graphs import bench_generator
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from google.protobuf.message import DecodeError
@@ -134,10 +134,7 @@ def test_testdata_holds_models():
 
 
 def _bench_generate():
-    spec = importlib.util.spec_from_file_location("bench_generate", ROOT / "bench" / "generate.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return bench_generator()
 
 
 def test_a_generated_bench_graph_and_its_fused_model_with_functions_read_the_same(tmp_path):

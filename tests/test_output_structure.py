@@ -12,11 +12,11 @@ classes by what the checker sees of them.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import onnx
 import pytest
+from graphs import bench_generator
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
@@ -68,10 +68,7 @@ def test_every_testdata_model_and_its_output_read_alike(path):
 
 
 def _bench_generate():
-    spec = importlib.util.spec_from_file_location("bench_generate", ROOT / "bench" / "generate.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return bench_generator()
 
 
 def test_a_fused_bench_graph_reads_alike_and_its_plans_group_alike():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphs import F16, F32, make_model, scalar, value
+from graphs import F16, F32, bench_generator, make_model, scalar, value
 from sgdfuse.passes import classes, sgd_match
 from sgdfuse.passes.index import build_index
 from sgdfuse.passes.linear import Normaliser
@@ -243,14 +243,7 @@ def test_first_step_selection_is_solved_directly():
 def test_bench_style_graph_matches_the_direct_matcher(monkeypatch):
     """Many updates of the exporters' three families, as bench/generate.py writes them: the per-class result is
     the direct one (the check mode solves every member both ways)."""
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "generate.py"
-    spec = importlib.util.spec_from_file_location("bench_generate", path)
-    generate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generate)
-    model, _ = generate.build(300, seed=3)
+    model, _ = bench_generator().build(300, seed=3)
     monkeypatch.setenv(sgd_match.MEMO_CHECK_ENV, "1")
     index = build_index(model)
     found, refused = find_updates(index, Normaliser(index))
