@@ -242,11 +242,19 @@ def _print_fused(report: Report, verbose: bool = False) -> None:
             "from the gradient; pin them with --state NEW=OLD or --buffers GLOB if that is wrong.",
             markup=False, highlight=False,
         )
-    scaled = [f for f in report.fused if f.source.startswith("pattern") and not _names_in(f.gradient, str(f.accum_equation))]
+    # The equations are written when first read (report._Text): a grouped table looks at the examples it shows,
+    # not at every equation of a large step.
+    listed = verbose or len(report.fused) <= TABLE_ROWS
+    shown = report.fused if listed else [members[0] for members in groups.values()]
+    scaled = [f for f in shown if f.source.startswith("pattern") and not _names_in(f.gradient, str(f.accum_equation))]
     if scaled:
         f = scaled[0]
+        others = len(scaled) - 1
+        which = f"{f.parameters} and {others} more" if others else f.parameters
+        if not listed:
+            which += f" among the examples of {len(report.fused)} updates"
         _out.print(
-            f"gradient {f.gradient} ({f.parameters}{f' and {len(scaled) - 1} more' if len(scaled) > 1 else ''}): a value the "
+            f"gradient {f.gradient} ({which}): a value the "
             f"graph computes from its gradient before the buffer ({f.accum_equation}); the fused op reads it as the "
             "gradient, so a scale the graph writes (a clip factor, a dampening applied on every step, Keras's -lr) stays in the "
             "graph, and dampening shows only what the op applies.",
