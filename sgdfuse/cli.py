@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import math
 import os
 import sys
@@ -724,7 +725,7 @@ def lower_command(
             lowered.save_air(destination, batch=batch)
             lowered.save_init_air(init_destination, batch=batch)
             if json_path is not None:
-                batch.stage(json_path, (lowered.to_json() + "\n").encode())
+                batch.stage_text(json_path, itertools.chain(lowered.json_pieces(), ("\n",)))
             batch.commit()
         table = Table(title=f"GE graph for {soc} ({lowered.product_line.name})")
         for column in ("ops", "SGD ops", "state variables", "inputs (Data)", "outputs"):

@@ -17,6 +17,7 @@ import errno
 import os
 import stat
 import tempfile
+from collections.abc import Iterable
 
 from sgdfuse.errors import OutputWriteError
 
@@ -107,6 +108,24 @@ class OutputBatch:
 
         self._stage_via(target, shown, fill)
 
+    def stage_text(self, path: str | os.PathLike, pieces: Iterable[str]) -> None:
+        """Write the UTF-8 encoding of the strings ``pieces`` in full to a temporary file beside ``path``, one
+        after another (a large text is never held whole).
+
+        Raises:
+            OutputWriteError: as :meth:`stage`.
+        """
+        shown = os.fspath(path)
+        target = resolve_destination(shown)
+        self._claim(target, shown)
+
+        def fill(descriptor: int) -> None:
+            with os.fdopen(os.dup(descriptor), "w", encoding="utf-8", newline="", buffering=1 << 20) as handle:
+                for piece in pieces:
+                    handle.write(piece)
+
+        self._stage_via(target, shown, fill)
+
     def stage_copy(self, path: str | os.PathLike, source: int, *, within: str | os.PathLike) -> None:
         """Stage a copy of the whole regular file open at descriptor ``source`` at ``path``, a name that came
         from a model file (an external data file): it must lie inside the directory ``within``, and no
@@ -170,10 +189,12 @@ class OutputBatch:
             # mkstemp creates 0600: an existing file keeps its mode, a new one gets the usual 0666 less umask.
             existing = os.path.exists(target) and not os.path.islink(target)
             os.chmod(temporary, stat.S_IMODE(os.stat(target).st_mode) if existing else _default_mode())
-        except OSError as error:
+        except BaseException as error:  # also an error of what ``fill`` writes (stage_text's pieces), or ^C
             if temporary is not None and os.path.exists(temporary):
                 os.unlink(temporary)
-            raise OutputWriteError(shown, f"cannot write in {directory}: {error.strerror or error}") from error
+            if isinstance(error, OSError):
+                raise OutputWriteError(shown, f"cannot write in {directory}: {error.strerror or error}") from error
+            raise
         self._staged.append((temporary, target, shown))
 
     def commit(self) -> None:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterator
 
 from sgdfuse.output import OutputBatch, write_bytes
 
 from sgdfuse.contract import ProductLine
 from sgdfuse.report import Report
 from sgdfuse.lowering import ge_ir
-from sgdfuse.lowering.atc_json import message_to_json
+from sgdfuse.lowering.atc_json import message_json_pieces, message_to_json
 from sgdfuse.lowering.state import StateVariable
 
 __all__ = ["GEModel", "write_atomically", "read_varint"]
@@ -195,6 +196,11 @@ class GEModel:
         """The step (or init) ``ModelDef`` as JSON in the layout of ``atc --mode=1``
         (:mod:`sgdfuse.lowering.atc_json`)."""
         return message_to_json(self.init_model if init else self.model)
+
+    def json_pieces(self, *, init: bool = False) -> Iterator[str]:
+        """:meth:`to_json`'s text in pieces (about one per op), for writing a large graph to a file
+        (:func:`sgdfuse.lowering.atc_json.message_json_pieces`)."""
+        return message_json_pieces(self.init_model if init else self.model)
 
     def runner(self, *, lifted: bool = False):
         """A :class:`~sgdfuse.lowering.executor.GEModelRunner` executing this model in numpy (with ``lifted``,
